@@ -1,0 +1,195 @@
+"""The one CPPO configuration object.
+
+Every decision where the CPPO paper (arXiv 2503.22342) and its released code differ is a
+field here, not a fork in the code. The dataclass works as a plain Python object and as an
+omegaconf structured config::
+
+    cfg = CPPOConfig(pruning_rate=0.875)
+    cfg = CPPOConfig.from_dict({"keep_per_group": 2, "scope": "batch"})
+    schema = OmegaConf.structured(CPPOConfig)          # type-checked YAML / dotlist merges
+    cfg = CPPOConfig.from_omegaconf(OmegaConf.merge(schema, user_yaml))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from .core.advantage import ADV_NORMS
+from .core.selection import DEFAULT_PRUNING_RATE, METRICS, SCOPES, keep_count
+
+__all__ = ["CPPOConfig", "DEFAULT_PRUNING_RATE", "METRICS", "SCOPES", "ADV_NORMS"]
+
+@dataclass
+class CPPOConfig:
+    """Completion pruning (CPPO) settings.
+
+    Attributes:
+        pruning_rate: P in [0, 1), the fraction of completions dropped before the
+            old-policy / reference / update passes. P = 0 is plain GRPO, through the same
+            code path. Leave unset (None) together with ``keep_per_group`` to get
+            ``DEFAULT_PRUNING_RATE`` = 0.875 (paper: 16 -> 2 completions per prompt).
+        keep_per_group: k, an alternative to ``pruning_rate``: keep exactly k completions
+            of every group (``scope=group``) or k * num_groups across the batch
+            (``scope=batch``). Set either this or ``pruning_rate``, not both.
+        metric: which completions to prune. ``smallest`` (CPPO): prune the smallest score,
+            keep the completions whose advantage teaches the most. ``largest``: prune the
+            largest score (the paper's worst ablation). ``random``: prune uniformly at
+            random (seeded).
+        use_abs: score = |A| when True (CPPO). False scores by the signed advantage A, the
+            paper's "raw advantage" ablation (keeps the best completions, drops the worst).
+        scope: ``group`` keeps k = floor(G (1 - P)) per prompt, as the paper's text says.
+            ``batch`` keeps the top floor(N (1 - P)) across the whole batch, as the released
+            code does with allocation on; the kept count per prompt then varies from 0 to G
+            and all-zero-advantage groups vanish entirely.
+        adv_norm: ``std`` gives A = (r - mean) / (std + eps) over the full group (GRPO);
+            ``none`` gives A = r - mean (Dr. GRPO).
+        eps: added to the group std. 1e-6 as in veRL; the paper's TRL fork used 1e-4.
+        allocation: dynamic completion allocation. When True, prompts per step grow by
+            1 / (1 - P) so the survivors fill the update capacity (steps per epoch shrink
+            by (1 - P)); when False the same prompts are drawn and fewer completions train.
+        dynamic_sampling: DAPO-style: drop groups whose rewards are all equal (they carry no
+            signal) and draw replacement prompts, up to ``max_refill_rounds`` extra rounds.
+        max_refill_rounds: bound on the refill rounds of ``dynamic_sampling`` per step.
+        rebalance: redistribute the survivors across data-parallel ranks so the largest
+            rank workload is minimal (``core.balance``).
+        equal_size: when rebalancing, give every rank the same number of sequences (needed
+            by pipelines that split a batch into equal chunks).
+        workload_linear: a in the per-sequence workload model a * len + b * len**2.
+        workload_quadratic: b in that model. The defaults (24576, 1) match veRL's
+            ``_balance_batch`` so the two balancers are compared on the same objective.
+        seed: decides every random choice: tie-breaks between equal scores and the
+            ``random`` metric. Combined with the step number, so choices differ between
+            steps but are identical on every rank.
+    """
+
+    pruning_rate: Optional[float] = None
+    keep_per_group: Optional[int] = None
+    metric: str = "smallest"
+    use_abs: bool = True
+    scope: str = "group"
+    adv_norm: str = "std"
+    eps: float = 1e-6
+    allocation: bool = True
+    dynamic_sampling: bool = False
+    max_refill_rounds: int = 3
+    rebalance: bool = True
+    equal_size: bool = False
+    workload_linear: float = 24576.0
+    workload_quadratic: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> "CPPOConfig":
+        """Check every field; raise ValueError naming the field and the bad value."""
+        if self.pruning_rate is not None and self.keep_per_group is not None:
+            raise ValueError(
+                f"CPPOConfig: set either pruning_rate ({self.pruning_rate}) or keep_per_group "
+                f"({self.keep_per_group}), not both"
+            )
+        if self.pruning_rate is not None:
+            p = self.pruning_rate
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p):
+                raise ValueError(f"CPPOConfig.pruning_rate must be a number in [0, 1), got {p!r}")
+            if not 0.0 <= p < 1.0:
+                raise ValueError(
+                    f"CPPOConfig.pruning_rate must be in [0, 1), got {p!r} "
+                    "(P=1 would prune every completion; use P=0 for plain GRPO)"
+                )
+        if self.keep_per_group is not None:
+            k = self.keep_per_group
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise ValueError(f"CPPOConfig.keep_per_group must be an integer >= 1, got {k!r}")
+        _check_choice("metric", self.metric, METRICS)
+        _check_choice("scope", self.scope, SCOPES)
+        _check_choice("adv_norm", self.adv_norm, ADV_NORMS)
+        for name in ("use_abs", "allocation", "dynamic_sampling", "rebalance", "equal_size"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CPPOConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps >= 0):
+            raise ValueError(f"CPPOConfig.eps must be a finite number >= 0, got {self.eps!r}")
+        if not isinstance(self.max_refill_rounds, int) or self.max_refill_rounds < 0:
+            raise ValueError(
+                f"CPPOConfig.max_refill_rounds must be an integer >= 0, got {self.max_refill_rounds!r}"
+            )
+        for name in ("workload_linear", "workload_quadratic"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"CPPOConfig.{name} must be a finite number >= 0, got {v!r}")
+        if self.workload_linear == 0 and self.workload_quadratic == 0:
+            raise ValueError("CPPOConfig: workload_linear and workload_quadratic are both 0")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"CPPOConfig.seed must be an integer, got {self.seed!r}")
+        return self
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def rate(self) -> float:
+        """The configured pruning rate (ignores keep_per_group; see ``rate_for_group``)."""
+        return DEFAULT_PRUNING_RATE if self.pruning_rate is None else float(self.pruning_rate)
+
+    @property
+    def is_grpo(self) -> bool:
+        """True when nothing is pruned (P = 0): the run is plain GRPO."""
+        return self.keep_per_group is None and self.rate == 0.0
+
+    def keep_for_group(self, group_size: int) -> int:
+        """k for a group of ``group_size`` completions: floor(G (1 - P)), at least 1.
+
+        With ``keep_per_group`` set, that k; a group smaller than k is an error.
+        """
+        return keep_count(group_size, self.pruning_rate, self.keep_per_group)
+
+    def rate_for_group(self, group_size: int) -> float:
+        """The effective pruning rate 1 - k/G for groups of ``group_size`` completions."""
+        return 1.0 - self.keep_for_group(group_size) / group_size
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "CPPOConfig":
+        """Build from a mapping; unknown keys are errors (no silent typos)."""
+        if not isinstance(values, Mapping):
+            raise ValueError(f"CPPOConfig.from_dict expects a mapping, got {type(values).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"CPPOConfig: unknown key(s) {unknown}; known keys: {sorted(known)}")
+        return cls(**dict(values))
+
+    @classmethod
+    def from_omegaconf(cls, node: Any) -> "CPPOConfig":
+        """Build from an omegaconf node (DictConfig, structured or not)."""
+        from omegaconf import OmegaConf  # omegaconf is a core dependency but only needed here
+
+        if OmegaConf.is_config(node):
+            node = OmegaConf.to_container(node, resolve=True)
+        return cls.from_dict(node)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        """One line for logs: the settings a reader needs to interpret a run."""
+        what = (
+            f"keep_per_group={self.keep_per_group}"
+            if self.keep_per_group is not None
+            else f"pruning_rate={self.rate:g}"
+        )
+        return (
+            f"CPPO {what} metric={self.metric} use_abs={self.use_abs} scope={self.scope} "
+            f"adv_norm={self.adv_norm} eps={self.eps:g} allocation={self.allocation} "
+            f"dynamic_sampling={self.dynamic_sampling} seed={self.seed}"
+        )
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"CPPOConfig.{name} must be one of {list(choices)}, got {value!r}")
+
+
+FIELD_NAMES = tuple(f.name for f in dataclasses.fields(CPPOConfig))

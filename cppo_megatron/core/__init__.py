@@ -1,0 +1,69 @@
+"""Framework-free CPPO core: pure functions over tensors. Imports nothing else from the package.
+
+- ``advantage``: full-group GRPO / Dr. GRPO advantages and statistics
+- ``selection``: which completions survive (metric, scope, seeded tie-breaks)
+- ``allocation``: prompts per step so survivors fill the capacity; prompt accounting
+- ``balance``: sequences -> data-parallel ranks and micro-batches
+- ``loss``: clipped surrogate, KL estimators, loss aggregation over the kept set
+- ``pipeline``: ``prune`` = advantages + selection in one call
+"""
+
+from .advantage import ADV_NORMS, GroupStats, advantages_from_stats, group_advantages
+from .allocation import AllocationPlanner, AllocationTotals, PromptSampler
+from .balance import (
+    Partition,
+    balance_partitions,
+    lower_bound,
+    naive_partition,
+    pack_micro_batches,
+    sequence_workload,
+)
+from .loss import (
+    KL_KINDS,
+    LOSS_AGG_MODES,
+    aggregate_loss,
+    clipped_surrogate,
+    kl_penalty,
+    token_logprobs,
+)
+from .pipeline import PruneResult, prune
+from .selection import (
+    DEFAULT_PRUNING_RATE,
+    METRICS,
+    SCOPES,
+    Selection,
+    keep_count,
+    seeded_generator,
+    select_completions,
+)
+
+__all__ = [
+    "ADV_NORMS",
+    "AllocationPlanner",
+    "AllocationTotals",
+    "DEFAULT_PRUNING_RATE",
+    "GroupStats",
+    "KL_KINDS",
+    "LOSS_AGG_MODES",
+    "METRICS",
+    "Partition",
+    "PromptSampler",
+    "PruneResult",
+    "SCOPES",
+    "Selection",
+    "advantages_from_stats",
+    "aggregate_loss",
+    "balance_partitions",
+    "clipped_surrogate",
+    "group_advantages",
+    "keep_count",
+    "kl_penalty",
+    "lower_bound",
+    "naive_partition",
+    "pack_micro_batches",
+    "prune",
+    "seeded_generator",
+    "select_completions",
+    "sequence_workload",
+    "token_logprobs",
+]

@@ -1,0 +1,250 @@
+"""Choose which completions survive pruning.
+
+The ranking is fully deterministic: scores are ordered with a stable sort over a seeded
+random permutation, so equal scores are broken by the seed (and the step), never by
+whatever order a kernel happens to return. Selection always runs on the CPU so that every
+rank, whatever its device, computes bit-identical decisions from identical inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ._checks import as_1d_float, as_group_ids, check_int
+
+__all__ = [
+    "DEFAULT_PRUNING_RATE",
+    "METRICS",
+    "SCOPES",
+    "Selection",
+    "keep_count",
+    "select_completions",
+    "seeded_generator",
+]
+
+DEFAULT_PRUNING_RATE = 0.875
+METRICS = ("smallest", "largest", "random")
+SCOPES = ("group", "batch")
+
+# floor(G * (1 - P)) with this slack, so that 16 * (1 - 0.875) -> 2 even if it is 1.999...
+K_TOLERANCE = 1e-6
+
+
+def keep_count(group_size: int, pruning_rate: Optional[float], keep_per_group: Optional[int]) -> int:
+    """k for a group of ``group_size``: floor(G (1 - P)) (at least 1), or ``keep_per_group``.
+
+    ``pruning_rate=None`` and ``keep_per_group=None`` means the default rate 0.875.
+    """
+    check_int("group_size", group_size, minimum=1)
+    if keep_per_group is not None:
+        check_int("keep_per_group", keep_per_group, minimum=1)
+        if keep_per_group > group_size:
+            raise ValueError(
+                f"keep_per_group={keep_per_group} is larger than a group of {group_size} completions"
+            )
+        return keep_per_group
+    p = DEFAULT_PRUNING_RATE if pruning_rate is None else pruning_rate
+    _check_rate(p)
+    return max(1, math.floor(group_size * (1.0 - p) + K_TOLERANCE))
+
+
+def _check_rate(p: Any) -> float:
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 <= p < 1.0):
+        raise ValueError(f"pruning_rate must be a number in [0, 1), got {p!r}")
+    return float(p)
+
+
+def seeded_generator(seed: int, step: int = 0, stream: int = 0) -> torch.Generator:
+    """A CPU generator that depends on (seed, step, stream) only: identical on every rank."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    check_int("step", step, minimum=0)
+    # SplitMix-style mixing keeps nearby (seed, step) pairs far apart.
+    x = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB) & (
+        (1 << 64) - 1
+    )
+    x ^= x >> 31
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(x & ((1 << 63) - 1))
+    return gen
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The outcome of pruning one batch.
+
+    Attributes:
+        kept: [K] ascending indices of surviving completions.
+        pruned: [N - K] ascending indices of pruned completions.
+        group_ids: [M] distinct group ids, ascending.
+        group_size: [M] completions per group before pruning.
+        kept_per_group: [M] survivors per group.
+        advantages: [N] the advantages the decision was made on.
+        scope, metric, use_abs: the settings used (logged with the run).
+    """
+
+    kept: torch.Tensor
+    pruned: torch.Tensor
+    group_ids: torch.Tensor
+    group_size: torch.Tensor
+    kept_per_group: torch.Tensor
+    advantages: torch.Tensor
+    scope: str
+    metric: str
+    use_abs: bool
+
+    @property
+    def num_kept(self) -> int:
+        return int(self.kept.numel())
+
+    @property
+    def num_pruned(self) -> int:
+        return int(self.pruned.numel())
+
+    @property
+    def num_total(self) -> int:
+        return self.num_kept + self.num_pruned
+
+    def kept_mask(self) -> torch.Tensor:
+        """[N] bool, True for survivors."""
+        mask = torch.zeros(self.num_total, dtype=torch.bool)
+        mask[self.kept] = True
+        return mask
+
+    def metrics(self, prefix: str = "cppo/") -> dict[str, float]:
+        """Plain floats a user would plot (``cppo/`` keys)."""
+        a = self.advantages.detach().to("cpu", torch.float64)
+        absa = a.abs()
+        kept_abs = absa[self.kept]
+        pruned_abs = absa[self.pruned]
+        n = max(self.num_total, 1)
+        kpg = self.kept_per_group.to(torch.float64)
+        return {
+            f"{prefix}num_completions": float(self.num_total),
+            f"{prefix}num_kept": float(self.num_kept),
+            f"{prefix}num_pruned": float(self.num_pruned),
+            f"{prefix}kept_ratio": self.num_kept / n,
+            f"{prefix}zero_adv_ratio": float((absa == 0).sum()) / n,
+            f"{prefix}abs_adv_mean_kept": float(kept_abs.mean()) if kept_abs.numel() else 0.0,
+            f"{prefix}abs_adv_mean_pruned": float(pruned_abs.mean()) if pruned_abs.numel() else 0.0,
+            f"{prefix}adv_mean_kept": float(a[self.kept].mean()) if self.num_kept else 0.0,
+            f"{prefix}num_groups": float(self.group_ids.numel()),
+            f"{prefix}groups_fully_pruned": float((self.kept_per_group == 0).sum()),
+            f"{prefix}kept_per_group_mean": float(kpg.mean()) if kpg.numel() else 0.0,
+            f"{prefix}kept_per_group_min": float(kpg.min()) if kpg.numel() else 0.0,
+            f"{prefix}kept_per_group_max": float(kpg.max()) if kpg.numel() else 0.0,
+        }
+
+
+def select_completions(
+    advantages: torch.Tensor,
+    group_ids: torch.Tensor,
+    cfg: Any,
+    *,
+    step: int = 0,
+) -> Selection:
+    """Keep the completions whose advantage teaches the most; count the rest as pruned.
+
+    Args:
+        advantages: [N] full-group advantages (``group_advantages``).
+        group_ids: [N] int64 prompt ids.
+        cfg: a ``CPPOConfig`` (or any object with its fields ``pruning_rate``,
+            ``keep_per_group``, ``metric``, ``use_abs``, ``scope``, ``seed``).
+        step: the training step; mixed into the seed so random choices differ per step
+            while staying identical across ranks.
+
+    Group scope keeps k_g = floor(G_g (1 - P)) (at least 1) per group with the highest
+    score; batch scope keeps floor(N (1 - P)) (at least 1) across the batch (or
+    k * num_groups with ``keep_per_group``). Score = |A| (or A when ``use_abs`` is
+    False); ``smallest`` prunes the lowest scores, ``largest`` the highest, ``random``
+    ignores the score.
+    """
+    a = as_1d_float("advantages", advantages)
+    g = as_group_ids("group_ids", group_ids, a.numel()).cpu()
+    pruning_rate = getattr(cfg, "pruning_rate", None)
+    keep_per_group = getattr(cfg, "keep_per_group", None)
+    metric = getattr(cfg, "metric", "smallest")
+    use_abs = getattr(cfg, "use_abs", True)
+    scope = getattr(cfg, "scope", "group")
+    seed = getattr(cfg, "seed", 0)
+    if pruning_rate is not None and keep_per_group is not None:
+        raise ValueError(
+            f"set either pruning_rate ({pruning_rate}) or keep_per_group ({keep_per_group}), not both"
+        )
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {list(METRICS)}, got {metric!r}")
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {list(SCOPES)}, got {scope!r}")
+    if not isinstance(use_abs, bool):
+        raise ValueError(f"use_abs must be true or false, got {use_abs!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    check_int("step", step, minimum=0)
+    if keep_per_group is None:
+        _check_rate(DEFAULT_PRUNING_RATE if pruning_rate is None else pruning_rate)
+
+    n = a.numel()
+    a_cpu = a.detach().to("cpu", torch.float64)
+    uniq, inverse, size = torch.unique(g, sorted=True, return_inverse=True, return_counts=True)
+
+    # desirability: higher = keep first
+    if metric == "random":
+        desirability = torch.zeros(n, dtype=torch.float64)
+    else:
+        score = a_cpu.abs() if use_abs else a_cpu
+        desirability = score if metric == "smallest" else -score
+
+    # Order by desirability (descending), ties by a seeded random permutation.
+    perm = torch.randperm(n, generator=seeded_generator(seed, step))
+    order = perm[torch.sort(desirability[perm], descending=True, stable=True).indices]
+
+    if scope == "batch":
+        if keep_per_group is not None:
+            too_small = size < keep_per_group
+            if bool(too_small.any()):
+                j = int(too_small.nonzero()[0])
+                raise ValueError(
+                    f"keep_per_group={keep_per_group} is larger than group {int(uniq[j])} "
+                    f"({int(size[j])} completions)"
+                )
+            n_keep = keep_per_group * uniq.numel()
+        else:
+            p = DEFAULT_PRUNING_RATE if pruning_rate is None else float(pruning_rate)
+            n_keep = max(1, math.floor(n * (1.0 - p) + K_TOLERANCE))
+        kept = order[:n_keep]
+    else:
+        # k per group; group members ranked by a stable sort of the global order on group.
+        distinct_sizes, size_inv = torch.unique(size, return_inverse=True)
+        k_distinct = torch.tensor(
+            [keep_count(int(v), pruning_rate, keep_per_group) for v in distinct_sizes.tolist()],
+            dtype=torch.int64,
+        )
+        k_of_group = k_distinct[size_inv]
+        grouped = order[torch.sort(inverse[order], stable=True).indices]
+        starts = torch.cumsum(size, 0) - size
+        rank_in_group = torch.arange(n) - starts[inverse[grouped]]
+        kept = grouped[rank_in_group < k_of_group[inverse[grouped]]]
+
+    kept = torch.sort(kept).values
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[kept] = True
+    pruned = (~mask).nonzero().squeeze(1)
+    kept_per_group = torch.zeros(uniq.numel(), dtype=torch.int64).index_add_(
+        0, inverse[kept], torch.ones_like(kept)
+    )
+    return Selection(
+        kept=kept,
+        pruned=pruned,
+        group_ids=uniq,
+        group_size=size,
+        kept_per_group=kept_per_group,
+        advantages=a,
+        scope=scope,
+        metric=metric,
+        use_abs=use_abs,
+    )
+

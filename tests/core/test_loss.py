@@ -1,0 +1,78 @@
+import pytest
+import torch
+
+from cppo_megatron.core import aggregate_loss, clipped_surrogate, kl_penalty, token_logprobs
+
+
+def _batch():
+    loss = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0], [9.0, 9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+    return loss, mask
+
+
+def test_aggregation_modes_by_hand():
+    loss, mask = _batch()
+    assert aggregate_loss(loss, mask, "token-mean").item() == pytest.approx(10 / 4)
+    assert aggregate_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
+    assert aggregate_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
+    assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(10 / (2 * 4))
+    assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm", norm_constant=10).item() == pytest.approx(
+        10 / 20
+    )
+
+
+def test_global_denominators_make_shards_sum_to_the_global_mean():
+    gen = torch.Generator().manual_seed(0)
+    loss = torch.rand(10, 7, generator=gen)
+    mask = (torch.rand(10, 7, generator=gen) < 0.6).int()
+    mask[:, 0] = 1
+    shards = [slice(0, 1), slice(1, 8), slice(8, 10)]  # uneven "ranks"
+    for mode, kw in (
+        ("token-mean", {"global_num_tokens": float(mask.sum())}),
+        ("seq-mean-token-mean", {"global_num_seqs": 10.0}),
+        ("seq-mean-token-sum", {"global_num_seqs": 10.0}),
+    ):
+        total = sum(aggregate_loss(loss[s], mask[s], mode, **kw) for s in shards)
+        assert total.item() == pytest.approx(aggregate_loss(loss, mask, mode).item(), rel=1e-6)
+        # a per-shard mean would weight shards unequally
+        naive = sum(aggregate_loss(loss[s], mask[s], mode) for s in shards) / len(shards)
+        assert naive.item() != pytest.approx(total.item(), rel=1e-3)
+
+
+def test_clipped_surrogate():
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.0]]))
+    old = torch.zeros(1, 3)
+    loss, clipped = clipped_surrogate(logp, old, torch.tensor([1.0]), clip_low=0.2)
+    # ratio 1.5 with A>0 -> clipped to 1.2; ratio 0.5 with A>0 -> unclipped min(-0.5,-0.8) is max = -0.5
+    assert loss.tolist()[0] == pytest.approx([-1.2, -0.5, -1.0])
+    assert clipped.tolist() == [[True, False, False]]
+    loss_neg, _ = clipped_surrogate(logp, old, torch.tensor([-1.0]), clip_low=0.2, clip_high=0.28)
+    assert loss_neg.tolist()[0] == pytest.approx([1.5, 0.8, 1.0])
+
+
+def test_kl_estimators():
+    p = torch.tensor([[-1.0, -2.0]])
+    q = torch.tensor([[-1.5, -2.0]])
+    k3 = kl_penalty(p, q, "k3")
+    assert k3[0, 0].item() == pytest.approx(torch.exp(torch.tensor(-0.5)).item() + 0.5 - 1)
+    assert k3[0, 1].item() == 0.0
+    assert kl_penalty(p, q, "k1")[0, 0].item() == pytest.approx(0.5)
+    assert kl_penalty(p, q, "k2")[0, 0].item() == pytest.approx(0.125)
+    big = kl_penalty(torch.tensor([[0.0]]), torch.tensor([[50.0]]), "low_var_kl")
+    assert big.item() == 10.0
+    with pytest.raises(ValueError, match="kind"):
+        kl_penalty(p, q, "k4")
+
+
+def test_token_logprobs_and_shape_errors():
+    logits = torch.randn(2, 3, 5)
+    targets = torch.randint(0, 5, (2, 3))
+    lp = token_logprobs(logits, targets)
+    ref = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+    assert torch.allclose(lp, ref)
+    with pytest.raises(ValueError, match="same shape"):
+        aggregate_loss(torch.zeros(2, 3), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        aggregate_loss(torch.zeros(2, 3), torch.zeros(2, 3), "mean")
+    with pytest.raises(ValueError, match="global_num_tokens must be > 0"):
+        aggregate_loss(torch.zeros(2, 3), torch.zeros(2, 3), global_num_tokens=0)
