@@ -39,4 +39,4 @@ def prune(rewards: torch.Tensor, group_ids: torch.Tensor, cfg: Any, *, step: int
     adv, stats = group_advantages(
         rewards, group_ids, adv_norm=getattr(cfg, "adv_norm", "std"), eps=getattr(cfg, "eps", 1e-6)
     )
-    return PruneResult(adv, stats, select_completions(adv, group_ids, cfg, step=step))
+    return PruneResult(adv, stats, select_completions(adv, group_ids, cfg, step=step, stats=stats))

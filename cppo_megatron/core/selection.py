@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 
 from ._checks import as_1d_float, as_group_ids, check_int
+from .advantage import GroupStats
 
 __all__ = [
     "DEFAULT_PRUNING_RATE",
@@ -146,6 +147,7 @@ def select_completions(
     cfg: Any,
     *,
     step: int = 0,
+    stats: Optional[GroupStats] = None,
 ) -> Selection:
     """Keep the completions whose advantage teaches the most; count the rest as pruned.
 
@@ -156,6 +158,8 @@ def select_completions(
             ``keep_per_group``, ``metric``, ``use_abs``, ``scope``, ``seed``).
         step: the training step; mixed into the seed so random choices differ per step
             while staying identical across ranks.
+        stats: the ``GroupStats`` returned with ``advantages`` for these ``group_ids``;
+            saves recomputing the grouping (``prune`` passes it).
 
     Group scope keeps k_g = floor(G_g (1 - P)) (at least 1) per group with the highest
     score; batch scope keeps floor(N (1 - P)) (at least 1) across the batch (or
@@ -189,7 +193,12 @@ def select_completions(
 
     n = a.numel()
     a_cpu = a.detach().to("cpu", torch.float64)
-    uniq, inverse, size = torch.unique(g, sorted=True, return_inverse=True, return_counts=True)
+    if stats is not None:
+        if stats.inverse.numel() != n:
+            raise ValueError(f"stats describe {stats.inverse.numel()} completions but the batch has {n}")
+        uniq, inverse, size = stats.group_ids, stats.inverse, stats.size
+    else:
+        uniq, inverse, size = torch.unique(g, sorted=True, return_inverse=True, return_counts=True)
 
     # desirability: higher = keep first
     if metric == "random":

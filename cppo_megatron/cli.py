@@ -1,0 +1,79 @@
+"""`cppo-megatron` command line.
+
+Each command lives in its own module, imported only when that command runs, so
+``cppo-megatron --help`` and ``doctor`` stay fast and work without optional backends.
+A command module provides ``configure(parser)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "doctor": ("cppo_megatron.commands.doctor", "report which backends (torch/CUDA, megatron-core, veRL, vLLM, Ray, ...) import, with versions"),
+    "demo": ("cppo_megatron.commands.demo", "run the CPPO core on synthetic rewards: advantages, pruning, allocation, balancing, timing"),
+}
+
+EPILOG = """\
+examples:
+  cppo-megatron doctor
+  cppo-megatron demo --group-size 16 --pruning-rate 0.875 --ranks 8
+  cppo-megatron COMMAND --help      (options of one command)
+"""
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    lines = "\n".join(f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items())
+    return argparse.ArgumentParser(
+        prog="cppo-megatron",
+        description=(
+            "CPPO (completion pruning) for GRPO training: keep only the completions whose "
+            "advantage teaches the most, refill with new prompts, rebalance across ranks.\n\n"
+            f"commands:\n{lines}"
+        ),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = _top_parser()
+    top.add_argument("--version", action="store_true", help="print the version and exit")
+    if not argv or argv[0] in ("-h", "--help"):
+        top.print_help()
+        return 0
+    if argv[0] == "--version":
+        from . import __version__
+
+        print(__version__)
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        top.print_usage(sys.stderr)
+        print(f"cppo-megatron: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = argparse.ArgumentParser(
+        prog=f"cppo-megatron {name}",
+        description=(module.__doc__ or COMMANDS[name][1]).strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    module.configure(parser)
+    if getattr(module, "PASSTHROUGH", False):  # forwards unknown arguments (framework launchers)
+        args, extra = parser.parse_known_args(rest)
+        args.passthrough = extra
+    else:
+        args = parser.parse_args(rest)
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

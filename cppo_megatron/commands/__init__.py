@@ -1,0 +1,1 @@
+"""One module per `cppo-megatron` command (see cli.COMMANDS)."""

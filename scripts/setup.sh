@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Create (or update) the project's virtual environment, with torch pinned to the local CPU
+# build, and install cppo-megatron with the extras the main job and the tests need.
+#
+#   bash scripts/setup.sh              # .venv with the default extras
+#   EXTRAS=train,test bash scripts/setup.sh
+#   VENV=/path/to/venv bash scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+EXTRAS=${EXTRAS:-train,test,data,megatron,verl}
+PYTHON=${PYTHON:-python3}
+# Where /etc/xdg/pip caps torch, our own pin (2.13.0) sits below the cap; nothing to lift.
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
+
+stamp="$VENV/.cppo-setup"
+want="$(cat pyproject.toml constraints/cpu.txt | sha1sum | cut -c1-12) $EXTRAS"
+if [[ -x "$VENV/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+  echo "setup: $VENV is up to date ($EXTRAS)"
+  exit 0
+fi
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+  echo "setup: creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+fi
+echo "setup: installing torch==2.13.0 (CPU) and cppo-megatron[$EXTRAS] into $VENV"
+log="$VENV/setup.log"
+if ! "$VENV/bin/python" -m pip install -q -c constraints/cpu.txt torch==2.13.0 -e ".[$EXTRAS]" >"$log" 2>&1; then
+  tail -40 "$log"
+  echo "setup: pip install failed; full log in $log" >&2
+  exit 1
+fi
+"$VENV/bin/python" - <<'PY'
+import torch, sys
+v = torch.__version__
+if not v.startswith("2.13.0"):
+    sys.exit(f"setup: expected the CPU build torch 2.13.0, got {v}: an install pulled another torch")
+print(f"setup: torch {v}, CUDA available: {torch.cuda.is_available()}")
+PY
+echo "$want" > "$stamp"
