@@ -15,11 +15,13 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("cppo_megatron.commands.doctor", "report which backends (torch/CUDA, megatron-core, veRL, vLLM, Ray, ...) import, with versions"),
     "demo": ("cppo_megatron.commands.demo", "run the CPPO core on synthetic rewards: advantages, pruning, allocation, balancing, timing"),
+    "train": ("cppo_megatron.commands.train", "train with GRPO/CPPO on one machine from a recipe YAML (the main job)"),
 }
 
 EPILOG = """\
 examples:
   cppo-megatron doctor
+  cppo-megatron train recipes/tiny_cpu.yaml cppo.pruning_rate=0.5
   cppo-megatron demo --group-size 16 --pruning-rate 0.875 --ranks 8
   cppo-megatron COMMAND --help      (options of one command)
 """

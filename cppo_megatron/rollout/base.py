@@ -1,0 +1,77 @@
+"""The rollout engine interface the trainer uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1  # completions per prompt (G)
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+    logprobs: bool = False  # also return the sampler's log-prob of each generated token
+    seed: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class RolloutResult:
+    """Completions for P prompts x n samples, grouped prompt-major (all samples of prompt 0
+    first). ``tokens[i]`` ends with EOS when ``finish_reasons[i] == "stop"``."""
+
+    prompt_index: torch.Tensor  # [P * n] which prompt each completion answers
+    tokens: list[list[int]]
+    finish_reasons: list[str]
+    logprobs: Optional[list[torch.Tensor]] = None  # per completion: [len] sampler log-probs
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(t) for t in self.tokens]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    def metrics(self, prefix: str = "rollout/") -> dict[str, float]:
+        lengths = self.lengths
+        n = max(len(lengths), 1)
+        return {
+            f"{prefix}completions": float(len(lengths)),
+            f"{prefix}tokens": float(self.num_tokens),
+            f"{prefix}mean_length": self.num_tokens / n,
+            f"{prefix}max_length": float(max(lengths, default=0)),
+            f"{prefix}truncated_ratio": sum(r == "length" for r in self.finish_reasons) / n,
+            f"{prefix}tokens_per_s": self.num_tokens / self.seconds if self.seconds > 0 else 0.0,
+        }
+
+
+class RolloutEngine:
+    """Generates completions with the current policy weights."""
+
+    name = "base"
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutResult:
+        raise NotImplementedError
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new policy weights (HF parameter names)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,57 @@
+"""What a verifiable task is: problems with reference answers, and a reward for a completion."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt with its reference answer. ``meta`` carries task-specific data (the
+    reasoning-gym entry, the source line, ...)."""
+
+    question: str
+    answer: str
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+
+@dataclass(frozen=True)
+class Score:
+    """correct: 1.0 when the extracted answer matches; formatted: 1.0 when the completion
+    has the expected answer format (whatever its value)."""
+
+    correct: float
+    formatted: float
+
+
+@dataclass
+class Task:
+    """A named set of train/test problems plus the scorer for completions.
+
+    ``scorer(completion_text, problem) -> Score``; the reward is
+    ``w_correct * correct + w_format * formatted`` (weights from the recipe).
+    ``alphabet``: the characters a from-scratch character tokenizer needs (None: bytes).
+    ``sft_target(problem)``: the completion a supervised warm-up teaches.
+    """
+
+    name: str
+    train: Sequence[Problem]
+    test: Sequence[Problem]
+    scorer: Callable[[str, Problem], Score]
+    sft_target: Callable[[Problem], str]
+    alphabet: Optional[str] = None
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.train:
+            raise ValueError(f"task {self.name!r} has no training problems")
+        if not self.test:
+            raise ValueError(f"task {self.name!r} has no test problems")
+
+    def score(self, completion: str, problem: Problem) -> Score:
+        return self.scorer(completion, problem)
+
+
+def combine_reward(score: Score, w_correct: float, w_format: float) -> float:
+    return w_correct * score.correct + w_format * score.formatted
