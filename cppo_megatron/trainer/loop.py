@@ -28,7 +28,7 @@ import torch
 
 from ..core import AllocationPlanner, PromptSampler, prune
 from ..rollout import SamplingParams, build_engine
-from ..tasks import build_task, combine_reward
+from ..tasks import Task, build_task, combine_reward
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
 from .config import Recipe, recipe_to_dict
 from .evaluate import evaluate
@@ -40,7 +40,8 @@ from .sft import sft_warmup
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, *, resume: bool = False) -> None:
+    def __init__(self, recipe: Recipe, *, resume: bool = False, task: Optional[Task] = None) -> None:
+        """``task`` replaces the recipe's task (bring your own problems and scorer)."""
         if recipe.backend != "hf":
             raise ValueError(
                 f"backend={recipe.backend!r} runs under torchrun: `cppo-megatron train RECIPE --nproc N` "
@@ -53,7 +54,7 @@ class Trainer:
             torch.set_num_threads(recipe.threads)
         torch.manual_seed(recipe.seed)
         self.device = resolve_device(recipe.device)
-        self.task = build_task(recipe.task)
+        self.task = task if task is not None else build_task(recipe.task)
         self.model, self.tok = build_model(recipe.model, self.task.alphabet, recipe.seed)
         self.model.to(self.device)
         G = recipe.rollout.group_size
