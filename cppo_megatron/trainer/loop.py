@@ -90,36 +90,46 @@ class Trainer:
         return dict(model=self.model, tokenizer=self.tok, recipe=r)
 
     # ------------------------------------------------------------------ run
-    def run(self) -> dict:
+    def prepare(self, *, initial_eval: bool = True) -> None:
+        """Start weights (init_checkpoint or the supervised warm-up), the first evaluation and
+        the reference model. A resumed run has all of these in its checkpoint."""
         r = self.r
         (self.out / "recipe.yaml").write_text(_to_yaml(recipe_to_dict(r)))
-        prompt_template = r.task.prompt_template
         if self.resumed_from is None:
             if r.init_checkpoint:
                 self.model.load_state_dict(_load_weights(r.init_checkpoint))
             elif r.warmup.enabled:
                 sft_warmup(
                     self.model, self.tok, self.task, r.warmup, device=self.device, seed=r.seed,
-                    prompt_template=prompt_template,
+                    prompt_template=r.task.prompt_template,
                     evaluate_fn=lambda n: self._evaluate(n),
                     log_fn=lambda rec: self.logger.log({"kind": "warmup", **rec}),
                     progress=r.log.progress,
                 )
                 torch.save(self.model.state_dict(), self.out / "warmup.pt")
-            self._log_eval()
+            if initial_eval:
+                self._log_eval()
         if r.train.beta > 0 and self.ref_model is None:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
 
+    def step_once(self) -> dict:
+        """One RL step with its bookkeeping; returns the step's metrics record."""
+        t0 = time.perf_counter()
+        rec = self._rl_step()
+        self.elapsed += time.perf_counter() - t0
+        self.step += 1
+        rec.update(step=self.step, wall=self.elapsed, kind="step")
+        return rec
+
+    def run(self) -> dict:
+        r = self.r
+        self.prepare()
         bar = self._progress()
         interrupted = False
         try:
             with _sigterm_as_interrupt():
                 while self.step < r.train.steps and not self._time_up():
-                    t0 = time.perf_counter()
-                    rec = self._rl_step()
-                    self.elapsed += time.perf_counter() - t0
-                    self.step += 1
-                    rec.update(step=self.step, wall=self.elapsed, kind="step")
+                    rec = self.step_once()
                     self.logger.log(rec, self.step)
                     if r.eval.every and self.step % r.eval.every == 0 and self.step < r.train.steps:
                         self._log_eval()

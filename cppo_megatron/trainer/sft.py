@@ -13,19 +13,24 @@ from ..tasks import Task
 
 
 def sft_warmup(model, tok, task: Task, cfg, *, device, seed: int, prompt_template: str,
-               evaluate_fn: Callable[[int], dict], log_fn: Callable[[dict], None], progress: bool = True) -> dict:
+               evaluate_fn: Callable[[int], dict], log_fn: Callable[[dict], None], progress: bool = True,
+               max_time_s: float = 0.0, clock: Callable[[], float] = time.perf_counter) -> dict:
     """Train on prompt + target + EOS (loss on the target tokens only) until held-out
-    accuracy reaches ``cfg.target_accuracy`` or ``cfg.max_steps``. Returns the last eval."""
+    accuracy reaches ``cfg.target_accuracy``, ``cfg.max_steps``, or ``max_time_s`` on
+    ``clock`` (the study's supervised control uses that). Returns the last eval."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     model.train()
     t0 = time.perf_counter()
     last = evaluate_fn(cfg.eval_problems)
+    c0 = clock()
     log_fn({"warmup/step": 0.0, **{k.replace("eval/", "warmup/"): v for k, v in last.items()}})
     bar = _bar(cfg.max_steps, progress)
+    done = 0
     for step in range(1, cfg.max_steps + 1):
-        if last["eval/accuracy"] >= cfg.target_accuracy:
+        if last["eval/accuracy"] >= cfg.target_accuracy or (max_time_s and clock() - c0 >= max_time_s):
             break
+        done = step
         batch = [task.train[rng.randrange(len(task.train))] for _ in range(cfg.batch_size)]
         seqs, starts = [], []
         for p in batch:
@@ -58,6 +63,7 @@ def sft_warmup(model, tok, task: Task, cfg, *, device, seed: int, prompt_templat
         bar.close()
     last = dict(last)
     last["warmup/seconds"] = time.perf_counter() - t0
+    last["warmup/steps"] = float(done)
     return last
 
 
