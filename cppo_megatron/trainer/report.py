@@ -86,7 +86,9 @@ def _plot(records: list[dict], path: Path, title: str) -> bool:
             bottom = [b + v for b, v in zip(bottom, vals)]
     ax[1, 1].set(title="time per step by phase", xlabel="step", ylabel="s")
     ax[1, 1].legend(fontsize=7)
-    fig.suptitle(title)
+    import textwrap
+
+    fig.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
