@@ -123,23 +123,27 @@ def plan(cfg: CPPOConfig, args: Any) -> dict[str, float]:
     }
 
 
+def ray_runtime_env(cfg: CPPOConfig) -> dict:
+    """The Ray job environment that carries the hook into every worker."""
+    env = {k: os.environ.get(k, v) for k, v in OPENRLHF_RAY_ENV_DEFAULTS.items()}
+    env[hook.ENV_CONFIG] = json.dumps(cfg.to_dict())
+    return {
+        "env_vars": env,
+        "worker_process_setup_hook": "cppo_megatron.integrations.openrlhf.hook.setup_ray_worker",
+    }
+
+
 def launch(forwarded: list[str], cfg: CPPOConfig | None) -> None:
     """Start Ray with the hook in the workers' setup, then run OpenRLHF's __main__ block."""
-    env = dict(OPENRLHF_RAY_ENV_DEFAULTS)
-    env.update({k: os.environ[k] for k in OPENRLHF_RAY_ENV_DEFAULTS if k in os.environ})
     if cfg is not None:
-        os.environ[hook.ENV_CONFIG] = env[hook.ENV_CONFIG] = json.dumps(cfg.to_dict())
+        runtime_env = ray_runtime_env(cfg)
+        os.environ[hook.ENV_CONFIG] = runtime_env["env_vars"][hook.ENV_CONFIG]
         hook.setup_ray_worker()  # this (driver) process as well
         import ray
 
         if ray.is_initialized():
             raise RuntimeError("Ray is already initialised in this process; the CPPO worker setup hook cannot be added")
-        ray.init(
-            runtime_env={
-                "env_vars": env,
-                "worker_process_setup_hook": "cppo_megatron.integrations.openrlhf.hook.setup_ray_worker",
-            }
-        )
+        ray.init(runtime_env=runtime_env)
     sys.argv = [OPENRLHF_MODULE, *forwarded]
     runpy.run_module(OPENRLHF_MODULE, run_name="__main__", alter_sys=True)
 

@@ -130,8 +130,8 @@ def make_args(orl, parser):
 def make_maker(orl):
     """A real RemoteExperienceMaker whose Ray model groups are replaced by ``record_forward``."""
 
-    def build(args, kl_coef: float = 0.01):
-        maker = orl.Maker(
+    def build(args, kl_coef: float = 0.01, maker_class=None):
+        maker = (maker_class or orl.Maker)(
             actor_model_group=None,
             critic_model_group=None,
             reward_model_group=None,
