@@ -105,27 +105,30 @@ def group_ids_from_samples(samples: list, n_samples_per_prompt: int) -> torch.Te
 
 
 # ---------------------------------------------------------------------------- batch size rules
-def effective_actors(args: Any) -> int:
-    """Actor data-parallel ranks (OpenRLHF's ``effective_actor_num``)."""
+def effective_actors(args: Any, role: str = "actor") -> int:
+    """Data-parallel ranks of a model group (OpenRLHF's ``effective_actor_num``)."""
+    group = getattr(args, role)
     return max(
-        1,
-        args.actor.num_nodes * args.actor.num_gpus_per_node // args.ds.ring_attn_size // args.ds.tensor_parallel_size,
+        1, group.num_nodes * group.num_gpus_per_node // args.ds.ring_attn_size // args.ds.tensor_parallel_size
     )
 
 
 def minimum_keep_multiple(args: Any) -> int:
     """The kept count must be a multiple of this for OpenRLHF to use every survivor.
 
-    - ``RayActorGroup.async_run_method_batch`` refuses fewer micro-batches than effective
-      actors (``Insufficient batch size``) and gives the last actor a short chunk when the
-      count does not divide: a multiple of ``micro_batch_size * actors`` (dynamic
-      batching: of ``actors``) gives every actor the same number of samples.
+    - ``RayActorGroup.async_run_method_batch`` refuses fewer micro-batches than a model
+      group has ranks (``Insufficient batch size``) and gives the last rank a short chunk
+      when the count does not divide: a multiple of ``micro_batch_size x ranks`` (dynamic
+      batching: of ``ranks``) for the actor and, when it exists (``--algo.kl.init_coef >
+      0``), the reference group gives every rank the same number of samples.
     - the replay buffer trains ``train.batch_size`` samples per optimizer step and drops a
       remainder: a multiple of ``train.batch_size`` trains every survivor.
     """
-    actors = effective_actors(args)
-    unit = actors if args.train.dynamic_batch_enable else args.rollout.micro_batch_size * actors
-    return math.lcm(unit, args.train.batch_size)
+    ranks = [effective_actors(args, "actor")]
+    if args.algo.kl.init_coef > 0:
+        ranks.append(effective_actors(args, "ref"))
+    per_sample = 1 if args.train.dynamic_batch_enable else args.rollout.micro_batch_size
+    return math.lcm(*(per_sample * r for r in ranks), args.train.batch_size)
 
 
 # ---------------------------------------------------------------------------- the pruning step

@@ -234,3 +234,12 @@ def test_install_is_reversible_and_reaches_new_instances(orl, make_args, make_ma
     finally:
         hook.uninstall(orl.Maker)
     assert orl.Maker.make_experience_batch is original
+
+
+def test_keep_multiple_covers_every_model_group(make_args):
+    flags = ["--actor.num_gpus_per_node", "2", "--ref.num_gpus_per_node", "3", "--rollout.micro_batch_size", "1",
+             "--train.batch_size", "2"]  # fmt: skip
+    assert hook.minimum_keep_multiple(make_args(*flags, "--algo.kl.init_coef", "0.01")) == 6
+    assert hook.minimum_keep_multiple(make_args(*flags, "--algo.kl.init_coef", "0")) == 2  # no reference model
+    dynamic = make_args(*flags, "--algo.kl.init_coef", "0.01", "--train.dynamic_batch_enable", "--train.batch_size", "4")
+    assert hook.minimum_keep_multiple(dynamic) == 12
