@@ -210,6 +210,8 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
             "cppo/kept_ratio": n_keep / n_total,
             "cppo/topped_up": float(n_keep - n_core),
             "cppo/keep_multiple": float(multiple),
+            # OpenRLHF's rollout/reward_mean only sees survivors from here on
+            "cppo/reward_mean_generated": float(rewards.mean()),
         }
     )
     order_out, balance_metrics = _balanced_order(kept, rollout_samples, args, cfg)

@@ -196,6 +196,13 @@ def test_rebalanced_order_gives_actors_equal_workload(orl, make_args, make_maker
     w = [24576 * x + x * x for x in lens]
     halves = sum(w[:8]), sum(w[8:])
     assert max(halves) / (sum(halves) / 2) == pytest.approx(m["cppo/actor_imbalance"], rel=1e-6)
+    # reordering moved rows, not their advantages: each is still its own full-group value
+    rewards = torch.tensor([float(x) for _, r in groups for x in r])
+    adv, _ = group_advantages(rewards, torch.arange(32) // 8, eps=CPPOConfig().eps)
+    order = [int(u) for e in out for u in e.info["uid"].tolist()]
+    assert order != sorted(order)
+    for uid, row in _by_uid(out).items():
+        assert row["adv"][-1].item() == pytest.approx(adv[uid].item() - 0.01 * 1e-3 * uid, abs=1e-5)
 
 
 def test_dynamic_batching_uses_openrlhf_balancing(orl, make_args, make_maker, make_rollout, fresh):
