@@ -105,3 +105,18 @@ def test_ray_workers_get_the_config_and_the_setup_hook(monkeypatch):
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert CPPOConfig.from_dict(json.loads(env_value)) == cfg and finder
+
+
+def test_launch_runs_openrlhfs_own_main_with_the_forwarded_arguments(monkeypatch, capsys, orl):
+    """launch() hands the arguments to train_ppo_ray's __main__ block (real module, real parser);
+    --help stops it before it would start models."""
+    from cppo_megatron.integrations.openrlhf.train import launch
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    with pytest.raises(SystemExit) as done:
+        launch(["--help"], None)
+    assert done.value.code == 0
+    assert "--rollout.n_samples_per_prompt" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as failed:
+        launch(["--rollout.no_such_flag", "1"], None)
+    assert failed.value.code == 2 and "--rollout.no_such_flag" in capsys.readouterr().err
