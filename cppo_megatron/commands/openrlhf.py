@@ -25,7 +25,11 @@ def run(args: argparse.Namespace) -> int:
     from ..integrations.openrlhf.recipe import launcher_argv, load_recipe
     from ..integrations.openrlhf.train import main
 
-    recipe = load_recipe(args.recipe)
+    try:
+        recipe = load_recipe(args.recipe)
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 2
     if recipe.get("description"):
         print(str(recipe["description"]).strip())
     return main(launcher_argv(recipe) + list(args.passthrough))

@@ -17,6 +17,7 @@ initialised and runs as usual.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -153,6 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
+    try:
+        return _main(argv)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
     values, dry_run, forwarded = split_argv(argv)
     version = installed_version()
     if version != PINNED_VERSION:
@@ -168,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         print("CPPO off: plain OpenRLHF")
     else:
         counts = plan(cfg, args)
+        # OpenRLHF's estimator decides the advantage formula; the hook uses the same
+        cfg = dataclasses.replace(cfg, adv_norm=hook.SUPPORTED_ESTIMATORS[args.algo.advantage.estimator])
         print(cfg.describe())
         print(
             "per step: {prompts_per_step:.0f} prompts x {n} = {generated_per_step:.0f} completions generated, "
