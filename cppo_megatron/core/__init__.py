@@ -33,6 +33,7 @@ from .selection import (
     SCOPES,
     Selection,
     keep_count,
+    keep_order,
     seeded_generator,
     select_completions,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "clipped_surrogate",
     "group_advantages",
     "keep_count",
+    "keep_order",
     "kl_penalty",
     "lower_bound",
     "naive_partition",

@@ -23,6 +23,7 @@ __all__ = [
     "SCOPES",
     "Selection",
     "keep_count",
+    "keep_order",
     "select_completions",
     "seeded_generator",
 ]
@@ -141,6 +142,47 @@ class Selection:
         }
 
 
+def _keep_order(a_cpu: torch.Tensor, metric: str, use_abs: bool, seed: int, step: int) -> torch.Tensor:
+    """[N] indices, the completion to keep first at position 0."""
+    n = a_cpu.numel()
+    # desirability: higher = keep first
+    if metric == "random":
+        desirability = torch.zeros(n, dtype=torch.float64)
+    else:
+        score = a_cpu.abs() if use_abs else a_cpu
+        desirability = score if metric == "smallest" else -score
+    # Order by desirability (descending), ties by a seeded random permutation.
+    perm = torch.randperm(n, generator=seeded_generator(seed, step))
+    return perm[torch.sort(desirability[perm], descending=True, stable=True).indices]
+
+
+def keep_order(advantages: torch.Tensor, cfg: Any, *, step: int = 0) -> torch.Tensor:
+    """[N] completion indices from the first to keep to the first to prune, as
+    ``select_completions`` ranks them (same metric, same seeded tie-breaks).
+
+    Integrations that must keep more than the selection (a framework's minimum batch)
+    take the extra completions from the pruned ones in this order.
+    """
+    a = as_1d_float("advantages", advantages)
+    metric, use_abs, seed = _ranking_settings(cfg, step)
+    return _keep_order(a.detach().to("cpu", torch.float64), metric, use_abs, seed, step)
+
+
+def _ranking_settings(cfg: Any, step: int) -> tuple[str, bool, int]:
+    """(metric, use_abs, seed) of ``cfg``, validated, and a valid ``step``."""
+    metric = getattr(cfg, "metric", "smallest")
+    use_abs = getattr(cfg, "use_abs", True)
+    seed = getattr(cfg, "seed", 0)
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {list(METRICS)}, got {metric!r}")
+    if not isinstance(use_abs, bool):
+        raise ValueError(f"use_abs must be true or false, got {use_abs!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    check_int("step", step, minimum=0)
+    return metric, use_abs, seed
+
+
 def select_completions(
     advantages: torch.Tensor,
     group_ids: torch.Tensor,
@@ -171,23 +213,14 @@ def select_completions(
     g = as_group_ids("group_ids", group_ids, a.numel()).cpu()
     pruning_rate = getattr(cfg, "pruning_rate", None)
     keep_per_group = getattr(cfg, "keep_per_group", None)
-    metric = getattr(cfg, "metric", "smallest")
-    use_abs = getattr(cfg, "use_abs", True)
     scope = getattr(cfg, "scope", "group")
-    seed = getattr(cfg, "seed", 0)
     if pruning_rate is not None and keep_per_group is not None:
         raise ValueError(
             f"set either pruning_rate ({pruning_rate}) or keep_per_group ({keep_per_group}), not both"
         )
-    if metric not in METRICS:
-        raise ValueError(f"metric must be one of {list(METRICS)}, got {metric!r}")
+    metric, use_abs, seed = _ranking_settings(cfg, step)
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {list(SCOPES)}, got {scope!r}")
-    if not isinstance(use_abs, bool):
-        raise ValueError(f"use_abs must be true or false, got {use_abs!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
-    check_int("step", step, minimum=0)
     if keep_per_group is None:
         _check_rate(DEFAULT_PRUNING_RATE if pruning_rate is None else pruning_rate)
 
@@ -200,16 +233,7 @@ def select_completions(
     else:
         uniq, inverse, size = torch.unique(g, sorted=True, return_inverse=True, return_counts=True)
 
-    # desirability: higher = keep first
-    if metric == "random":
-        desirability = torch.zeros(n, dtype=torch.float64)
-    else:
-        score = a_cpu.abs() if use_abs else a_cpu
-        desirability = score if metric == "smallest" else -score
-
-    # Order by desirability (descending), ties by a seeded random permutation.
-    perm = torch.randperm(n, generator=seeded_generator(seed, step))
-    order = perm[torch.sort(desirability[perm], descending=True, stable=True).indices]
+    order = _keep_order(a_cpu, metric, use_abs, seed, step)
 
     if scope == "batch":
         if keep_per_group is not None:

@@ -1,0 +1,423 @@
+"""CPPO in OpenRLHF 0.11.2: prune rollout samples at the start of ``make_experience_batch``.
+
+OpenRLHF's step (both ``PPOTrainer`` and the async ``TrainingActor`` reach it through
+``BasePPOTrainer.train_step``)::
+
+    rollout samples (rewards already on them)  -> make_experience_batch:
+        split_rollout_samples -> make_experience (actor / ref / critic forwards via Ray)
+        -> compute_advantages_and_returns (length penalties, group baseline, returns)
+
+The hook wraps two methods of ``RemoteExperienceMaker``:
+
+- ``make_experience_batch``: before anything else, apply OpenRLHF's length penalties to
+  the full rollout, group the samples by prompt (consecutive runs of the same prompt,
+  at most ``n_samples_per_prompt`` long, so uneven groups are fine), compute full-group
+  advantages with the core, select survivors (``core.prune``), keep more where OpenRLHF
+  needs more samples (``minimum_keep_multiple``), record each survivor's full-group
+  mean/std in its ``info``, optionally reorder survivors so each actor gets an equal
+  workload (``core.balance_partitions``), and pass only the survivors on.
+- ``compute_advantages_and_returns``: when survivors carry recorded statistics, replace
+  each reward by its full-group advantage (``core.advantages_from_stats``), then run
+  OpenRLHF's own advantage step with its group baseline and length penalties turned off
+  (both already applied), so the KL shaping, returns and logging stay OpenRLHF's.
+
+Install with ``install(cfg)`` (this process) or, for Ray workers, through the
+``CPPO_OPENRLHF_CONFIG`` environment variable (``install_from_env``,
+``setup_ray_worker``); the launcher ``python -m cppo_megatron.integrations.openrlhf.train``
+does both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.abc
+import importlib.util
+import json
+import logging
+import math
+import os
+import sys
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ...config import CPPOConfig
+from ...core import (
+    advantages_from_stats,
+    balance_partitions,
+    keep_order,
+    naive_partition,
+    prune,
+    sequence_workload,
+)
+
+logger = logging.getLogger(__name__)
+
+ENV_CONFIG = "CPPO_OPENRLHF_CONFIG"
+TARGET_MODULE = "openrlhf.trainer.ppo_utils.experience_maker"
+
+# OpenRLHF estimator -> the core's adv_norm (the estimators with a per-prompt group baseline)
+SUPPORTED_ESTIMATORS = {"group_norm": "std", "dr_grpo": "none"}
+
+# private info keys: each survivor's full-group reward mean / std (removed by the advantage step)
+MEAN_KEY = "cppo_group_mean"
+STD_KEY = "cppo_group_std"
+# an estimator name OpenRLHF's advantage step does not know: no group baseline, no whitening
+_PRECOMPUTED = "cppo_precomputed_group_baseline"
+
+_ORIGINALS: dict[str, Callable] = {}
+_CONFIG: CPPOConfig | None = None
+
+
+# ---------------------------------------------------------------------------- grouping
+def group_ids_from_samples(samples: list, n_samples_per_prompt: int) -> torch.Tensor:
+    """[N] int64 group ids of single-sample rollout ``Experience`` objects.
+
+    OpenRLHF puts the ``n_samples_per_prompt`` samples of one prompt next to each other
+    (one vLLM request per prompt) but stores no prompt id; its own advantage step then
+    reshapes by ``n``. Here a group is a run of consecutive samples with the same prompt
+    and label, cut after ``n`` samples (so a prompt drawn twice in a row stays two
+    groups), and a shorter run is a smaller group rather than a misaligned reshape.
+    """
+    if isinstance(n_samples_per_prompt, bool) or not isinstance(n_samples_per_prompt, int) or n_samples_per_prompt < 1:
+        raise ValueError(f"n_samples_per_prompt must be an integer >= 1, got {n_samples_per_prompt!r}")
+    ids: list[int] = []
+    prev_key: Any = object()
+    run = 0
+    for i, sample in enumerate(samples):
+        prompts = getattr(sample, "prompts", None)
+        if not prompts or len(prompts) != 1:
+            raise ValueError(
+                f"rollout sample {i} holds {len(prompts) if prompts else 0} prompts; CPPO expects OpenRLHF's "
+                "single-sample rollout Experiences (one prompt each)"
+            )
+        labels = getattr(sample, "labels", None) or [None]
+        key = (prompts[0], labels[0])
+        if key != prev_key or run == n_samples_per_prompt:
+            ids.append(ids[-1] + 1 if ids else 0)
+            run = 1
+        else:
+            ids.append(ids[-1])
+            run += 1
+        prev_key = key
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+# ---------------------------------------------------------------------------- batch size rules
+def effective_actors(args: Any, role: str = "actor") -> int:
+    """Data-parallel ranks of a model group (OpenRLHF's ``effective_actor_num``)."""
+    group = getattr(args, role)
+    return max(
+        1, group.num_nodes * group.num_gpus_per_node // args.ds.ring_attn_size // args.ds.tensor_parallel_size
+    )
+
+
+def minimum_keep_multiple(args: Any) -> int:
+    """The kept count must be a multiple of this for OpenRLHF to use every survivor.
+
+    - ``RayActorGroup.async_run_method_batch`` refuses fewer micro-batches than a model
+      group has ranks (``Insufficient batch size``) and gives the last rank a short chunk
+      when the count does not divide: a multiple of ``micro_batch_size x ranks`` (dynamic
+      batching: of ``ranks``) for the actor and, when it exists (``--algo.kl.init_coef >
+      0``), the reference group gives every rank the same number of samples.
+    - the replay buffer trains ``train.batch_size`` samples per optimizer step and drops a
+      remainder: a multiple of ``train.batch_size`` trains every survivor.
+    """
+    ranks = [effective_actors(args, "actor")]
+    if args.algo.kl.init_coef > 0:
+        ranks.append(effective_actors(args, "ref"))
+    per_sample = 1 if args.train.dynamic_batch_enable else args.rollout.micro_batch_size
+    return math.lcm(*(per_sample * r for r in ranks), args.train.batch_size)
+
+
+# ---------------------------------------------------------------------------- the pruning step
+def _config() -> CPPOConfig:
+    if _CONFIG is None:
+        raise RuntimeError("the CPPO hook for OpenRLHF is not installed (call install(cfg))")
+    return _CONFIG
+
+
+def _check_supported(args: Any) -> str:
+    estimator = args.algo.advantage.estimator
+    if estimator not in SUPPORTED_ESTIMATORS:
+        raise ValueError(
+            f"CPPO needs a group-relative advantage: --algo.advantage.estimator must be one of "
+            f"{sorted(SUPPORTED_ESTIMATORS)}, got {estimator!r}"
+        )
+    if args.rollout.n_samples_per_prompt < 2:
+        raise ValueError(
+            f"CPPO prunes within groups: --rollout.n_samples_per_prompt must be >= 2, got {args.rollout.n_samples_per_prompt}"
+        )
+    return SUPPORTED_ESTIMATORS[estimator]
+
+
+def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | None = None) -> list:
+    """The survivors of one rollout batch, with their full-group statistics recorded.
+
+    ``maker`` is OpenRLHF's ``RemoteExperienceMaker`` (its ``strategy.args`` are read);
+    ``rollout_samples`` are the single-sample ``Experience`` objects of one step. Returns a
+    new list of the kept samples (the same objects); the pruned ones are only counted.
+    """
+    cfg = cfg or _config()
+    from openrlhf.trainer.ppo_utils import experience_maker as em  # its own length penalties
+
+    args = maker.strategy.args
+    adv_norm = _check_supported(args)
+    if not rollout_samples:
+        return rollout_samples
+    for i, sample in enumerate(rollout_samples):
+        if sample.rewards is None:
+            raise ValueError(
+                f"rollout sample {i} has no reward: CPPO prunes before the model forwards, so rewards must come "
+                "with the rollout (--reward.remote_url or --train.agent_func_path), not from a reward model"
+            )
+        if sample.rewards.numel() != 1 or sample.sequences.shape[0] != 1:
+            raise ValueError(f"rollout sample {i} holds {sample.sequences.shape[0]} rows; expected one")
+        # as OpenRLHF's advantage step: at least fp32 for penalties and group statistics
+        sample.rewards = sample.rewards.to(torch.promote_types(sample.rewards.dtype, torch.float32))
+
+    # penalties change rewards, so they come before the group statistics (as in OpenRLHF)
+    em.apply_length_penalties(rollout_samples, args)
+    rewards = torch.cat([s.rewards.reshape(1) for s in rollout_samples])
+    group_ids = group_ids_from_samples(rollout_samples, args.rollout.n_samples_per_prompt)
+
+    step = int(getattr(maker, "_cppo_step", 0))
+    maker._cppo_step = step + 1
+    run_cfg = cfg if cfg.adv_norm == adv_norm else dataclasses.replace(cfg, adv_norm=adv_norm)
+    result = prune(rewards, group_ids, run_cfg, step=step)
+    selection = result.selection
+    n_total = rewards.numel()
+
+    # keep more (next in the core's order) where OpenRLHF needs a multiple of `multiple`
+    multiple = minimum_keep_multiple(args)
+    n_core = selection.num_kept
+    n_keep = min(n_total, -(-n_core // multiple) * multiple)
+    kept_mask = selection.kept_mask()
+    if n_keep > n_core:
+        order = keep_order(result.advantages, run_cfg, step=step)
+        extra = order[~kept_mask[order]][: n_keep - n_core]
+        kept_mask[extra] = True
+    kept = kept_mask.nonzero().squeeze(1)
+
+    mean, std = result.stats.row_mean(), result.stats.row_std()
+    metrics = result.metrics()
+    metrics.update(
+        {
+            "cppo/num_kept_selected": float(n_core),
+            "cppo/num_kept": float(n_keep),
+            "cppo/num_pruned": float(n_total - n_keep),
+            "cppo/kept_ratio": n_keep / n_total,
+            "cppo/topped_up": float(n_keep - n_core),
+            "cppo/keep_multiple": float(multiple),
+            # OpenRLHF's rollout/reward_mean only sees survivors from here on
+            "cppo/reward_mean_generated": float(rewards.mean()),
+        }
+    )
+    order_out, balance_metrics = _balanced_order(kept, rollout_samples, args, cfg)
+    metrics.update(balance_metrics)
+
+    survivors = []
+    for idx in order_out.tolist():
+        sample = rollout_samples[idx]
+        sample.info[MEAN_KEY] = mean[idx : idx + 1].to(sample.rewards.dtype)
+        sample.info[STD_KEY] = std[idx : idx + 1].to(sample.rewards.dtype)
+        # per-sample copies of the step's metrics: OpenRLHF averages info entries into its logs
+        for key, value in metrics.items():
+            sample.info[key] = torch.tensor([value], dtype=torch.float32)
+        survivors.append(sample)
+    logger.info(
+        "CPPO step %d: kept %d of %d (%d selected, %d topped up to a multiple of %d), %d groups, %d fully pruned",
+        step, n_keep, n_total, n_core, n_keep - n_core, multiple,
+        int(metrics["cppo/num_groups"]), int(metrics["cppo/groups_fully_pruned"]),
+    )  # fmt: skip
+    maker._cppo_last_metrics = metrics
+    return survivors
+
+
+def _balanced_order(kept: torch.Tensor, samples: list, args: Any, cfg: CPPOConfig) -> tuple[torch.Tensor, dict]:
+    """Order survivors so the consecutive chunks OpenRLHF hands each actor weigh the same.
+
+    Without dynamic batching, ``split_rollout_samples`` cuts consecutive micro-batches and
+    ``async_run_method_batch`` gives each actor a consecutive chunk of them. With dynamic
+    batching OpenRLHF balances by itself (``get_seqlen_balanced_partitions`` and
+    ``balance_experiences``), so the order is left alone.
+    """
+    actors = effective_actors(args)
+    k = kept.numel()
+    unit = args.rollout.micro_batch_size * actors
+    if not cfg.rebalance or args.train.dynamic_batch_enable or actors == 1 or k % unit != 0:
+        return kept, {"cppo/rebalanced": 0.0}
+    lengths = torch.tensor([float(samples[i].total_length.reshape(-1)[0]) for i in kept.tolist()])
+    work = sequence_workload(lengths, linear=cfg.workload_linear, quadratic=cfg.workload_quadratic)
+    part = balance_partitions(work, actors, equal_size=True)
+    order = []
+    for members in part.parts:
+        members = torch.as_tensor(members, dtype=torch.int64)
+        # longest first inside a chunk: micro-batches of similar lengths pad less
+        members = members[torch.argsort(lengths[members], descending=True, stable=True)]
+        order.append(kept[members])
+    return torch.cat(order), {
+        "cppo/rebalanced": 1.0,
+        "cppo/actor_imbalance": float(part.imbalance),
+        "cppo/actor_imbalance_unbalanced": float(naive_partition(work, actors).imbalance),
+    }
+
+
+# ---------------------------------------------------------------------------- the advantage step
+@contextlib.contextmanager
+def _precomputed_baseline(args: Any) -> Iterator[None]:
+    """Run OpenRLHF's advantage step on rewards that already are full-group advantages.
+
+    An estimator name it does not know skips its group baseline and whitening (the
+    per-token branch reads ``self.advantage_estimator``, which is unchanged);
+    ``n_samples_per_prompt = 1`` makes its reshape by ``n`` a no-op; the length penalties
+    were applied before pruning. Restored on exit.
+    """
+    saved = (
+        args.algo.advantage.estimator,
+        args.rollout.n_samples_per_prompt,
+        getattr(args.reward, "overlong_buffer_len", None),
+        getattr(args.reward, "stop_properly_penalty_coef", None),
+    )
+    args.algo.advantage.estimator = _PRECOMPUTED
+    args.rollout.n_samples_per_prompt = 1
+    args.reward.overlong_buffer_len = None
+    args.reward.stop_properly_penalty_coef = None
+    try:
+        yield
+    finally:
+        (
+            args.algo.advantage.estimator,
+            args.rollout.n_samples_per_prompt,
+            args.reward.overlong_buffer_len,
+            args.reward.stop_properly_penalty_coef,
+        ) = saved
+
+
+def compute_advantages_with_recorded_stats(
+    maker: Any, experiences: list, original: Callable, cfg: CPPOConfig | None = None
+) -> list:
+    """OpenRLHF's advantage step, with the group baseline from the recorded full groups."""
+    if not experiences or MEAN_KEY not in experiences[0].info:
+        return original(maker, experiences)
+    cfg = cfg or _config()
+    args = maker.strategy.args
+    adv_norm = _check_supported(args)
+    rewards = []
+    for i, exp in enumerate(experiences):
+        if MEAN_KEY not in exp.info or STD_KEY not in exp.info:
+            raise ValueError(f"experience {i} lacks the recorded group statistics ({MEAN_KEY}, {STD_KEY})")
+        reward = exp.rewards.to(torch.promote_types(exp.rewards.dtype, torch.float32))
+        mean, std = exp.info.pop(MEAN_KEY), exp.info.pop(STD_KEY)
+        rewards.append(reward)
+        exp.info["group_reward_std"] = std.to(reward.dtype)  # the full group's, as OpenRLHF logs it
+        exp.rewards = advantages_from_stats(reward, mean, std, adv_norm=adv_norm, eps=cfg.eps)
+    with _precomputed_baseline(args):
+        experiences = original(maker, experiences)
+    for exp, reward in zip(experiences, rewards):
+        exp.rewards = reward  # the (penalised) reward again, for logging and the replay buffer
+        if "reward" in exp.info:
+            exp.info["reward"] = reward.clone()
+    return experiences
+
+
+# ---------------------------------------------------------------------------- installation
+def install(cfg: CPPOConfig, maker_class: Any = None) -> None:
+    """Wrap ``RemoteExperienceMaker`` in this process (idempotent; ``cfg`` replaces the last)."""
+    global _CONFIG
+    if not isinstance(cfg, CPPOConfig):
+        raise ValueError(f"install expects a CPPOConfig, got {type(cfg).__name__}")
+    if maker_class is None:
+        from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker as maker_class
+    _CONFIG = cfg.validate()
+    if getattr(maker_class, "_cppo_installed", False):
+        return
+    make_batch = maker_class.make_experience_batch
+    advantages = maker_class.compute_advantages_and_returns
+    _ORIGINALS["make_experience_batch"] = make_batch
+    _ORIGINALS["compute_advantages_and_returns"] = advantages
+
+    def make_experience_batch(self, rollout_samples):
+        return make_batch(self, prune_rollout_samples(self, rollout_samples))
+
+    def compute_advantages_and_returns(self, experiences):
+        return compute_advantages_with_recorded_stats(self, experiences, advantages)
+
+    for name, fn in (("make_experience_batch", make_experience_batch), ("compute_advantages_and_returns", compute_advantages_and_returns)):
+        fn.__doc__ = f"CPPO ({__name__}) around OpenRLHF's {name}."
+        wrapped = torch.no_grad()(fn)
+        wrapped.__wrapped__ = _ORIGINALS[name]
+        setattr(maker_class, name, wrapped)
+    maker_class._cppo_installed = True
+    logger.info("CPPO installed in OpenRLHF's RemoteExperienceMaker: %s", cfg.describe())
+
+
+def uninstall(maker_class: Any = None) -> None:
+    """Restore OpenRLHF's methods."""
+    global _CONFIG
+    if maker_class is None:
+        from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker as maker_class
+    if getattr(maker_class, "_cppo_installed", False):
+        maker_class.make_experience_batch = _ORIGINALS["make_experience_batch"]
+        maker_class.compute_advantages_and_returns = _ORIGINALS["compute_advantages_and_returns"]
+        maker_class._cppo_installed = False
+    _CONFIG = None
+
+
+def config_from_env() -> CPPOConfig | None:
+    """The CPPOConfig in ``$CPPO_OPENRLHF_CONFIG`` (JSON of its fields), or None when unset."""
+    raw = os.environ.get(ENV_CONFIG, "").strip()
+    if not raw:
+        return None
+    try:
+        values = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"${ENV_CONFIG} is not JSON ({exc}): {raw[:200]!r}") from exc
+    return CPPOConfig.from_dict(values)
+
+
+def install_from_env(maker_class: Any = None) -> bool:
+    """Install when ``$CPPO_OPENRLHF_CONFIG`` is set (used by the source patch); True if installed."""
+    cfg = config_from_env()
+    if cfg is None:
+        return False
+    install(cfg, maker_class)
+    return True
+
+
+class _InstallOnImport(importlib.abc.MetaPathFinder):
+    """Installs the hook right after OpenRLHF's experience_maker module is first imported."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != TARGET_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_and_install(module):
+            exec_module(module)
+            install_from_env(module.RemoteExperienceMaker)
+
+        spec.loader.exec_module = exec_and_install
+        return spec
+
+
+def setup_ray_worker() -> None:
+    """Ray ``worker_process_setup_hook``: hook OpenRLHF in every worker that imports it.
+
+    Workers that never import the experience maker (vLLM engines, model actors) import
+    nothing extra.
+    """
+    if config_from_env() is None:
+        return
+    if TARGET_MODULE in sys.modules:
+        install_from_env(sys.modules[TARGET_MODULE].RemoteExperienceMaker)
+    elif not any(isinstance(f, _InstallOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _InstallOnImport())

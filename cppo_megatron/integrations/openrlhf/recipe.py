@@ -1,0 +1,69 @@
+"""OpenRLHF recipes: a YAML file with a ``cppo`` section (CPPOConfig fields, or null for
+plain GRPO) and an ``openrlhf`` section (``train_ppo_ray`` flags without the leading
+``--``; ``true`` is a switch, ``false`` leaves it off, a list gives several values).
+
+``${RECIPE_DIR}`` in a value is the recipe's folder (e.g. a reward function shipped
+next to it); other ``${VAR}`` are taken from the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ...config import FIELD_NAMES
+
+SECTIONS = ("description", "cppo", "openrlhf")
+
+
+def load_recipe(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"recipe {str(path)!r} does not exist")
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"recipe {path}: expected a mapping at the top, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"recipe {path}: unknown section(s) {unknown}; known: {list(SECTIONS)}")
+    if not isinstance(data.get("openrlhf"), dict) or not data["openrlhf"]:
+        raise ValueError(f"recipe {path}: the 'openrlhf' section must map flags to values")
+    cppo = data.get("cppo")
+    if cppo is not None and not isinstance(cppo, dict):
+        raise ValueError(f"recipe {path}: 'cppo' must be a mapping of CPPOConfig fields or null")
+    bad = sorted(set(cppo or {}) - set(FIELD_NAMES))
+    if bad:
+        raise ValueError(f"recipe {path}: unknown cppo field(s) {bad}; known: {list(FIELD_NAMES)}")
+    data["_dir"] = str(path.resolve().parent)
+    return data
+
+
+def _expand(value: Any, recipe_dir: str) -> str:
+    text = str(value).replace("${RECIPE_DIR}", recipe_dir)
+    return os.path.expandvars(text)
+
+
+def openrlhf_flags(recipe: dict[str, Any]) -> list[str]:
+    """The ``openrlhf`` section as train_ppo_ray arguments."""
+    out: list[str] = []
+    for key, value in recipe["openrlhf"].items():
+        flag = f"--{key}"
+        if value is True:
+            out.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (list, tuple)):
+            out += [flag, *(_expand(v, recipe["_dir"]) for v in value)]
+        else:
+            out += [flag, _expand(value, recipe["_dir"])]
+    return out
+
+
+def launcher_argv(recipe: dict[str, Any]) -> list[str]:
+    """Arguments for ``cppo_megatron.integrations.openrlhf.train.main``."""
+    cppo = recipe.get("cppo")
+    head = ["--cppo.off"] if cppo is None else [f"--cppo.{k}={yaml.safe_dump(v).splitlines()[0]}" for k, v in cppo.items()]
+    return head + openrlhf_flags(recipe)

@@ -1,0 +1,210 @@
+"""Run OpenRLHF's ``train_ppo_ray`` with CPPO pruning at ``make_experience_batch``.
+
+    python -m cppo_megatron.integrations.openrlhf.train [--cppo.FIELD VALUE ...] [--dry-run] OPENRLHF_FLAGS...
+    cppo-megatron openrlhf RECIPE.yaml [--dry-run] [--cppo.FIELD VALUE ...] [OPENRLHF_FLAGS...]
+
+``--cppo.FIELD VALUE`` sets a ``CPPOConfig`` field (``--cppo.pruning_rate 0.875``,
+``--cppo.scope batch``); ``--cppo.off`` runs plain OpenRLHF. Every other argument goes to
+``openrlhf.cli.train_ppo_ray`` unchanged (checked first against its own parser).
+
+How the hook reaches OpenRLHF's Ray workers: the trainer (``PPOTrainer`` or the async
+``TrainingActor``) is a Ray actor in another process, so this launcher starts Ray itself
+with ``$CPPO_OPENRLHF_CONFIG`` in the job's environment and
+``hook.setup_ray_worker`` as the workers' setup hook, which wraps
+``RemoteExperienceMaker`` in whichever worker imports it. OpenRLHF then finds Ray
+initialised and runs as usual.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import runpy
+import shlex
+import sys
+from typing import Any
+
+import yaml
+
+from ...config import CPPOConfig
+from . import hook
+from .pinned import PINNED_VERSION, installed_version, pinned_parser
+
+CPPO_PREFIX = "--cppo."
+OPENRLHF_MODULE = "openrlhf.cli.train_ppo_ray"
+# what train_ppo_ray.train() would put in the runtime env had it started Ray itself
+OPENRLHF_RAY_ENV_DEFAULTS = {
+    "TOKENIZERS_PARALLELISM": "true",
+    "NCCL_DEBUG": "WARN",
+    "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
+}
+
+
+def split_argv(argv: list[str]) -> tuple[dict[str, Any] | None, bool, list[str]]:
+    """(CPPOConfig values or None for --cppo.off, dry_run, arguments for OpenRLHF)."""
+    values: dict[str, Any] = {}
+    off = dry_run = False
+    forwarded: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--dry-run":
+            dry_run = True
+        elif arg == "--cppo.off":
+            off = True
+        elif arg.startswith(CPPO_PREFIX):
+            name, eq, value = arg[len(CPPO_PREFIX) :].partition("=")
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ValueError(f"{arg} needs a value")
+                i += 1
+                value = argv[i]
+            values[name] = yaml.safe_load(value)  # 0.875 -> float, true -> bool, null -> None
+        else:
+            forwarded.append(arg)
+        i += 1
+    if off and values:
+        raise ValueError(f"--cppo.off together with CPPO settings {sorted(values)}")
+    return (None if off else values), dry_run, forwarded
+
+
+def parse_openrlhf_args(forwarded: list[str]):
+    """OpenRLHF's hierarchical args from its own parser (pinned source); errors name the flag."""
+    from types import SimpleNamespace
+
+    parser = pinned_parser()
+    parser.exit_on_error = False
+    try:
+        flat = parser.parse_args(forwarded)
+    except Exception as exc:  # argparse.ArgumentError, or SystemExit for unknown flags
+        raise ValueError(f"OpenRLHF {PINNED_VERSION} rejects the arguments: {exc}") from exc
+    except SystemExit as exc:
+        raise ValueError(f"OpenRLHF {PINNED_VERSION} rejects the arguments {forwarded} (see the message above)") from exc
+    root: dict = {}
+    for key, value in vars(flat).items():  # as openrlhf.utils.config.hierarchize
+        node = root
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+
+    def build(x):
+        return SimpleNamespace(**{k: build(v) for k, v in x.items()}) if isinstance(x, dict) else x
+
+    return build(root)
+
+
+def plan(cfg: CPPOConfig, args: Any) -> dict[str, float]:
+    """Per-step sample counts this configuration gives OpenRLHF (checked before launching)."""
+    hook._check_supported(args)
+    if not (args.reward.remote_url or args.train.agent_func_path):
+        raise ValueError(
+            "CPPO prunes before the model forwards, so rewards must come with the rollout: set "
+            "--reward.remote_url (a URL or a reward_func .py file) or --train.agent_func_path"
+        )
+    n, prompts = args.rollout.n_samples_per_prompt, args.rollout.batch_size
+    total = n * prompts
+    if cfg.scope == "group":
+        selected = prompts * cfg.keep_for_group(n)
+    elif cfg.keep_per_group is not None:
+        selected = prompts * cfg.keep_per_group
+    else:
+        selected = max(1, math.floor(total * (1 - cfg.rate) + 1e-6))
+    multiple = hook.minimum_keep_multiple(args)
+    kept = min(total, -(-selected // multiple) * multiple)
+    return {
+        "prompts_per_step": float(prompts),
+        "generated_per_step": float(total),
+        "selected_per_step": float(selected),
+        "kept_per_step": float(kept),
+        "keep_multiple": float(multiple),
+        "optimizer_steps_per_rollout": kept / args.train.batch_size * args.train.max_epochs,
+    }
+
+
+def ray_runtime_env(cfg: CPPOConfig) -> dict:
+    """The Ray job environment that carries the hook into every worker."""
+    env = {k: os.environ.get(k, v) for k, v in OPENRLHF_RAY_ENV_DEFAULTS.items()}
+    env[hook.ENV_CONFIG] = json.dumps(cfg.to_dict())
+    return {
+        "env_vars": env,
+        "worker_process_setup_hook": "cppo_megatron.integrations.openrlhf.hook.setup_ray_worker",
+    }
+
+
+def launch(forwarded: list[str], cfg: CPPOConfig | None) -> None:
+    """Start Ray with the hook in the workers' setup, then run OpenRLHF's __main__ block."""
+    if cfg is not None:
+        runtime_env = ray_runtime_env(cfg)
+        os.environ[hook.ENV_CONFIG] = runtime_env["env_vars"][hook.ENV_CONFIG]
+        hook.setup_ray_worker()  # this (driver) process as well
+        import ray
+
+        if ray.is_initialized():
+            raise RuntimeError("Ray is already initialised in this process; the CPPO worker setup hook cannot be added")
+        ray.init(runtime_env=runtime_env)
+    sys.argv = [OPENRLHF_MODULE, *forwarded]
+    runpy.run_module(OPENRLHF_MODULE, run_name="__main__", alter_sys=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    try:
+        return _main(argv)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
+    values, dry_run, forwarded = split_argv(argv)
+    version = installed_version()
+    if version != PINNED_VERSION:
+        print(
+            f"warning: OpenRLHF {version} is installed; this integration is pinned to {PINNED_VERSION} "
+            "(`cppo-megatron patch openrlhf --check` reports whether the hooked code changed)",
+            file=sys.stderr,
+        )
+    args = parse_openrlhf_args(forwarded)
+    cfg = None if values is None else CPPOConfig.from_dict(values)
+    command = shlex.join(["python", "-m", OPENRLHF_MODULE, *forwarded])
+    if cfg is None:
+        print("CPPO off: plain OpenRLHF")
+    else:
+        counts = plan(cfg, args)
+        # OpenRLHF's estimator decides the advantage formula; the hook uses the same
+        cfg = dataclasses.replace(cfg, adv_norm=hook.SUPPORTED_ESTIMATORS[args.algo.advantage.estimator])
+        print(cfg.describe())
+        print(
+            "per step: {prompts_per_step:.0f} prompts x {n} = {generated_per_step:.0f} completions generated, "
+            "{selected_per_step:.0f} selected, {kept_per_step:.0f} kept (OpenRLHF needs multiples of "
+            "{keep_multiple:.0f}), {optimizer_steps_per_rollout:g} optimizer steps".format(
+                n=args.rollout.n_samples_per_prompt, **counts
+            )
+        )
+        if counts["kept_per_step"] > counts["selected_per_step"]:
+            print(
+                "note: CPPO will keep more than it selects every step (metric cppo/topped_up); raise "
+                "--rollout.batch_size or lower --train.batch_size to avoid it"
+            )
+        if args.actor.lr_scheduler != "constant_with_warmup":
+            print(
+                f"note: OpenRLHF sizes the --actor.lr_scheduler {args.actor.lr_scheduler} horizon from unpruned "
+                "sample counts; with pruning the run ends early in that schedule"
+            )
+    print(f"openrlhf: {command}")
+    if dry_run:
+        if cfg is not None:
+            print(f"patched checkout instead: export {hook.ENV_CONFIG}='{json.dumps(cfg.to_dict())}'")
+        return 0
+    launch(forwarded, cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The launcher's argument handling, its dry run through the CLI, and how the hook reaches Ray workers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from cppo_megatron import CPPOConfig
+from cppo_megatron.integrations.openrlhf import hook
+from cppo_megatron.integrations.openrlhf.train import parse_openrlhf_args, plan, ray_runtime_env, split_argv
+
+pytestmark = pytest.mark.openrlhf
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_split_argv_separates_cppo_from_openrlhf_arguments():
+    values, dry, fwd = split_argv(
+        ["--cppo.pruning_rate", "0.75", "--rollout.batch_size", "8", "--cppo.scope=batch", "--dry-run", "--x"]
+    )
+    assert values == {"pruning_rate": 0.75, "scope": "batch"} and dry and fwd == ["--rollout.batch_size", "8", "--x"]
+    assert split_argv(["--cppo.off", "--a", "1"]) == (None, False, ["--a", "1"])
+    with pytest.raises(ValueError, match="needs a value"):
+        split_argv(["--cppo.seed"])
+    with pytest.raises(ValueError, match="--cppo.off together"):
+        split_argv(["--cppo.off", "--cppo.seed", "1"])
+
+
+def test_plan_reports_topping_up_and_refuses_model_rewards():
+    base = ["--actor.model_name_or_path", "m", "--algo.advantage.estimator", "group_norm",
+            "--rollout.n_samples_per_prompt", "8", "--rollout.batch_size", "4",
+            "--actor.num_gpus_per_node", "4", "--rollout.micro_batch_size", "2", "--train.batch_size", "16"]  # fmt: skip
+    args = parse_openrlhf_args(base + ["--reward.remote_url", "r.py"])
+    counts = plan(CPPOConfig(pruning_rate=0.75), args)
+    assert counts["selected_per_step"] == 8 and counts["kept_per_step"] == 16 and counts["keep_multiple"] == 16
+    with pytest.raises(ValueError, match="rewards must come with the rollout"):
+        plan(CPPOConfig(), parse_openrlhf_args(base + ["--reward.model_name_or_path", "rm"]))
+
+
+def test_cli_dry_run_of_a_recipe():
+    recipe = ROOT / "recipes/openrlhf/qwen2.5-1.5b-gsm8k-cppo.yaml"
+    out = subprocess.run(
+        [sys.executable, "-m", "cppo_megatron.cli", "openrlhf", str(recipe), "--dry-run", "--cppo.scope", "batch",
+         "--train.max_epochs", "1"],  # fmt: skip
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout
+    assert "scope=batch" in out and "128 completions generated, 16 selected, 16 kept" in out
+    command = next(line for line in out.splitlines() if line.startswith("openrlhf: python -m openrlhf.cli.train_ppo_ray"))
+    assert command.endswith("--train.max_epochs 1")  # the later flag wins in argparse
+    exported = next(line for line in out.splitlines() if line.startswith("patched checkout instead: export"))
+    cfg = CPPOConfig.from_dict(json.loads(exported.split("=", 1)[1].strip("'")))
+    assert cfg.scope == "batch" and cfg.pruning_rate == 0.875
+
+
+def test_worker_setup_hooks_openrlhf_when_it_is_imported(monkeypatch, orl):
+    """What a Ray worker does with the launcher's setup hook: the experience maker gets
+    wrapped when the worker first imports it (here: a fresh import of the real module)."""
+    monkeypatch.setenv(hook.ENV_CONFIG, json.dumps(CPPOConfig(pruning_rate=0.5, seed=3).to_dict()))
+    loaded = sys.modules.pop(hook.TARGET_MODULE)
+    try:
+        hook.setup_ray_worker()
+        hook.setup_ray_worker()  # idempotent: one finder
+        assert sum(isinstance(f, hook._InstallOnImport) for f in sys.meta_path) == 1
+        import importlib
+
+        fresh = importlib.import_module(hook.TARGET_MODULE)
+        assert fresh is not loaded and fresh.RemoteExperienceMaker._cppo_installed
+        assert hook._CONFIG == CPPOConfig(pruning_rate=0.5, seed=3)
+        hook.uninstall(fresh.RemoteExperienceMaker)
+    finally:
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, hook._InstallOnImport)]
+        sys.modules[hook.TARGET_MODULE] = loaded
+    assert not getattr(loaded.RemoteExperienceMaker, "_cppo_installed", False)
+
+
+def test_ray_workers_get_the_config_and_the_setup_hook(monkeypatch):
+    """The launcher's runtime env on a real local Ray: every worker has the config and the
+    import hook before any task runs."""
+    ray = pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    cfg = CPPOConfig(pruning_rate=0.875, scope="batch")
+    temp_dir = tempfile.mkdtemp(prefix="cppo-ray-")  # short: Ray's socket paths must stay < 108 bytes
+    ray.init(num_cpus=1, include_dashboard=False, runtime_env=ray_runtime_env(cfg), _temp_dir=temp_dir)
+    try:
+
+        @ray.remote
+        def probe():
+            import os
+            import sys as worker_sys
+
+            from cppo_megatron.integrations.openrlhf import hook as worker_hook
+
+            return (
+                os.environ.get(worker_hook.ENV_CONFIG),
+                any(type(f).__name__ == "_InstallOnImport" for f in worker_sys.meta_path),
+            )
+
+        env_value, finder = ray.get(probe.remote(), timeout=120)
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert CPPOConfig.from_dict(json.loads(env_value)) == cfg and finder
+
+
+def test_launch_runs_openrlhfs_own_main_with_the_forwarded_arguments(monkeypatch, capsys, orl):
+    """launch() hands the arguments to train_ppo_ray's __main__ block (real module, real parser);
+    --help stops it before it would start models."""
+    from cppo_megatron.integrations.openrlhf.train import launch
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    with pytest.raises(SystemExit) as done:
+        launch(["--help"], None)
+    assert done.value.code == 0
+    assert "--rollout.n_samples_per_prompt" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as failed:
+        launch(["--rollout.no_such_flag", "1"], None)
+    assert failed.value.code == 2 and "--rollout.no_such_flag" in capsys.readouterr().err
