@@ -67,7 +67,7 @@ class HFTokenizer:
         return self.tok.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=True)
+        return self.tok.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def prompt_ids(self, question: str) -> list[int]:
         if self.chat_template:
