@@ -160,6 +160,7 @@ def transformer_config_from_hf(
         raise ValueError("use_sliding_window=True is not supported by this converter")
     if _hf_get(hf_config, "mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported by this converter")
+    _rope_theta(hf_config)  # rejects RoPE scaling this converter does not implement
     check_cpu_supported(sequence_parallel=sequence_parallel)
     heads = int(_hf_get(hf_config, "num_attention_heads"))
     groups = int(_hf_get(hf_config, "num_key_value_heads") or heads)

@@ -199,6 +199,8 @@ def compute_logprobs(
     seqs = _check_sequences(sequences)
     if not (isinstance(temperature, (int, float)) and temperature > 0):
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    if not seqs:
+        return []
     order = _micro_batches(seqs, max_tokens_per_micro_batch, ps.get_pipeline_model_parallel_world_size())
     batches = _prepare(seqs, order)
     if counter is not None:
@@ -320,6 +322,8 @@ def policy_loss(model, batch: UpdateBatch, cfg: PolicyLossConfig, *, max_tokens_
     seqs = _check_sequences(batch.sequences)
     need_ref = cfg.kl_coef > 0
     batch.validate(need_ref)
+    if isinstance(model, torch.nn.Module) and not forward_only and not hasattr(model, "zero_grad_buffer"):
+        raise ValueError("policy_loss with backward needs the Megatron DDP model from build_ddp_and_optimizer")
     n_tok, n_seq = _global_denominators(batch)
     order = _micro_batches(seqs, max_tokens_per_micro_batch, ps.get_pipeline_model_parallel_world_size())
     adv = torch.as_tensor(batch.advantages, dtype=torch.float32)
@@ -329,10 +333,16 @@ def policy_loss(model, batch: UpdateBatch, cfg: PolicyLossConfig, *, max_tokens_
         "ref": [torch.as_tensor(x).float() for x in batch.ref_logprobs] if need_ref else None,
         "adv": [adv[i] for i in range(len(seqs))],
     }
-    batches = _prepare(seqs, order, extra)
     if counter is not None:
         for mb in order:
             counter.add([seqs[i] for i in mb])
+    if not seqs and not forward_only:
+        # A DP rank without survivors must still join the gradient all-reduce inside the
+        # schedule: one 2-token row whose loss mask is 0 contributes exactly nothing.
+        seqs, order = [torch.zeros(2, dtype=torch.int64)], [[0]]
+        zero = torch.zeros(1)
+        extra = {"mask": [zero], "old": [zero], "ref": [zero] if need_ref else None, "adv": [torch.zeros(())]}
+    batches = _prepare(seqs, order, extra)
     agg = partial(aggregate_loss, mode=cfg.loss_agg_mode, global_num_tokens=n_tok, global_num_seqs=n_seq)
 
     def loss_fn(b, output):
