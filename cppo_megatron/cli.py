@@ -15,12 +15,14 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("cppo_megatron.commands.doctor", "report which backends (torch/CUDA, megatron-core, veRL, vLLM, Ray, ...) import, with versions"),
     "demo": ("cppo_megatron.commands.demo", "run the CPPO core on synthetic rewards: advantages, pruning, allocation, balancing, timing"),
+    "megatron-check": ("cppo_megatron.commands.megatron_check", "HF -> megatron TP/PP/DP on local processes: log-probs vs HF, weight round trip, one pruned rebalanced update"),
 }
 
 EPILOG = """\
 examples:
   cppo-megatron doctor
   cppo-megatron demo --group-size 16 --pruning-rate 0.875 --ranks 8
+  cppo-megatron megatron-check --tp 2 --pp 1 --dp 2
   cppo-megatron COMMAND --help      (options of one command)
 """
 
