@@ -2,6 +2,7 @@
 
 - ``exchange``: ``prune_and_exchange`` decides the survivors over all ranks and rebalances
   them; ``ExchangeHandle.return_to_owners`` routes per-sequence results back.
+- ``timing``: ``rank_wait_metrics``: per-rank step times and the time each waits at the barrier.
 - ``launch``: ``run_local`` runs a function on W local gloo processes (tests, CPU runs).
 """
 
@@ -17,6 +18,7 @@ from .exchange import (
     prune_and_exchange,
 )
 from .launch import free_port, run_local
+from .timing import rank_wait_metrics
 
 __all__ = [
     "ExchangeHandle",
@@ -29,5 +31,6 @@ __all__ = [
     "global_sum",
     "make_plan",
     "prune_and_exchange",
+    "rank_wait_metrics",
     "run_local",
 ]

@@ -478,7 +478,7 @@ class ExchangeHandle:
         if m != self.num_received:
             raise ValueError(f"values has {m} rows but rank {me} received {self.num_received} sequences")
         # rows from source s sit contiguously in received order
-        recv_from = [int(((plan.dest == me) & (self._owner() == s)).sum()) for s in range(world)]
+        recv_from = torch.bincount(self._owner()[plan.dest == me], minlength=world).tolist()
         starts = np.concatenate([[0], np.cumsum(recv_from)[:-1]]).astype(np.int64)
         send_rows = [torch.arange(int(starts[s]), int(starts[s]) + recv_from[s]) for s in range(world)]
         recv_counts = [int(plan.sent(me, d).numel()) for d in range(world)]

@@ -10,7 +10,7 @@ import torch
 
 from cppo_megatron import CPPOConfig
 from cppo_megatron.core import prune, sequence_workload
-from cppo_megatron.distributed import make_plan, prune_and_exchange, run_local
+from cppo_megatron.distributed import make_plan, prune_and_exchange, rank_wait_metrics, run_local
 from cppo_megatron.distributed.exchange import GlobalMetadata
 
 COUNTS = [7, 0, 5, 9]  # rank 1 holds nothing
@@ -71,6 +71,7 @@ def _worker(rank, world):
             back_ragged=res.handle.return_to_owners(ragged),
             metrics=res.metrics,
         )
+    out["wait"] = rank_wait_metrics(float(rank + 1))
     return out
 
 
@@ -141,6 +142,16 @@ def test_exchange_preserves_moves_and_returns(results, name):
     if name == "group_equal":
         sizes = [r["global_index"].numel() for r in per_rank]
         assert max(sizes) - min(sizes) <= 1
+
+
+def test_rank_wait_metrics(results):
+    # ranks took 1, 2, 3, 4 s: they wait 3, 2, 1, 0 s for the slowest
+    for r in results:
+        w = r["wait"]
+        assert w["cppo/rank_time_max"] == 4.0 and w["cppo/rank_time_mean"] == 2.5
+        assert w["cppo/rank_wait_max"] == 3.0 and w["cppo/rank_wait_mean"] == 1.5
+        assert w["cppo/rank_wait_fraction"] == pytest.approx(6.0 / 16.0)
+        assert w["cppo/rank_time_imbalance"] == pytest.approx(1.6)
 
 
 def test_plan_rejects_bad_kept():
