@@ -114,6 +114,8 @@ def gather_metadata(rewards, group_ids, lengths, *, group=None, device=None) -> 
         )
     if g.is_floating_point() or ln.is_floating_point():
         raise ValueError(f"group_ids and lengths must be integer tensors, got {g.dtype} and {ln.dtype}")
+    if n and int(g.abs().max()) >= 2**53:
+        raise ValueError(f"group_ids must be below 2**53 (they travel as float64), got {int(g.abs().max())}")
     if n and bool((ln < 0).any()):
         i = int((ln < 0).nonzero()[0])
         raise ValueError(f"lengths[{i}] = {int(ln[i])} is negative")

@@ -1,9 +1,10 @@
 """The expensive passes on pruned, packed micro-batches: per-token log-probs and the update.
 
 Inputs are this DP rank's survivors after ``prune_and_exchange`` (pruned rows never get
-here). Sequences are packed into micro-batches under a token budget
-(``core.pack_micro_batches``); a micro-batch is padded on the right to its own longest
-sequence, and causal attention keeps padding out of every real token's context.
+here). Sequences are packed into micro-batches whose padded size (rows x longest row)
+stays under a token budget, longest first so similar lengths share a micro-batch; a
+micro-batch is padded on the right, and causal attention keeps padding out of every real
+token's context.
 
 Every pass goes through megatron's ``get_forward_backward_func`` (no pipelining for
 pp=1, 1F1B for pp>1) so the same code runs under TP, PP and DP. Log-probs come from
@@ -27,7 +28,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..core import aggregate_loss, clipped_surrogate, kl_penalty, pack_micro_batches
+from ..core import aggregate_loss, clipped_surrogate, kl_penalty
 from ..core.loss import KL_KINDS, LOSS_AGG_MODES
 from .convert import unwrap_model
 from .cpu_mode import check_cpu_supported, cpu_mode, on_cpu
@@ -49,12 +50,14 @@ class ForwardCounter:
 
     sequences: int = 0
     tokens: int = 0
+    padded_tokens: int = 0  # rows x longest row, summed over micro-batches
     micro_batches: int = 0
     seen: list = field(default_factory=list)  # first token id and length of each sequence
 
     def add(self, seqs: Sequence[torch.Tensor]) -> None:
         self.sequences += len(seqs)
         self.tokens += sum(int(s.numel()) for s in seqs)
+        self.padded_tokens += len(seqs) * max((int(s.numel()) for s in seqs), default=0)
         self.micro_batches += 1
         self.seen.extend((int(s[0]), int(s.numel())) for s in seqs)
 
@@ -85,10 +88,33 @@ def _device() -> torch.device:
 
 
 def _micro_batches(sequences, max_tokens: int, pp: int) -> list[list[int]]:
-    lengths = torch.tensor([s.numel() for s in sequences], dtype=torch.float64)
-    if not len(sequences):
-        return []
-    return pack_micro_batches(lengths, max_tokens, min_batches=min(pp, len(sequences)))
+    """Micro-batches whose *padded* size (rows x longest row) stays within ``max_tokens``.
+
+    The local layer spec has no padding-free (THD) attention, so a micro-batch costs
+    rows x longest row. Sequences are taken longest first and a micro-batch is closed
+    when one more row would exceed the budget: similar lengths share a micro-batch and
+    padding stays small. Under PP at least ``pp`` micro-batches keep the stages busy.
+    """
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens_per_micro_batch must be an integer >= 1, got {max_tokens!r}")
+    lengths = [int(s.numel()) for s in sequences]
+    for i, L in enumerate(lengths):
+        if L > max_tokens:
+            raise ValueError(
+                f"sequence {i} has {L} tokens, more than max_tokens_per_micro_batch={max_tokens}: raise the budget"
+            )
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    while len(batches) < min(pp, len(lengths)):  # split the largest until every stage has work
+        j = max(range(len(batches)), key=lambda k: (len(batches[k]), -k))
+        b = batches.pop(j)
+        batches[j:j] = [b[: len(b) // 2], b[len(b) // 2 :]]
+    return batches
 
 
 def _masked_vocab_logprobs(model, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:

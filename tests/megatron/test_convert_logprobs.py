@@ -9,6 +9,8 @@ from ._common import hf_logprobs, hf_model, sequences, transformers
 import cppo_megatron.megatron as cm
 from cppo_megatron.distributed import run_local
 
+pytestmark = pytest.mark.megatron
+
 LENGTHS = [5, 9, 3, 12, 7, 2]
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (tp, pp) on 2 ranks; (1, 1) is TP1 with DP2
 

@@ -8,6 +8,8 @@ from ._common import hf_config, transformers
 import cppo_megatron.megatron as cm
 from cppo_megatron.megatron.convert import _qkv_full, _qkv_split
 
+pytestmark = pytest.mark.megatron
+
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-mode behaviour")
 
 
@@ -77,3 +79,18 @@ def test_qkv_layout_round_trip_and_grouping():
     assert torch.equal(block[per : per + d], k[d : 2 * d]) and torch.equal(block[per + d :], v[d : 2 * d])
     for a, b in zip(_qkv_split(full, heads, groups, d), (q, k, v)):
         assert torch.equal(a, b)
+
+
+def test_micro_batches_bound_the_padded_size():
+    from cppo_megatron.megatron.passes import _micro_batches
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(2, 40, (57,), generator=g).tolist()
+    seqs = [torch.zeros(L, dtype=torch.int64) for L in lengths]
+    for budget, pp in ((40, 1), (100, 1), (64, 4), (4096, 4)):
+        batches = _micro_batches(seqs, budget, pp)
+        assert sorted(i for b in batches for i in b) == list(range(len(seqs)))
+        assert all(len(b) * max(lengths[i] for i in b) <= budget for b in batches)
+        assert len(batches) >= pp
+    with pytest.raises(ValueError, match="sequence 0 has 9 tokens"):
+        _micro_batches([torch.zeros(9)], 8, 1)

@@ -7,6 +7,8 @@ from ._common import transformers  # noqa: F401 - skips without the extras
 
 from cppo_megatron.cli import main
 
+pytestmark = pytest.mark.megatron
+
 
 def test_megatron_check_dp2(capsys):
     rc = main(["megatron-check", "--tp", "1", "--pp", "1", "--dp", "2", "--prompts", "3", "--group-size", "4",

@@ -13,6 +13,8 @@ from cppo_megatron import CPPOConfig
 from cppo_megatron.core import prune
 from cppo_megatron.distributed import prune_and_exchange, run_local
 
+pytestmark = pytest.mark.megatron
+
 COUNTS = [10, 6]  # sequences held by DP rank 0 and 1
 G = 4  # groups of 4 consecutive global rows: group 2 spans both DP ranks
 CFG = dict(pruning_rate=0.5, scope="group", seed=11)

@@ -13,6 +13,8 @@ import cppo_megatron.megatron as cm
 from cppo_megatron.core import aggregate_loss, clipped_surrogate, kl_penalty
 from cppo_megatron.distributed import run_local
 
+pytestmark = pytest.mark.megatron
+
 LENGTHS = [5, 9, 3, 12, 7, 6, 10, 4]
 LR = 1e-2
 KL = 0.1
