@@ -6,9 +6,11 @@ extra; everything imports megatron-core lazily.
 - ``convert``: ``load_hf_weights``, ``export_hf_weights``
 - ``passes``: ``compute_logprobs``, ``policy_loss``, ``policy_update``,
   ``build_ddp_and_optimizer``, ``UpdateBatch``, ``PolicyLossConfig``, ``ForwardCounter``
+- ``actor``: ``MegatronActor.step``: prune + rebalance -> old/ref log-probs -> mu updates
 - ``cpu_mode``: ``cpu_mode()``, ``check_cpu_supported``, ``CPUModeError``
 """
 
+from .actor import ActorConfig, MegatronActor
 from .convert import export_hf_weights, load_hf_weights, unwrap_model
 from .cpu_mode import CPUModeError, check_cpu_supported, cpu_mode, on_cpu
 from .model import (
@@ -31,6 +33,8 @@ from .passes import (
 )
 
 __all__ = [
+    "ActorConfig",
+    "MegatronActor",
     "CPUModeError",
     "ForwardCounter",
     "ParallelLayout",
