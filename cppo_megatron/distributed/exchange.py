@@ -150,6 +150,7 @@ class ExchangePlan:
         loads: [W] planned workload per rank after the exchange.
         loads_unbalanced: [W] workload per rank if survivors stayed on their owners.
         rebalanced: whether sequences move at all.
+        method: ``balanced`` (the balancer's partition), ``keep-local`` or ``stay``.
     """
 
     counts: list[int]
@@ -159,6 +160,7 @@ class ExchangePlan:
     loads: np.ndarray
     loads_unbalanced: np.ndarray
     rebalanced: bool
+    method: str = "balanced"
 
     @property
     def world_size(self) -> int:
@@ -201,15 +203,25 @@ class ExchangePlan:
             f"{prefix}max_load_without": float(np.max(self.loads_unbalanced)) if len(self.loads) else 0.0,
             f"{prefix}moved_sequences": float(moved),
             f"{prefix}kept_sequences": float(self.kept.numel()),
+            f"{prefix}keep_local_plan": float(self.method == "keep-local"),
         }
 
 
-def make_plan(meta: GlobalMetadata, kept, cfg: Any) -> ExchangePlan:
+def make_plan(meta: GlobalMetadata, kept, cfg: Any, *, move_tolerance: float = 0.01) -> ExchangePlan:
     """Assign the survivors ``kept`` (global indices) to ranks with the core balancer.
 
     ``cfg`` supplies ``rebalance``, ``equal_size``, ``workload_linear`` and
     ``workload_quadratic`` (a ``CPPOConfig``). Without ``rebalance`` survivors stay put.
+
+    Two candidate plans: the balancer's partition (each part given to the rank that
+    already holds most of it), and a keep-local plan (each rank keeps its own survivors,
+    largest first, up to the balancer's largest load; the overflow goes longest-first to
+    the least loaded rank). The keep-local plan moves far fewer sequences; it is taken
+    when its largest load is within ``move_tolerance`` (relative) of the balancer's.
+    ``move_tolerance=0`` takes it only when it is as good. Not used with ``equal_size``.
     """
+    if not (isinstance(move_tolerance, (int, float)) and move_tolerance >= 0):
+        raise ValueError(f"move_tolerance must be a number >= 0, got {move_tolerance!r}")
     n = int(sum(meta.counts))
     kept = torch.as_tensor(kept, dtype=torch.int64).cpu()
     if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= n):
@@ -228,18 +240,51 @@ def make_plan(meta: GlobalMetadata, kept, cfg: Any) -> ExchangePlan:
     unbalanced = np.zeros(world)
     np.add.at(unbalanced, owner[kept].numpy(), work[kept].numpy())
     rebalance = bool(getattr(cfg, "rebalance", True))
+    equal_size = bool(getattr(cfg, "equal_size", False))
     if rebalance and world > 1 and kept.numel():
-        part = balance_partitions(work[kept], world, equal_size=bool(getattr(cfg, "equal_size", False)))
-        # Rank r takes part r; parts are ordered so that rank r gets the part that keeps most
-        # of its own sequences — fewer bytes on the wire, same loads.
-        assign = _match_parts_to_owners(part.parts, owner[kept].numpy(), world)
-        for r, p in enumerate(assign):
-            dest[kept[p]] = r
-        loads = np.array([float(work[kept[p]].sum()) for p in assign])
+        wk, ok = work[kept].numpy(), owner[kept].numpy()
+        part = balance_partitions(work[kept], world, equal_size=equal_size)
+        method = "balanced"
+        assign = np.empty(kept.numel(), dtype=np.int64)
+        for r, p in enumerate(_match_parts_to_owners(part.parts, ok, world)):
+            assign[p] = r
+        if not equal_size:
+            local = _keep_local_assignment(wk, ok, world, cap=part.max_load)
+            local_max = np.bincount(local, weights=wk, minlength=world).max()
+            if local_max <= part.max_load * (1 + move_tolerance):
+                assign, method = local, "keep-local"
+        dest[kept] = torch.from_numpy(assign)
+        loads = np.bincount(assign, weights=wk, minlength=world).astype(np.float64)
     else:
         dest[kept] = owner[kept]
         loads = unbalanced.copy()
-    return ExchangePlan(list(meta.counts), kept, dest, work, loads, unbalanced, rebalance and world > 1)
+        method = "stay"
+    return ExchangePlan(list(meta.counts), kept, dest, work, loads, unbalanced, rebalance and world > 1, method)
+
+
+def _keep_local_assignment(w: np.ndarray, owners: np.ndarray, world: int, cap: float) -> np.ndarray:
+    """Each rank keeps its own items, largest first, while its load stays <= cap; the rest
+    go largest first to the least loaded rank (ties: lowest rank)."""
+    import heapq
+
+    k = w.size
+    order = np.lexsort((np.arange(k), -w, owners))  # by owner, then largest first
+    ow = owners[order]
+    csum = np.cumsum(w[order])
+    start = np.searchsorted(ow, ow, side="left")  # first position of each item's owner block
+    before = np.where(start > 0, csum[np.maximum(start - 1, 0)], 0.0)
+    keep_sorted = (csum - before) <= cap * (1 + 1e-12)
+    assign = np.full(k, -1, dtype=np.int64)
+    assign[order[keep_sorted]] = ow[keep_sorted]
+    loads = np.bincount(owners[assign >= 0], weights=w[assign >= 0], minlength=world).astype(np.float64)
+    heap = [(float(loads[r]), r) for r in range(world)]
+    heapq.heapify(heap)
+    rest = np.nonzero(assign < 0)[0]
+    for i in rest[np.lexsort((rest, -w[rest]))]:
+        load, r = heapq.heappop(heap)
+        assign[i] = r
+        heapq.heappush(heap, (load + float(w[i]), r))
+    return assign
 
 
 def _match_parts_to_owners(parts: list[list[int]], owners: np.ndarray, world: int) -> list[list[int]]:
@@ -249,15 +294,16 @@ def _match_parts_to_owners(parts: list[list[int]], owners: np.ndarray, world: in
         if p:
             np.add.at(overlap[i], owners[p], 1)
     out: list[Optional[list[int]]] = [None] * world
-    free_parts = set(range(len(parts)))
-    free_ranks = set(range(world))
-    # largest overlaps first; deterministic order
-    pairs = sorted(((-overlap[i, r], i, r) for i in range(len(parts)) for r in range(world)))
-    for _, i, r in pairs:
-        if i in free_parts and r in free_ranks:
+    free_parts = np.ones(len(parts), dtype=bool)
+    free_ranks = np.ones(world, dtype=bool)
+    # largest overlaps first; ties by part, then rank (deterministic)
+    flat = overlap.reshape(-1)
+    cand = np.lexsort((np.tile(np.arange(world), len(parts)), np.repeat(np.arange(len(parts)), world), -flat))
+    for c in cand:
+        i, r = divmod(int(c), world)
+        if free_parts[i] and free_ranks[r]:
             out[r] = parts[i]
-            free_parts.discard(i)
-            free_ranks.discard(r)
+            free_parts[i] = free_ranks[r] = False
     return [p if p is not None else [] for p in out]
 
 
@@ -541,6 +587,7 @@ def prune_and_exchange(
     step: int = 0,
     group=None,
     device=None,
+    move_tolerance: float = 0.01,
 ) -> ExchangeResult:
     """Decide the survivors over all ranks of ``group`` and rebalance them.
 
@@ -555,6 +602,8 @@ def prune_and_exchange(
             pipeline parallelism call this on every rank with its DP group; the ranks of a
             model-parallel group hold the same data and so receive the same rows.
         device: where communication buffers live (default: cuda for NCCL, else cpu).
+        move_tolerance: accept a plan that moves far fewer sequences if its largest rank
+            workload is within this fraction of the balancer's (``make_plan``).
     """
     n = len(rewards)
     for name, v in fields.items():
@@ -562,7 +611,7 @@ def prune_and_exchange(
             raise ValueError(f"field {name!r} has {len(v)} rows but there are {n} rewards")
     meta = gather_metadata(rewards, group_ids, lengths, group=group, device=device)
     result = prune(meta.rewards, meta.group_ids, cfg, step=step)
-    plan = make_plan(meta, result.selection.kept, cfg)
+    plan = make_plan(meta, result.selection.kept, cfg, move_tolerance=move_tolerance)
     rank, world = _group_ctx(group)
     send_rows = [plan.sent(rank, d) for d in range(world)]
     recv_counts = [int(plan.sent(s, rank).numel()) for s in range(world)]

@@ -161,3 +161,27 @@ def test_plan_rejects_bad_kept():
         make_plan(meta, [0, 0], CPPOConfig())
     with pytest.raises(ValueError, match=r"\[0, 3\)"):
         make_plan(meta, [5], CPPOConfig())
+
+
+def test_plan_keeps_survivors_local_when_balance_allows():
+    # 64 ranks, 100k long-tailed sequences: the keep-local plan must balance as well as the
+    # balancer (within the tolerance) while moving a small share of the survivors
+    w, per = 64, 1500
+    n = w * per
+    g = torch.Generator().manual_seed(0)
+    meta = GlobalMetadata([per] * w, torch.rand(n, generator=g, dtype=torch.float64), torch.arange(n) // 16,
+                          torch.exp(6 + torch.randn(n, generator=g)).clamp(8, 16384).long())
+    cfg = CPPOConfig(pruning_rate=0.875)
+    kept = prune(meta.rewards, meta.group_ids, cfg).selection.kept
+    local = make_plan(meta, kept, cfg)
+    best = make_plan(meta, kept, cfg, move_tolerance=0.0)
+    spread = make_plan(meta, kept, CPPOConfig(pruning_rate=0.875, equal_size=True))
+    for plan in (local, best, spread):
+        assert torch.equal((plan.dest >= 0).nonzero().squeeze(1), kept)  # survivors placed, pruned not
+    m = local.metrics()
+    assert local.method == "keep-local" and m["cppo/exchange_keep_local_plan"] == 1.0
+    assert m["cppo/exchange_imbalance"] <= 1.01 * best.metrics()["cppo/exchange_imbalance"]
+    assert m["cppo/exchange_imbalance"] < 0.85 * m["cppo/exchange_imbalance_without"]
+    assert m["cppo/exchange_moved_sequences"] < 0.3 * kept.numel()
+    assert spread.method == "balanced"
+    np.testing.assert_allclose(local.loads.sum(), local.loads_unbalanced.sum())
