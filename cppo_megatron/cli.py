@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("cppo_megatron.commands.train", "train with GRPO/CPPO on one machine from a recipe YAML (the main job)"),
     "openrlhf": ("cppo_megatron.commands.openrlhf", "train with OpenRLHF 0.11.2 + CPPO from a recipe (recipes/openrlhf/*.yaml); --dry-run checks it"),
     "patch": ("cppo_megatron.commands.patch", "check or apply the CPPO source patch to an installed framework (openrlhf)"),
+    "megatron-check": ("cppo_megatron.commands.megatron_check", "HF -> megatron TP/PP/DP on local processes: log-probs vs HF, weight round trip, one pruned rebalanced update"),
 }
 
 EPILOG = """\
@@ -27,12 +28,14 @@ examples:
   cppo-megatron demo --group-size 16 --pruning-rate 0.875 --ranks 8
   cppo-megatron openrlhf recipes/openrlhf/qwen2.5-1.5b-gsm8k-cppo.yaml --dry-run
   cppo-megatron patch openrlhf --check
+  cppo-megatron megatron-check --tp 2 --pp 1 --dp 2
   cppo-megatron COMMAND --help      (options of one command)
 """
 
 
 def _top_parser() -> argparse.ArgumentParser:
-    lines = "\n".join(f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items())
+    width = max(len(n) for n in COMMANDS) + 2
+    lines = "\n".join(f"  {name:<{width}} {help_}" for name, (_, help_) in COMMANDS.items())
     return argparse.ArgumentParser(
         prog="cppo-megatron",
         description=(

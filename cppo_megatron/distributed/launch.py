@@ -1,0 +1,100 @@
+"""Run one function on W local processes joined in a gloo process group.
+
+For tests and CPU experiments: ``run_local(fn, 4, *args)`` forks four workers, each calls
+``fn(rank, world_size, *args)`` after ``init_process_group("gloo")``, and the return
+values come back as a list indexed by rank. A failure on any rank raises with that
+rank's traceback. Forking (the default) reuses the parent's imports, which matters for
+megatron-core (~9 s to import); each worker runs torch on one thread.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "run_local"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(fn, rank, world, port, queue, args, threads):
+    try:
+        torch.set_num_threads(threads)
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+        )
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        try:
+            out = fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        # plain pickle: torch's queue reducers share tensors through file descriptors that
+        # vanish when the worker exits
+        queue.put((rank, True, pickle.dumps(out)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    start_method: str = "fork",
+    threads: int = 1,
+) -> list:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return the results."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    ctx = mp.get_context(start_method)
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args, threads), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    import time
+
+    deadline = time.monotonic() + timeout
+    while len(results) + len(errors) < world_size:
+        if not queue.empty():
+            rank, ok, payload = queue.get()
+            if ok:
+                results[rank] = pickle.loads(payload)
+            else:
+                errors.append(f"rank {rank} failed:\n{payload}")
+                # peers usually fail too (closed connections) or block in a collective:
+                # give them a moment to report, then stop them below
+                deadline = min(deadline, time.monotonic() + 5.0)
+            continue
+        if time.monotonic() > deadline:
+            if not errors:
+                errors.append(f"timed out after {timeout:.0f} s; finished ranks: {sorted(results)}")
+            break
+        if all(not p.is_alive() for p in procs) and queue.empty():
+            errors.append(f"workers exited without reporting; exit codes {[p.exitcode for p in procs]}")
+            break
+        time.sleep(0.02)
+    for p in procs:
+        if errors and p.is_alive():
+            p.terminate()
+        p.join(timeout=10)
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

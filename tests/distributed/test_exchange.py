@@ -1,0 +1,187 @@
+"""prune_and_exchange on 4 real gloo processes: uneven inputs (one rank empty, one with no
+survivors), groups spanning ranks, ragged and dense fields; checked against a
+single-process reference computed from the same generated data."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from cppo_megatron import CPPOConfig
+from cppo_megatron.core import prune, sequence_workload
+from cppo_megatron.distributed import make_plan, prune_and_exchange, rank_wait_metrics, run_local
+from cppo_megatron.distributed.exchange import GlobalMetadata
+
+COUNTS = [7, 0, 5, 9]  # rank 1 holds nothing
+GROUP = 3  # groups of 3 consecutive global rows: group 2 spans ranks 0 and 2
+
+
+def global_data(seed=0):
+    n = sum(COUNTS)
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 40, (n,), generator=g)
+    rewards = torch.rand(n, generator=g, dtype=torch.float64)
+    rewards[6:12] = 0.5  # groups 2 and 3 have no signal: rank 2 (rows 7..11) keeps nothing
+    tokens = [torch.randint(0, 1000, (int(L),), generator=g) for L in lengths]
+    logp = [-torch.rand(int(L), generator=g) for L in lengths]
+    mask = torch.rand(n, 8, generator=g) > 0.3
+    extra = torch.randn(n, 2, 3, generator=g, dtype=torch.float64)
+    group_ids = torch.arange(n) // GROUP + 100
+    return dict(lengths=lengths, rewards=rewards, tokens=tokens, logp=logp, mask=mask, extra=extra, group_ids=group_ids)
+
+
+def local_slice(d, rank):
+    lo = sum(COUNTS[:rank])
+    hi = lo + COUNTS[rank]
+    return {k: (v[lo:hi] if isinstance(v, torch.Tensor) else v[lo:hi]) for k, v in d.items()}
+
+
+def row_value(tokens):
+    return float(tokens.sum()) + 0.25 * tokens.numel()
+
+
+CONFIGS = {
+    "batch": dict(pruning_rate=0.5, scope="batch", seed=3),
+    "group_equal": dict(keep_per_group=2, scope="group", equal_size=True, seed=1),
+    "no_rebalance": dict(pruning_rate=0.5, scope="batch", rebalance=False, seed=3),
+}
+
+
+def _worker(rank, world):
+    d = local_slice(global_data(), rank)
+    out = {}
+    for name, kw in CONFIGS.items():
+        cfg = CPPOConfig(**kw)
+        fields = {"tokens": d["tokens"], "logp": d["logp"], "mask": d["mask"], "extra": d["extra"]}
+        res = prune_and_exchange(fields, d["rewards"], d["group_ids"], d["lengths"], cfg, step=5)
+        got = res.fields
+        # what a log-prob pass would compute on the received rows
+        dense = torch.tensor([row_value(t) for t in got["tokens"]], dtype=torch.float64)
+        ragged = [2.0 * t for t in got["logp"]]
+        out[name] = dict(
+            global_index=res.global_index,
+            fields=got,
+            advantages=res.advantages,
+            group_ids=res.group_ids,
+            loads=res.handle.plan.loads,
+            loads_without=res.handle.plan.loads_unbalanced,
+            local_kept=res.handle.local_kept,
+            back_dense=res.handle.return_to_owners(dense),
+            back_ragged=res.handle.return_to_owners(ragged),
+            metrics=res.metrics,
+        )
+    out["wait"] = rank_wait_metrics(float(rank + 1))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_local(_worker, len(COUNTS), timeout=120)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_exchange_preserves_moves_and_returns(results, name):
+    d = global_data()
+    cfg = CPPOConfig(**CONFIGS[name])
+    ref = prune(d["rewards"], d["group_ids"], cfg, step=5)
+    kept = ref.selection.kept
+    world = len(COUNTS)
+    per_rank = [r[name] for r in results]
+
+    # every rank decided the same plan, identical to a one-process decision on the whole batch
+    received = torch.cat([r["global_index"] for r in per_rank])
+    assert sorted(received.tolist()) == kept.tolist(), "a survivor was lost or duplicated"
+    for r in per_rank[1:]:
+        np.testing.assert_array_equal(r["loads"], per_rank[0]["loads"])
+
+    work = sequence_workload(d["lengths"].double())
+    for rank, r in enumerate(per_rank):
+        gi = r["global_index"]
+        assert gi.tolist() == sorted(gi.tolist()), "received rows must be in global order"
+        # contents travelled intact, ragged and dense, every dtype
+        assert len(r["fields"]["tokens"]) == gi.numel()
+        for j, i in enumerate(gi.tolist()):
+            assert torch.equal(r["fields"]["tokens"][j], d["tokens"][i])
+            assert torch.equal(r["fields"]["logp"][j], d["logp"][i])
+        assert torch.equal(r["fields"]["mask"], d["mask"][gi])
+        assert torch.equal(r["fields"]["extra"], d["extra"][gi])
+        assert r["fields"]["mask"].dtype == torch.bool
+        torch.testing.assert_close(r["advantages"], ref.advantages[gi].float())
+        assert torch.equal(r["group_ids"], d["group_ids"][gi])
+        # the workload this rank holds is the planned one
+        assert math.isclose(float(work[gi].sum()), float(r["loads"][rank]), rel_tol=1e-12, abs_tol=1e-9)
+
+        # results come back to their owners in the original order; pruned rows get the fill
+        lo = sum(COUNTS[:rank])
+        mine_kept = [i - lo for i in kept.tolist() if lo <= i < lo + COUNTS[rank]]
+        assert r["local_kept"].tolist() == mine_kept
+        back = r["back_dense"]
+        assert back.shape == (COUNTS[rank],)
+        for i in range(COUNTS[rank]):
+            if i in mine_kept:
+                assert back[i].item() == row_value(d["tokens"][lo + i])
+                assert torch.equal(r["back_ragged"][i], 2.0 * d["logp"][lo + i])
+            else:
+                assert math.isnan(back[i].item()) and r["back_ragged"][i] is None
+
+    loads = per_rank[0]["loads"]
+    without = per_rank[0]["loads_without"]
+    owner_load = [float(work[[i for i in kept.tolist() if sum(COUNTS[:s]) <= i < sum(COUNTS[: s + 1])]].sum())
+                  for s in range(world)]
+    np.testing.assert_allclose(without, owner_load)
+    if name == "no_rebalance":
+        np.testing.assert_allclose(loads, without)
+    else:
+        assert loads.max() < without.max(), "rebalancing must lower the largest rank workload here"
+    if name == "batch":
+        # the uneven case the issue names: rank 1 had no rows, rank 2 no survivors
+        assert per_rank[0]["metrics"]["cppo/exchange_imbalance"] < per_rank[0]["metrics"]["cppo/exchange_imbalance_without"]
+        assert without[1] == 0 and without[2] == 0
+        assert per_rank[1]["global_index"].numel() > 0 and per_rank[2]["global_index"].numel() > 0
+    if name == "group_equal":
+        sizes = [r["global_index"].numel() for r in per_rank]
+        assert max(sizes) - min(sizes) <= 1
+
+
+def test_rank_wait_metrics(results):
+    # ranks took 1, 2, 3, 4 s: they wait 3, 2, 1, 0 s for the slowest
+    for r in results:
+        w = r["wait"]
+        assert w["cppo/rank_time_max"] == 4.0 and w["cppo/rank_time_mean"] == 2.5
+        assert w["cppo/rank_wait_max"] == 3.0 and w["cppo/rank_wait_mean"] == 1.5
+        assert w["cppo/rank_wait_fraction"] == pytest.approx(6.0 / 16.0)
+        assert w["cppo/rank_time_imbalance"] == pytest.approx(1.6)
+
+
+def test_plan_rejects_bad_kept():
+    meta = GlobalMetadata([2, 1], torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.int64),
+                          torch.ones(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="duplicates"):
+        make_plan(meta, [0, 0], CPPOConfig())
+    with pytest.raises(ValueError, match=r"\[0, 3\)"):
+        make_plan(meta, [5], CPPOConfig())
+
+
+def test_plan_keeps_survivors_local_when_balance_allows():
+    # 64 ranks, 100k long-tailed sequences: the keep-local plan must balance as well as the
+    # balancer (within the tolerance) while moving a small share of the survivors
+    w, per = 64, 1500
+    n = w * per
+    g = torch.Generator().manual_seed(0)
+    meta = GlobalMetadata([per] * w, torch.rand(n, generator=g, dtype=torch.float64), torch.arange(n) // 16,
+                          torch.exp(6 + torch.randn(n, generator=g)).clamp(8, 16384).long())
+    cfg = CPPOConfig(pruning_rate=0.875)
+    kept = prune(meta.rewards, meta.group_ids, cfg).selection.kept
+    local = make_plan(meta, kept, cfg)
+    best = make_plan(meta, kept, cfg, move_tolerance=0.0)
+    spread = make_plan(meta, kept, CPPOConfig(pruning_rate=0.875, equal_size=True))
+    for plan in (local, best, spread):
+        assert torch.equal((plan.dest >= 0).nonzero().squeeze(1), kept)  # survivors placed, pruned not
+    m = local.metrics()
+    assert local.method == "keep-local" and m["cppo/exchange_keep_local_plan"] == 1.0
+    assert m["cppo/exchange_imbalance"] <= 1.01 * best.metrics()["cppo/exchange_imbalance"]
+    assert m["cppo/exchange_imbalance"] < 0.85 * m["cppo/exchange_imbalance_without"]
+    assert m["cppo/exchange_moved_sequences"] < 0.3 * kept.numel()
+    assert spread.method == "balanced"
+    np.testing.assert_allclose(local.loads.sum(), local.loads_unbalanced.sum())

@@ -1,0 +1,73 @@
+"""MegatronActor on 2 gloo processes (DP2, reference model, mu=2): three CPPO steps move the
+policy toward the positive-advantage completions, only survivors are forwarded, and the
+exported HF weights reproduce the updated policy's log-probs (the rollout weight sync)."""
+
+import pytest
+import torch
+
+from ._common import VOCAB, hf_logprobs, hf_model, transformers
+
+import cppo_megatron.megatron as cm
+from cppo_megatron import CPPOConfig
+from cppo_megatron.core import prune
+from cppo_megatron.distributed import run_local
+
+pytestmark = pytest.mark.megatron
+
+N, G, MU = 16, 4, 2
+CPPO = dict(pruning_rate=0.5, seed=2)
+
+
+def rollouts():
+    g = torch.Generator().manual_seed(9)
+    lengths = torch.randint(5, 12, (N,), generator=g)
+    seqs = [torch.randint(0, VOCAB, (int(L),), generator=g) for L in lengths]
+    masks = [torch.arange(int(L) - 1) >= 2 for L in lengths]
+    rewards = torch.randint(0, 2, (N,), generator=g).double()
+    return seqs, masks, rewards, torch.arange(N) // G
+
+
+def _worker(rank, world):
+    hf = hf_model()
+    actor = cm.MegatronActor(hf.config, hf.state_dict(), cm.ActorConfig(lr=3e-3, mu=MU, clip_grad=1.0,
+                                                                       loss=cm.PolicyLossConfig(kl_coef=0.04)))
+    seqs, masks, rewards, gids = rollouts()
+    mine = slice(rank * N // 2, (rank + 1) * N // 2)
+    before = actor.logprobs(seqs)
+    metrics = [actor.step(seqs[mine], masks[mine], rewards[mine], gids[mine], CPPOConfig(**CPPO), step=0)
+               for _ in range(3)]
+    after = actor.logprobs(seqs)
+    exported = actor.hf_state_dict()
+    cm.destroy_parallel()
+    return dict(before=before, after=after, exported=exported, metrics=metrics)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_local(_worker, 2, timeout=240)
+
+
+def test_actor_steps_learn_and_sync(results):
+    seqs, masks, rewards, gids = rollouts()
+    res = prune(rewards, gids, CPPOConfig(**CPPO), step=0)
+    kept, adv = res.selection.kept.tolist(), res.advantages
+
+    def score(lps):  # advantage-weighted mean response log-prob of the survivors
+        return sum(float(adv[i]) * float(lps[i][masks[i]].mean()) for i in kept)
+
+    r0 = results[0]
+    assert score(r0["after"]) > score(r0["before"]) + 1e-3
+    for m in r0["metrics"]:
+        assert m["cppo/num_kept"] == len(kept)
+        assert sum(r["metrics"][0]["cppo/forwarded_sequences_self"] for r in results) == len(kept) * (2 + MU)
+        assert m["actor/grad_norm"] > 0 and m["cppo/rank_wait_max"] >= 0
+    # weight sync: the exported state dict, loaded into the HF model, is the updated policy
+    synced = hf_model()
+    missing, unexpected = synced.load_state_dict(r0["exported"], strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied head = the embedding
+    if synced.config.tie_word_embeddings:
+        assert synced.lm_head.weight.data_ptr() == synced.model.embed_tokens.weight.data_ptr()
+    for got, want in zip(r0["after"], hf_logprobs(synced, seqs)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    for k, v in results[1]["exported"].items():
+        assert torch.equal(v, r0["exported"][k])
