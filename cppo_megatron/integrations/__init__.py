@@ -1,0 +1,1 @@
+"""Thin adapters that run the CPPO core inside other training frameworks (one folder each)."""
