@@ -177,3 +177,40 @@ def prepare(config: Any) -> AllocationPlan | None:
     cppo_config_from(config)
     check_compatible(config)
     return apply_allocation(config)
+
+
+def overlay_mismatches(overlay: Any, base: Any, prefix: str = "") -> list[str]:
+    """Keys of ``overlay`` (a recipe) that ``base`` (veRL's composed config) lacks, or whose
+    value type differs from veRL's. Hydra composition accepts new keys silently, so a typo in
+    a recipe would otherwise go unnoticed. Returns "key: reason" lines (empty when fine)."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    problems = []
+    for key in overlay:
+        if not prefix and key in ("hydra", "defaults", "cppo"):
+            continue
+        path = f"{prefix}{key}"
+        if key not in base:
+            problems.append(f"{path}: not a key of veRL's config")
+            continue
+        value = OmegaConf.to_container(overlay, resolve=False)[key] if isinstance(overlay, DictConfig) else overlay[key]
+        known = base._get_node(key)._value() if isinstance(base, DictConfig) else base[key]
+        if isinstance(value, dict):
+            if isinstance(known, DictConfig):
+                problems += overlay_mismatches(overlay[key], base[key], path + ".")
+            elif known is not None:
+                problems.append(f"{path}: a mapping where veRL has {type(known).__name__}")
+            continue
+        if known is None or isinstance(known, str) and known.startswith("???") or value is None:
+            continue
+        if isinstance(known, (DictConfig, ListConfig)):
+            ok = isinstance(value, list) == isinstance(known, ListConfig)
+        elif isinstance(known, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(known, (int, float)):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, type(known)) or isinstance(value, str) and value.startswith("${")
+        if not ok:
+            problems.append(f"{path}: {value!r} ({type(value).__name__}) where veRL has {type(known).__name__}")
+    return problems
