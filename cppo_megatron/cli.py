@@ -15,12 +15,14 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("cppo_megatron.commands.doctor", "report which backends (torch/CUDA, megatron-core, veRL, vLLM, Ray, ...) import, with versions"),
     "demo": ("cppo_megatron.commands.demo", "run the CPPO core on synthetic rewards: advantages, pruning, allocation, balancing, timing"),
+    "verl": ("cppo_megatron.commands.verl", "train with veRL 0.9.1 + CPPO (= python -m cppo_megatron.integrations.verl.main; veRL hydra overrides)"),
 }
 
 EPILOG = """\
 examples:
   cppo-megatron doctor
   cppo-megatron demo --group-size 16 --pruning-rate 0.875 --ranks 8
+  cppo-megatron verl --config-path=$PWD/recipes/verl --config-name=qwen2.5-1.5b-gsm8k-cppo
   cppo-megatron COMMAND --help      (options of one command)
 """
 

@@ -190,19 +190,20 @@ def overlay_mismatches(overlay: Any, base: Any, prefix: str = "") -> list[str]:
         if not prefix and key in ("hydra", "defaults", "cppo"):
             continue
         path = f"{prefix}{key}"
-        if key not in base:
+        if key not in base.keys():  # `in` is False for veRL's mandatory "???" values
             problems.append(f"{path}: not a key of veRL's config")
             continue
         value = OmegaConf.to_container(overlay, resolve=False)[key] if isinstance(overlay, DictConfig) else overlay[key]
-        known = base._get_node(key)._value() if isinstance(base, DictConfig) else base[key]
+        node = base._get_node(key)
         if isinstance(value, dict):
-            if isinstance(known, DictConfig):
+            if isinstance(node, DictConfig):
                 problems += overlay_mismatches(overlay[key], base[key], path + ".")
-            elif known is not None:
-                problems.append(f"{path}: a mapping where veRL has {type(known).__name__}")
+            elif not (node._is_none() or node._is_missing()):
+                problems.append(f"{path}: a mapping where veRL has {type(node._value()).__name__}")
             continue
-        if known is None or isinstance(known, str) and known.startswith("???") or value is None:
+        if value is None or node._is_none() or node._is_missing() or node._is_interpolation():
             continue
+        known = node if isinstance(node, (DictConfig, ListConfig)) else node._value()
         if isinstance(known, (DictConfig, ListConfig)):
             ok = isinstance(value, list) == isinstance(known, ListConfig)
         elif isinstance(known, bool):
