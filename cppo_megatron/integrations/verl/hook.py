@@ -11,7 +11,9 @@ installed here runs only when ``algorithm.adv_estimator == "cppo"``:
 4. pruned rows are dropped, and in V1 their stored data are cleared from TransferQueue;
 5. veRL's own ``_balance_batch`` then pads to the DP/mini-batch multiple and rebalances. V1
    pads with veRL's loss-free synthetic rows (``is_padding``); for the legacy loop this
-   module adds loss-free rows (response mask 0) itself, never duplicates of real rows.
+   module adds loss-free rows (response mask 0) itself, never duplicates of real rows;
+6. the core balancer is run on the same workloads (veRL's model, 24576 s + s^2); when it
+   lowers the largest rank's workload (``cppo.rebalance``), its order replaces veRL's.
 
 Metrics go into veRL's metrics dict under ``cppo/``.
 """
@@ -29,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...core import prune
+from ...core import balance_partitions, prune, sequence_workload
 from .runconfig import cppo_config_from, is_cppo
 from .stats import GroupRecord, record_groups
 
@@ -112,8 +114,9 @@ def prune_kv_batch(trainer, batch, metrics: dict):
     from transfer_queue import KVBatchMeta
 
     cfg = cppo_config_from(trainer.config)
-    real = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)]
-    pads = [i for i in range(len(batch)) if i not in set(real)]
+    padding = [bool(tag.get("is_padding", False)) for tag in batch.tags]
+    real = [i for i, p in enumerate(padding) if not p]
+    pads = [i for i, p in enumerate(padding) if p]
     keys = [batch.keys[i] for i in real]
     _check_single_output_sessions(keys)
     data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["uid", "rm_scores"])
@@ -213,20 +216,63 @@ def prune_dataproto(trainer, batch, metrics: dict):
 
 
 # ---------------------------------------------------------------------------------- install
-def _wrap(original, prune_fn, returns_batch: bool):
+def better_order(seq_lens: list[int], dp_size: int, cfg) -> tuple[list[int] | None, dict[str, float]]:
+    """Compare veRL's DP split (equal contiguous chunks of the order it chose) with the core
+    balancer on the same workload model; return the core's order when it lowers the largest
+    rank workload (and ``cfg.rebalance``), else None, plus ``cppo/balance_*`` metrics."""
+    n = len(seq_lens)
+    if dp_size < 1 or n == 0 or n % dp_size:
+        return None, {}
+    w = sequence_workload(torch.tensor(seq_lens, dtype=torch.float64), linear=cfg.workload_linear,
+                          quadratic=cfg.workload_quadratic)
+    chunk = n // dp_size
+    verl_max = float(w.view(dp_size, chunk).sum(dim=1).max())
+    mean = float(w.sum()) / dp_size
+    part = balance_partitions(w, dp_size, equal_size=True)
+    use = cfg.rebalance and part.max_load < verl_max * (1 - 1e-9) and all(len(p) == chunk for p in part.parts)
+    metrics = {
+        "cppo/balance_imbalance_verl": verl_max / mean if mean else 1.0,
+        "cppo/balance_imbalance_core": part.max_load / mean if mean else 1.0,
+        "cppo/balance_used_core": float(use),
+    }
+    return ([i for p in part.parts for i in p] if use else None), metrics
+
+
+def _v1_dp_size(trainer) -> int:
+    return max(trainer.actor_rollout_wg._dispatch_info["actor"]) + 1
+
+
+def _wrap(original, prune_fn, v1: bool):
     @functools.wraps(original)
     def _balance_batch(self, batch, metrics, *args, **kwargs):
         if not is_cppo(self.config):
             return original(self, batch, metrics, *args, **kwargs)
         before = len(batch)
         batch = prune_fn(self, batch, metrics)
+        kept = len(batch)
         out = original(self, batch, metrics, *args, **kwargs)
-        final = out if returns_batch else batch
-        if returns_batch:
-            metrics["cppo/padding_rows"] = float(len(final) - len(batch))
+        cfg = cppo_config_from(self.config)
+        if v1:
+            from transfer_queue import KVBatchMeta
+
+            metrics["cppo/padding_rows"] = float(len(out) - kept)
+            order, extra = better_order([int(t["seq_len"]) for t in out.tags], _v1_dp_size(self), cfg)
+            if order is not None:
+                out = KVBatchMeta(keys=[out.keys[i] for i in order], tags=[out.tags[i] for i in order],
+                                  partition_id=out.partition_id, fields=out.fields, extra_info=out.extra_info)
+            final = out
+        else:
+            keep_minibatch = bool(kwargs.get("keep_minibatch", args[1] if len(args) > 1 else False))
+            lens = batch.batch["attention_mask"].view(len(batch), -1).sum(-1).tolist()
+            dp = self._get_dp_size(self.actor_rollout_wg, "actor")
+            order, extra = (None, {}) if keep_minibatch else better_order([int(x) for x in lens], dp, cfg)
+            if order is not None:
+                batch.reorder(torch.tensor(order))
+            final = batch
+        metrics.update(extra)
         metrics["cppo/rows_in"] = float(before)
         metrics["cppo/rows_out"] = float(len(final))
-        return out
+        return out if v1 else None
 
     setattr(_balance_batch, _MARK, original)
     return _balance_batch
@@ -242,7 +288,7 @@ def _patch_module(module) -> bool:
     if hasattr(current, _MARK):
         return False
     v1 = module.__name__.endswith("trainer_base")
-    cls._balance_batch = _wrap(current, prune_kv_batch if v1 else prune_dataproto, returns_batch=v1)
+    cls._balance_batch = _wrap(current, prune_kv_batch if v1 else prune_dataproto, v1=v1)
     return True
 
 

@@ -57,6 +57,10 @@ def test_keeps_exactly_core_survivors_aligned(pruned):
     assert metrics["cppo/num_kept"] == 8 and metrics["cppo/num_pruned"] == 24
     assert metrics["cppo/kept_ratio"] == 0.25
     assert "global_seqlen/max" in metrics  # veRL's own rebalance ran after pruning
+    lens = batch.batch["attention_mask"].sum(-1).double()
+    w = 24576 * lens + lens * lens
+    final = float(w.view(3, -1).sum(1).max()) / (float(w.sum()) / 3)
+    assert final == pytest.approx(min(metrics["cppo/balance_imbalance_verl"], metrics["cppo/balance_imbalance_core"]))
 
 
 def test_pads_loss_free_to_dp_times_minibatch_multiple(pruned, config):

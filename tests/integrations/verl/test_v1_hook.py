@@ -102,6 +102,12 @@ def test_v1_prune_balance_advantage(tq, plugin, config):
     assert metrics["cppo/padding_rows"] == len(out) - len(real) == 16
     assert metrics["cppo/rows_cleared"] == 24 and metrics["cppo/num_kept"] == 8
     assert "global_seqlen/max" in metrics
+    # the split the workers get (equal contiguous chunks) has the better of veRL's and the core's loads
+    w = torch.tensor([t["seq_len"] for t in out.tags], dtype=torch.float64)
+    w = 24576 * w + w * w
+    final = float(w.view(DP, -1).sum(1).max()) / (float(w.sum()) / DP)
+    best = min(metrics["cppo/balance_imbalance_verl"], metrics["cppo/balance_imbalance_core"])
+    assert final == pytest.approx(best, rel=1e-12)
     data = tq.kv_batch_get(keys=out.keys, partition_id="train", select_fields=["uid", "row_id", "response_mask", "rm_scores"])
     pad = torch.tensor([t.get("is_padding", False) for t in out.tags])
     rows = data["row_id"][~pad]
