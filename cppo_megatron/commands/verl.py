@@ -5,7 +5,8 @@ Every argument goes to veRL's hydra command line (its config plus the `cppo` gro
   cppo-megatron verl cppo.pruning_rate=0.875 data.train_files=... actor_rollout_ref.model.path=...
   cppo-megatron verl --config-path=$PWD/recipes/verl --config-name=qwen2.5-1.5b-gsm8k-cppo
   cppo-megatron verl --cppo-dry-run ...     (print the config after allocation and exit)
-  cppo-megatron verl --check                (is the plugin visible to veRL? exit 0 if so)
+  cppo-megatron verl --check                (veRL 0.9.1, plugin loaded by `import verl`, hooked
+                                            methods unchanged? exit 0 if so)
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--check",
         action="store_true",
-        help="check that veRL is the supported version and that `import verl` loads the plugin",
+        help="check that veRL is the supported version, that `import verl` loads the plugin and "
+        "that the veRL methods it hooks are unchanged (drift guard)",
     )
 
 
@@ -33,9 +35,10 @@ def _check() -> int:
     code = (
         "import json, sys, verl\n"
         "from verl.trainer.ppo import core_algos\n"
-        "print(json.dumps({'verl': verl.__version__,"
-        " 'plugin_loaded': 'cppo_megatron.integrations.verl' in sys.modules,"
-        " 'estimator': 'cppo' in core_algos.ADV_ESTIMATOR_REGISTRY}))\n"
+        "loaded = 'cppo_megatron.integrations.verl' in sys.modules\n"
+        "from cppo_megatron.integrations.verl import drift\n"
+        "print(json.dumps({'verl': verl.__version__, 'plugin_loaded': loaded,"
+        " 'estimator': 'cppo' in core_algos.ADV_ESTIMATOR_REGISTRY, 'drift': drift.changed()}))\n"
     )
     env = dict(os.environ)
     env.pop("VERL_USE_EXTERNAL_MODULES", None)
@@ -48,7 +51,7 @@ def _check() -> int:
 
     report["supported_verl"] = SUPPORTED_VERL
     print(json.dumps(report))
-    ok = report["plugin_loaded"] and report["estimator"] and report["verl"] == SUPPORTED_VERL
+    ok = report["plugin_loaded"] and report["estimator"] and not report["drift"] and report["verl"] == SUPPORTED_VERL
     return 0 if ok else 1
 
 

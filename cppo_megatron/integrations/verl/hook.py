@@ -89,7 +89,8 @@ def decide(uids: list, rewards: torch.Tensor, cfg, step: int):
 
 def _metrics(result, cfg, extra: dict[str, float]) -> dict[str, float]:
     out = result.metrics()
-    out["cppo/pruning_rate"] = float(cfg.rate if cfg.keep_per_group is None else float("nan"))
+    if cfg.keep_per_group is None:
+        out["cppo/pruning_rate"] = float(cfg.rate)
     out.update(extra)
     return out
 

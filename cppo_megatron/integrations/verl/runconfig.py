@@ -82,6 +82,12 @@ def check_compatible(config: Any) -> None:
             "old-policy log-probs, which pruning runs before. Use the KL loss "
             "(actor_rollout_ref.actor.use_kl_loss=True), as the paper does."
         )
+    cfg = cppo_config_from(config)
+    if not bool(algorithm.get("norm_adv_by_std_in_grpo", True)) and cfg.adv_norm == "std":
+        raise ValueError(
+            "algorithm.norm_adv_by_std_in_grpo=False (Dr. GRPO) but cppo.adv_norm=std: the cppo "
+            "estimator follows cppo.adv_norm; set cppo.adv_norm=none"
+        )
     trainer = config.trainer
     if not bool(trainer.get("use_v1", True)) and not bool(trainer.get("balance_batch", True)):
         raise ValueError(

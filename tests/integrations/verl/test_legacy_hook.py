@@ -123,3 +123,23 @@ def test_inactive_without_cppo_estimator(plugin, config):
     metrics: dict = {}
     bare_trainer(config, dp_size=2)._balance_batch(batch, metrics=metrics)
     assert len(batch) == B * G and not any(k.startswith("cppo/") for k in metrics)
+
+
+def test_with_allocation_kept_rows_fill_mini_batches_without_padding(plugin, config):
+    """apply_allocation: 4 -> 16 prompts; 16 x k=2 = 32 kept = 2 mini-batches of 2 prompts x 8,
+    exactly GRPO's 4 x 8 batch: no padding row on 2 DP ranks."""
+    from omegaconf import open_dict
+
+    from cppo_megatron.integrations.verl import apply_allocation
+
+    with open_dict(config):
+        config.actor_rollout_ref.actor.ppo_mini_batch_size = 2
+    plan = apply_allocation(config)
+    assert config.data.train_batch_size == 16 and plan.kept_per_step == 32
+    batch = make_dataproto(rewards_table(seed=4, prompts=16, group=G), seed=4)
+    metrics: dict = {}
+    bare_trainer(config, dp_size=2)._balance_batch(batch, metrics=metrics)
+    assert len(batch) == 32 and metrics["cppo/padding_rows"] == 0
+    assert not batch.non_tensor_batch["cppo_is_padding"].any()
+    assert len(batch) % (config.actor_rollout_ref.actor.ppo_mini_batch_size * G) == 0
+    assert sorted(np.unique(batch.non_tensor_batch["uid"], return_counts=True)[1].tolist()) == [2] * 16

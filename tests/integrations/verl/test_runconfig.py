@@ -60,6 +60,7 @@ def test_allocation_errors_name_the_value(config):
     [
         ("algorithm.use_kl_in_reward", True, "use_kl_in_reward"),
         ("algorithm.filter_groups.enable", True, "filter_groups"),
+        ("algorithm.norm_adv_by_std_in_grpo", False, "cppo.adv_norm=none"),
     ],
 )
 def test_incompatible_settings(config, key, value, match):
