@@ -216,7 +216,7 @@ def prune_dataproto(trainer, batch, metrics: dict):
     return batch
 
 
-# ---------------------------------------------------------------------------------- install
+# ---------------------------------------------------------------------------------- balance
 def better_order(seq_lens: list[int], dp_size: int, cfg) -> tuple[list[int] | None, dict[str, float]]:
     """Compare veRL's DP split (equal contiguous chunks of the order it chose) with the core
     balancer on the same workload model; return the core's order when it lowers the largest
@@ -243,6 +243,7 @@ def _v1_dp_size(trainer) -> int:
     return max(trainer.actor_rollout_wg._dispatch_info["actor"]) + 1
 
 
+# ---------------------------------------------------------------------------------- install
 def _wrap(original, prune_fn, v1: bool):
     @functools.wraps(original)
     def _balance_batch(self, batch, metrics, *args, **kwargs):
