@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "openrlhf": ("cppo_megatron.commands.openrlhf", "train with OpenRLHF 0.11.2 + CPPO from a recipe (recipes/openrlhf/*.yaml); --dry-run checks it"),
     "patch": ("cppo_megatron.commands.patch", "check or apply the CPPO source patch to an installed framework (openrlhf)"),
     "megatron-check": ("cppo_megatron.commands.megatron_check", "HF -> megatron TP/PP/DP on local processes: log-probs vs HF, weight round trip, one pruned rebalanced update"),
+    "verl": ("cppo_megatron.commands.verl", "train with veRL 0.9.1 + CPPO (= python -m cppo_megatron.integrations.verl.main; veRL hydra overrides)"),
 }
 
 EPILOG = """\
@@ -29,6 +30,7 @@ examples:
   cppo-megatron openrlhf recipes/openrlhf/qwen2.5-1.5b-gsm8k-cppo.yaml --dry-run
   cppo-megatron patch openrlhf --check
   cppo-megatron megatron-check --tp 2 --pp 1 --dp 2
+  cppo-megatron verl --config-path=$PWD/recipes/verl --config-name=qwen2.5-1.5b-gsm8k-cppo
   cppo-megatron COMMAND --help      (options of one command)
 """
 

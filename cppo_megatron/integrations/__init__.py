@@ -1,1 +1,2 @@
-"""Thin adapters that put the CPPO core into training frameworks; each imports its framework lazily."""
+"""Thin adapters that run the CPPO core inside other training frameworks (one folder each);
+each imports its framework lazily."""

@@ -1,0 +1,67 @@
+"""Train with veRL 0.9.1 and CPPO: an alias of `python -m cppo_megatron.integrations.verl.main`.
+
+Every argument goes to veRL's hydra command line (its config plus the `cppo` group):
+
+  cppo-megatron verl cppo.pruning_rate=0.875 data.train_files=... actor_rollout_ref.model.path=...
+  cppo-megatron verl --config-path=$PWD/recipes/verl --config-name=qwen2.5-1.5b-gsm8k-cppo
+  cppo-megatron verl --cppo-dry-run ...     (print the config after allocation and exit)
+  cppo-megatron verl --check                (veRL 0.9.1, plugin loaded by `import verl`, hooked
+                                            methods unchanged? exit 0 if so)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+PASSTHROUGH = True
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check that veRL is the supported version, that `import verl` loads the plugin and "
+        "that the veRL methods it hooks are unchanged (drift guard)",
+    )
+
+
+def _check() -> int:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    # a fresh interpreter, so the answer is what veRL's own processes will see
+    code = (
+        "import json, sys, verl\n"
+        "from verl.trainer.ppo import core_algos\n"
+        "loaded = 'cppo_megatron.integrations.verl' in sys.modules\n"
+        "from cppo_megatron.integrations.verl import drift\n"
+        "print(json.dumps({'verl': verl.__version__, 'plugin_loaded': loaded,"
+        " 'estimator': 'cppo' in core_algos.ADV_ESTIMATOR_REGISTRY, 'drift': drift.changed()}))\n"
+    )
+    env = dict(os.environ)
+    env.pop("VERL_USE_EXTERNAL_MODULES", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        print(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "import verl failed")
+        return 1
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    from cppo_megatron.integrations.verl import SUPPORTED_VERL
+
+    report["supported_verl"] = SUPPORTED_VERL
+    print(json.dumps(report))
+    ok = report["plugin_loaded"] and report["estimator"] and not report["drift"] and report["verl"] == SUPPORTED_VERL
+    return 0 if ok else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.check:
+        return _check()
+    from cppo_megatron._optional import require
+
+    require("verl", "the veRL integration")
+    from cppo_megatron.integrations.verl.main import main
+
+    main(list(args.passthrough))
+    return 0

@@ -1,0 +1,45 @@
+"""CPPO as a veRL 0.9.1 plugin.
+
+Importing this module (veRL does it for every process through the ``verl.plugins`` entry
+point, or through ``VERL_USE_EXTERNAL_MODULES=cppo_megatron.integrations.verl``):
+
+- registers the advantage estimator ``cppo`` (``algorithm.adv_estimator=cppo``), which uses
+  the full-group statistics recorded at pruning time;
+- hooks ``_balance_batch`` of the V1 ``PPOTrainer`` and the legacy ``RayPPOTrainer`` as
+  their modules are imported; the hook acts only when the estimator is ``cppo``.
+
+Run: ``python -m cppo_megatron.integrations.verl.main [veRL overrides] cppo.pruning_rate=0.875``.
+See docs/integrations/verl.md.
+"""
+
+from __future__ import annotations
+
+from .estimator import ESTIMATOR_NAME, compute_cppo_outcome_advantage, register_estimator
+from .hook import install, is_installed
+from .runconfig import AllocationPlan, apply_allocation, cppo_config_from, is_cppo, prepare
+
+SUPPORTED_VERL = "0.9.1"
+
+__all__ = [
+    "ESTIMATOR_NAME",
+    "SUPPORTED_VERL",
+    "AllocationPlan",
+    "apply_allocation",
+    "compute_cppo_outcome_advantage",
+    "cppo_config_from",
+    "install",
+    "is_cppo",
+    "is_installed",
+    "load",
+    "prepare",
+    "register_estimator",
+]
+
+
+def load() -> None:
+    """Register the estimator and install the hook (idempotent)."""
+    register_estimator()
+    install()
+
+
+load()

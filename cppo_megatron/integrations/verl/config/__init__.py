@@ -1,0 +1,1 @@
+"""Hydra configs: veRL's trainer configs plus the `cppo` group."""

@@ -1,0 +1,360 @@
+"""The pruning hook at veRL's ``_balance_batch`` seam.
+
+In both veRL loops ``_balance_batch`` is the one call between "rewards are on the batch" and
+"old-policy log-probs": V1 ``PPOTrainer._step_once`` (a ``KVBatchMeta`` whose data live in
+TransferQueue) and the legacy ``RayPPOTrainer.fit`` (an in-place ``DataProto``). The wrapper
+installed here runs only when ``algorithm.adv_estimator == "cppo"``:
+
+1. full-group advantages from the rewards already on the batch (``rm_scores`` summed per row);
+2. survivors by the core (``cppo_megatron.core.prune``), seeded by (cppo.seed, global step);
+3. the full-group statistics are recorded for the ``cppo`` estimator (``stats``);
+4. pruned rows are dropped, and in V1 their stored data are cleared from TransferQueue;
+5. veRL's own ``_balance_batch`` then pads to the DP/mini-batch multiple and rebalances. V1
+   pads with veRL's loss-free synthetic rows (``is_padding``); for the legacy loop this
+   module adds loss-free rows (response mask 0) itself, never duplicates of real rows;
+6. the core balancer is run on the same workloads (veRL's model, 24576 s + s^2); when it
+   lowers the largest rank's workload (``cppo.rebalance``), its order replaces veRL's.
+
+Metrics go into veRL's metrics dict under ``cppo/``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.abc
+import importlib.machinery
+import math
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...core import balance_partitions, prune, sequence_workload
+from .runconfig import cppo_config_from, is_cppo
+from .stats import GroupRecord, record_groups
+
+__all__ = [
+    "HOOK_TARGETS",
+    "decide",
+    "install",
+    "is_installed",
+    "prune_dataproto",
+    "prune_kv_batch",
+    "uninstall",
+]
+
+# module -> class whose ``_balance_batch`` is wrapped (the V1 base serves sync and async modes)
+HOOK_TARGETS = {
+    "verl.trainer.ppo.v1.trainer_base": "PPOTrainer",
+    "verl.trainer.ppo.ray_trainer": "RayPPOTrainer",
+}
+_MARK = "__cppo_original__"
+
+
+# ---------------------------------------------------------------------------------- decision
+def decide(uids: list, rewards: torch.Tensor, cfg, step: int):
+    """Prune one batch: returns (PruneResult, {uid: GroupRecord} for groups with survivors).
+
+    Args:
+        uids: [N] prompt ids (veRL ``uid`` strings); group ids are assigned by first
+            appearance, so every rank that sees the same batch decides identically.
+        rewards: [N] outcome rewards.
+    """
+    if len(uids) != int(rewards.numel()):
+        raise ValueError(f"{len(uids)} uids for {int(rewards.numel())} rewards")
+    if len(uids) == 0:
+        raise ValueError("cppo: the batch reaching _balance_batch is empty")
+    first: dict[str, int] = {}
+    gids = torch.tensor([first.setdefault(str(u), len(first)) for u in uids], dtype=torch.int64)
+    result = prune(rewards.detach().cpu(), gids, cfg, step=max(int(step), 0))
+    stats, sel = result.stats, result.selection
+    names = list(first)  # group m has id m: ids were assigned 0..M-1
+    records = {
+        names[m]: GroupRecord(
+            mean=float(stats.mean[m]),
+            std=float(stats.std[m]),
+            size=int(stats.size[m]),
+            kept=int(sel.kept_per_group[m]),
+            adv_norm=cfg.adv_norm,
+            eps=float(cfg.eps),
+            step=int(step),
+        )
+        for m in range(len(names))
+        if int(sel.kept_per_group[m]) > 0
+    }
+    return result, records
+
+
+def _metrics(result, cfg, extra: dict[str, float]) -> dict[str, float]:
+    out = result.metrics()
+    if cfg.keep_per_group is None:
+        out["cppo/pruning_rate"] = float(cfg.rate)
+    out.update(extra)
+    return out
+
+
+# ---------------------------------------------------------------------------------- V1 trainer
+def _row_rewards(rm_scores) -> torch.Tensor:
+    """[N] per-row sums of ``rm_scores`` (a jagged nested tensor in TransferQueue, or [N, T])."""
+    if getattr(rm_scores, "is_nested", False):
+        return rm_scores.to_padded_tensor(0.0).sum(dim=-1)
+    t = torch.as_tensor(rm_scores)
+    return t.sum(dim=-1) if t.dim() > 1 else t
+
+
+def prune_kv_batch(trainer, batch, metrics: dict):
+    """V1: prune a ``KVBatchMeta`` before ``_balance_batch``; returns the survivors' meta.
+
+    Reads ``uid`` and ``rm_scores`` of the batch from TransferQueue, clears the pruned keys
+    from it (storage does not grow) and returns a ``KVBatchMeta`` of the kept keys and tags,
+    in their original order.
+    """
+    import transfer_queue as tq
+    from transfer_queue import KVBatchMeta
+
+    cfg = cppo_config_from(trainer.config)
+    padding = [bool(tag.get("is_padding", False)) for tag in batch.tags]
+    real = [i for i, p in enumerate(padding) if not p]
+    pads = [i for i, p in enumerate(padding) if p]
+    keys = [batch.keys[i] for i in real]
+    _check_single_output_sessions(keys)
+    data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["uid", "rm_scores"])
+    uids = [str(u) for u in list(data["uid"])]
+    rewards = _row_rewards(data["rm_scores"]).to(torch.float32)
+    result, records = decide(uids, rewards, cfg, getattr(trainer, "global_steps", 0))
+    kept = [real[j] for j in result.selection.kept.tolist()] + pads
+    pruned_keys = [batch.keys[real[j]] for j in result.selection.pruned.tolist()]
+    if pruned_keys:
+        tq.kv_clear(keys=pruned_keys, partition_id=batch.partition_id)
+    record_groups(records)
+    metrics.update(_metrics(result, cfg, {"cppo/rows_cleared": float(len(pruned_keys))}))
+    return KVBatchMeta(
+        keys=[batch.keys[i] for i in kept],
+        tags=[batch.tags[i] for i in kept],
+        partition_id=batch.partition_id,
+        fields=batch.fields,
+        extra_info=batch.extra_info,
+    )
+
+
+def _check_single_output_sessions(keys: list[str]) -> None:
+    """V1 keys are ``{uid}_{session}_{output}``; GRPO-style groups need one output per session."""
+    seen: dict[str, str] = {}
+    for key in keys:
+        parts = str(key).rsplit("_", 2)
+        if len(parts) != 3:
+            continue
+        session = f"{parts[0]}_{parts[1]}"
+        if session in seen:
+            raise ValueError(
+                f"cppo: keys {seen[session]!r} and {key!r} are two outputs of one agent session; "
+                "multi-output sessions are not supported by the cppo estimator"
+            )
+        seen[session] = key
+
+
+# ---------------------------------------------------------------------------------- legacy loop
+def _required_multiple(trainer, dp_size: int) -> int:
+    cfg = trainer.config
+    multiple = dp_size
+    n = int(cfg.actor_rollout_ref.rollout.n)
+    if cfg.trainer.get("critic_warmup", 0) <= getattr(trainer, "global_steps", 0):
+        multiple = math.lcm(multiple, int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size) * n)
+    if getattr(trainer, "use_critic", False):
+        multiple = math.lcm(multiple, int(cfg.critic.ppo_mini_batch_size) * n)
+    return multiple
+
+
+def pad_dataproto_loss_free(batch, multiple: int, step: int) -> int:
+    """Append rows so ``len(batch)`` is a multiple of ``multiple``; returns how many.
+
+    A padding row copies the shortest real row's tensors (valid shapes and positions) with
+    ``response_mask`` and every reward/score tensor zeroed, a fresh uid (its own group) and
+    ``cppo_is_padding`` True: it adds no token to any loss (veRL's ``agg_loss`` excludes
+    fully masked rows) and no statistic to any group.
+    """
+    from verl.protocol import DataProto
+
+    n = len(batch)
+    pad = (-n) % multiple
+    if "cppo_is_padding" not in batch.non_tensor_batch:
+        batch.non_tensor_batch["cppo_is_padding"] = np.zeros(n, dtype=bool)
+    if pad == 0:
+        return 0
+    lengths = batch.batch["attention_mask"].sum(-1)
+    src = int(torch.argmin(lengths))
+    rows = batch.select_idxs(torch.full((pad,), src, dtype=torch.int64))
+    for key in list(rows.batch.keys()):
+        if key == "response_mask" or "score" in key or "reward" in key:
+            rows.batch[key] = torch.zeros_like(rows.batch[key])
+    rows.non_tensor_batch["uid"] = np.array([f"cppo-pad-{step}-{i}" for i in range(pad)], dtype=object)
+    rows.non_tensor_batch["cppo_is_padding"] = np.ones(pad, dtype=bool)
+    merged = DataProto.concat([batch, rows])
+    batch.batch, batch.non_tensor_batch = merged.batch, merged.non_tensor_batch
+    return pad
+
+
+def prune_dataproto(trainer, batch, metrics: dict):
+    """Legacy loop: prune a ``DataProto`` in place (the loop ignores the return value),
+    then pad it loss-free to the DP x mini-batch multiple."""
+    if batch.batch is None or "rm_scores" not in batch.batch.keys():
+        raise ValueError(
+            "cppo: no rm_scores on the batch at _balance_batch; rewards must be computed in the "
+            "reward loop (the default since veRL 0.7.1), not by a colocated reward model"
+        )
+    cfg = cppo_config_from(trainer.config)
+    uids = [str(u) for u in batch.non_tensor_batch["uid"]]
+    result, records = decide(uids, _row_rewards(batch.batch["rm_scores"]), cfg, getattr(trainer, "global_steps", 0))
+    kept = batch.select_idxs(result.selection.kept.to(torch.int64))
+    batch.batch, batch.non_tensor_batch = kept.batch, kept.non_tensor_batch
+    dp_size = trainer._get_dp_size(trainer.actor_rollout_wg, "actor")
+    pad = pad_dataproto_loss_free(batch, _required_multiple(trainer, dp_size), getattr(trainer, "global_steps", 0))
+    record_groups(records)
+    metrics.update(_metrics(result, cfg, {"cppo/padding_rows": float(pad)}))
+    return batch
+
+
+# ---------------------------------------------------------------------------------- balance
+def better_order(seq_lens: list[int], dp_size: int, cfg) -> tuple[list[int] | None, dict[str, float]]:
+    """Compare veRL's DP split (equal contiguous chunks of the order it chose) with the core
+    balancer on the same workload model; return the core's order when it lowers the largest
+    rank workload (and ``cfg.rebalance``), else None, plus ``cppo/balance_*`` metrics."""
+    n = len(seq_lens)
+    if dp_size < 1 or n == 0 or n % dp_size:
+        return None, {}
+    w = sequence_workload(torch.tensor(seq_lens, dtype=torch.float64), linear=cfg.workload_linear,
+                          quadratic=cfg.workload_quadratic)
+    chunk = n // dp_size
+    verl_max = float(w.view(dp_size, chunk).sum(dim=1).max())
+    mean = float(w.sum()) / dp_size
+    part = balance_partitions(w, dp_size, equal_size=True)
+    use = cfg.rebalance and part.max_load < verl_max * (1 - 1e-9) and all(len(p) == chunk for p in part.parts)
+    metrics = {
+        "cppo/balance_imbalance_verl": verl_max / mean if mean else 1.0,
+        "cppo/balance_imbalance_core": part.max_load / mean if mean else 1.0,
+        "cppo/balance_used_core": float(use),
+    }
+    return ([i for p in part.parts for i in p] if use else None), metrics
+
+
+def _v1_dp_size(trainer) -> int:
+    return max(trainer.actor_rollout_wg._dispatch_info["actor"]) + 1
+
+
+# ---------------------------------------------------------------------------------- install
+def _wrap(original, prune_fn, v1: bool):
+    @functools.wraps(original)
+    def _balance_batch(self, batch, metrics, *args, **kwargs):
+        if not is_cppo(self.config):
+            return original(self, batch, metrics, *args, **kwargs)
+        before = len(batch)
+        batch = prune_fn(self, batch, metrics)
+        kept = len(batch)
+        out = original(self, batch, metrics, *args, **kwargs)
+        cfg = cppo_config_from(self.config)
+        if v1:
+            from transfer_queue import KVBatchMeta
+
+            metrics["cppo/padding_rows"] = float(len(out) - kept)
+            order, extra = better_order([int(t["seq_len"]) for t in out.tags], _v1_dp_size(self), cfg)
+            if order is not None:
+                out = KVBatchMeta(keys=[out.keys[i] for i in order], tags=[out.tags[i] for i in order],
+                                  partition_id=out.partition_id, fields=out.fields, extra_info=out.extra_info)
+            final = out
+        else:
+            keep_minibatch = bool(kwargs.get("keep_minibatch", args[1] if len(args) > 1 else False))
+            lens = batch.batch["attention_mask"].view(len(batch), -1).sum(-1).tolist()
+            dp = self._get_dp_size(self.actor_rollout_wg, "actor")
+            order, extra = (None, {}) if keep_minibatch else better_order([int(x) for x in lens], dp, cfg)
+            if order is not None:
+                batch.reorder(torch.tensor(order))
+            final = batch
+        metrics.update(extra)
+        metrics["cppo/rows_in"] = float(before)
+        metrics["cppo/rows_out"] = float(len(final))
+        return out if v1 else None
+
+    setattr(_balance_batch, _MARK, original)
+    return _balance_batch
+
+
+def _patch_module(module) -> bool:
+    cls = getattr(module, HOOK_TARGETS[module.__name__], None)
+    if cls is None:
+        raise RuntimeError(f"cppo: {module.__name__} has no {HOOK_TARGETS[module.__name__]}; veRL changed")
+    current = cls.__dict__.get("_balance_batch")
+    if current is None:
+        raise RuntimeError(f"cppo: {cls.__qualname__}._balance_batch is gone; veRL changed")
+    if hasattr(current, _MARK):
+        return False
+    v1 = module.__name__.endswith("trainer_base")
+    cls._balance_batch = _wrap(current, prune_kv_batch if v1 else prune_dataproto, v1=v1)
+    return True
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Wraps the loaders of the hooked veRL modules so the hook goes in as they are imported:
+    processes that never import a trainer (Ray workers) pay nothing."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in HOOK_TARGETS:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, inner):
+        self.inner = inner
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        _patch_module(module)
+
+
+_FINDER = _PatchOnImport()
+
+
+def install() -> list[str]:
+    """Hook both loops: patch the modules already imported, patch the others on import.
+    Idempotent. Returns the modules patched now."""
+    patched = []
+    for name in HOOK_TARGETS:
+        module = sys.modules.get(name)
+        if module is not None and _patch_module(module):
+            patched.append(name)
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+    return patched
+
+
+def is_installed(module_name: str) -> bool:
+    """True when the class of ``module_name`` (a key of HOOK_TARGETS) carries the hook."""
+    module = importlib.import_module(module_name)
+    cls = getattr(module, HOOK_TARGETS[module_name])
+    return hasattr(cls.__dict__.get("_balance_batch"), _MARK)
+
+
+def uninstall() -> None:
+    """Remove the hook (tests)."""
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
+    for name, clsname in HOOK_TARGETS.items():
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        cls = getattr(module, clsname)
+        current = cls.__dict__.get("_balance_batch")
+        if hasattr(current, _MARK):
+            cls._balance_batch = getattr(current, _MARK)

@@ -1,0 +1,66 @@
+"""Run veRL 0.9.1 PPO/GRPO training with CPPO.
+
+    python -m cppo_megatron.integrations.verl.main [hydra options] [overrides]
+
+It accepts veRL's own hydra config and overrides (it composes ``ppo_trainer`` /
+``ppo_megatron_trainer`` from the installed veRL) plus the ``cppo`` group; then it
+validates the group, applies allocation (``data.train_batch_size`` x 1/(1-P)), exports the
+plugin to the Ray processes and hands the config to veRL's own ``main_ppo`` body
+(validation, Ray, TaskRunner, the V1 or legacy loop, unchanged).
+
+    python -m cppo_megatron.integrations.verl.main cppo.pruning_rate=0.875 \
+        data.train_files=... actor_rollout_ref.model.path=...
+    python -m cppo_megatron.integrations.verl.main --config-path=$PWD/recipes/verl \
+        --config-name=qwen2.5-1.5b-gsm8k-cppo data.train_files=...
+    python -m cppo_megatron.integrations.verl.main --config-name=cppo_megatron_trainer ...
+
+``--cppo-dry-run`` (before the hydra arguments) prints the composed config after the CPPO
+changes and exits without starting Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config")
+DRY_RUN_FLAG = "--cppo-dry-run"
+
+
+def run(config, *, dry_run: bool = False):
+    """Prepare a composed veRL config for CPPO and run veRL's training entry on it."""
+    from omegaconf import OmegaConf
+
+    from . import load
+    from .runconfig import prepare
+
+    load()
+    plan = prepare(config)
+    print(plan.describe() if plan is not None else "cppo: algorithm.adv_estimator is not cppo; plain veRL run")
+    if dry_run:
+        print(OmegaConf.to_yaml(config))
+        return plan
+    from verl.trainer.main_ppo import main as verl_main
+
+    # veRL's hydra-decorated main; __wrapped__ is its body (functools.wraps in hydra.main)
+    verl_main.__wrapped__(config)
+    return plan
+
+
+def main(argv: list[str] | None = None) -> None:
+    import hydra
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    dry_run = DRY_RUN_FLAG in argv
+    argv = [a for a in argv if a != DRY_RUN_FLAG]
+    sys.argv = [sys.argv[0]] + argv
+
+    @hydra.main(config_path=CONFIG_DIR, config_name="cppo_trainer", version_base=None)
+    def _entry(config):
+        run(config, dry_run=dry_run)
+
+    _entry()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""The ``cppo`` config group inside a veRL config, and the allocation helper.
+
+``apply_allocation`` is what makes ``cppo.pruning_rate=0.875`` the paper's setting in one
+line: ``data.train_batch_size`` (prompts per step) grows by G/k = 1/(1-P) so the survivors
+of a step are exactly the completions the recipe's mini-batches expect (the released veRL
+port's rule). With ``cppo.allocation=false`` the prompts stay and the mini-batch sizes shrink
+by k/G instead, so they still follow the kept count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ...config import FIELD_NAMES, CPPOConfig
+
+__all__ = [
+    "ESTIMATOR",
+    "PLUGIN_MODULE",
+    "AllocationPlan",
+    "apply_allocation",
+    "cppo_config_from",
+    "is_cppo",
+    "check_compatible",
+    "export_plugin_to_workers",
+    "prepare",
+]
+
+ESTIMATOR = "cppo"
+PLUGIN_MODULE = "cppo_megatron.integrations.verl"
+
+
+def is_cppo(config: Any) -> bool:
+    """True when the veRL config selects the ``cppo`` advantage estimator."""
+    algorithm = config.get("algorithm", None) if hasattr(config, "get") else None
+    return algorithm is not None and str(algorithm.get("adv_estimator", "")) == ESTIMATOR
+
+
+def cppo_config_from(config: Any) -> CPPOConfig:
+    """The ``CPPOConfig`` of a veRL config's ``cppo`` group (defaults when absent)."""
+    from omegaconf import OmegaConf
+
+    node = config.get("cppo", None) if hasattr(config, "get") else None
+    if node is None:
+        return CPPOConfig()
+    values = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+    unknown = sorted(set(values) - set(FIELD_NAMES))
+    if unknown:
+        raise ValueError(f"cppo.{unknown[0]} is not a CPPO setting; known: {sorted(FIELD_NAMES)}")
+    return CPPOConfig.from_dict(values)
+
+
+@dataclass(frozen=True)
+class AllocationPlan:
+    """What ``apply_allocation`` changed: prompts per step before/after, the mini-batch
+    sizes (prompts, veRL's unit), k of G, and the completions kept per step."""
+
+    group_size: int
+    keep: int
+    train_batch_size_before: int
+    train_batch_size: int
+    actor_mini_batch_before: int
+    actor_mini_batch: int
+    kept_per_step: int
+    allocation: bool
+
+    def describe(self) -> str:
+        return (
+            f"CPPO allocation={self.allocation}: keep {self.keep} of G={self.group_size}; "
+            f"data.train_batch_size {self.train_batch_size_before} -> {self.train_batch_size} prompts; "
+            f"actor.ppo_mini_batch_size {self.actor_mini_batch_before} -> {self.actor_mini_batch}; "
+            f"{self.kept_per_step} completions kept per step"
+        )
+
+
+def check_compatible(config: Any) -> None:
+    """Raise ValueError for veRL settings CPPO cannot run with, naming the key."""
+    algorithm = config.algorithm
+    if bool(algorithm.get("use_kl_in_reward", False)):
+        raise ValueError(
+            "algorithm.use_kl_in_reward=True is not compatible with cppo: the KL reward needs the "
+            "old-policy log-probs, which pruning runs before. Use the KL loss "
+            "(actor_rollout_ref.actor.use_kl_loss=True), as the paper does."
+        )
+    cfg = cppo_config_from(config)
+    if not bool(algorithm.get("norm_adv_by_std_in_grpo", True)) and cfg.adv_norm == "std":
+        raise ValueError(
+            "algorithm.norm_adv_by_std_in_grpo=False (Dr. GRPO) but cppo.adv_norm=std: the cppo "
+            "estimator follows cppo.adv_norm; set cppo.adv_norm=none"
+        )
+    trainer = config.trainer
+    if not bool(trainer.get("use_v1", True)) and not bool(trainer.get("balance_batch", True)):
+        raise ValueError(
+            "trainer.balance_batch=False with trainer.use_v1=False: the legacy loop skips "
+            "_balance_batch, the seam CPPO prunes at. Set trainer.balance_batch=True."
+        )
+    if bool(algorithm.get("filter_groups", {}).get("enable", False)):
+        raise ValueError(
+            "algorithm.filter_groups.enable=True (DAPO dynamic sampling) together with cppo is not "
+            "supported by this plugin: set cppo.dynamic_sampling in the embedded trainer instead."
+        )
+
+
+def apply_allocation(config: Any) -> AllocationPlan:
+    """Resize prompts per step (allocation on) or the mini-batches (allocation off) in place.
+
+    Call once, before veRL builds its dataloader. Errors name the value that does not divide.
+    """
+    from omegaconf import open_dict
+
+    cfg = cppo_config_from(config)
+    group_size = int(config.actor_rollout_ref.rollout.n)
+    keep = cfg.keep_for_group(group_size)
+    b = int(config.data.train_batch_size)
+    actor = config.actor_rollout_ref.actor
+    mini = int(actor.ppo_mini_batch_size)
+    use_critic = bool(config.get("critic", {}).get("enable", False)) if config.get("critic") else False
+    with open_dict(config):
+        if cfg.allocation:
+            if (b * group_size) % keep:
+                raise ValueError(
+                    f"allocation: data.train_batch_size={b} x rollout.n={group_size} / keep={keep} is not "
+                    "an integer number of prompts; pick a pruning rate with G(1-P) dividing G*b"
+                )
+            new_b = b * group_size // keep
+            config.data.train_batch_size = new_b
+            gen = config.data.get("gen_batch_size", None)
+            if gen and new_b % int(gen):
+                raise ValueError(
+                    f"allocation: data.gen_batch_size={gen} does not divide the grown "
+                    f"data.train_batch_size={new_b}"
+                )
+            new_mini = mini
+            kept = b * group_size
+        else:
+            new_b = b
+            if (mini * keep) % group_size:
+                raise ValueError(
+                    f"allocation=false: actor.ppo_mini_batch_size={mini} x keep={keep} / rollout.n="
+                    f"{group_size} is not an integer; mini-batches could not follow the kept count"
+                )
+            new_mini = mini * keep // group_size
+            actor.ppo_mini_batch_size = new_mini
+            if use_critic:
+                cm = int(config.critic.ppo_mini_batch_size)
+                if (cm * keep) % group_size:
+                    raise ValueError(f"allocation=false: critic.ppo_mini_batch_size={cm} x {keep} / {group_size}")
+                config.critic.ppo_mini_batch_size = cm * keep // group_size
+            kept = b * keep
+    return AllocationPlan(group_size, keep, b, new_b, mini, new_mini, kept, cfg.allocation)
+
+
+def export_plugin_to_workers(config: Any) -> None:
+    """Add ``VERL_USE_EXTERNAL_MODULES=cppo_megatron.integrations.verl`` to the Ray runtime env
+    so every Ray process (the TaskRunner above all) loads the plugin even where entry points
+    are not scanned."""
+    from omegaconf import open_dict
+
+    with open_dict(config):
+        if config.get("ray_kwargs") is None:
+            config.ray_kwargs = {}
+        if config.ray_kwargs.get("ray_init") is None:
+            config.ray_kwargs.ray_init = {}
+        ray_init = config.ray_kwargs.ray_init
+        if ray_init.get("runtime_env") is None:
+            ray_init.runtime_env = {}
+        env = ray_init.runtime_env
+        if env.get("env_vars") is None:
+            env.env_vars = {}
+        mods = [m for m in str(env.env_vars.get("VERL_USE_EXTERNAL_MODULES", "") or "").split(",") if m]
+        if PLUGIN_MODULE not in mods:
+            mods.append(PLUGIN_MODULE)
+        env.env_vars.VERL_USE_EXTERNAL_MODULES = ",".join(mods)
+
+
+def prepare(config: Any) -> AllocationPlan | None:
+    """Everything ``main`` does to a composed veRL config before handing it to veRL:
+    validate the ``cppo`` group, check compatibility, apply allocation, export the plugin.
+    Returns the allocation plan, or None when the run is not CPPO (e.g. a GRPO recipe)."""
+    export_plugin_to_workers(config)
+    if not is_cppo(config):
+        return None
+    cppo_config_from(config)
+    check_compatible(config)
+    return apply_allocation(config)
+
+
+def overlay_mismatches(overlay: Any, base: Any, prefix: str = "") -> list[str]:
+    """Keys of ``overlay`` (a recipe) that ``base`` (veRL's composed config) lacks, or whose
+    value type differs from veRL's. Hydra composition accepts new keys silently, so a typo in
+    a recipe would otherwise go unnoticed. Returns "key: reason" lines (empty when fine)."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    problems = []
+    for key in overlay:
+        if not prefix and key in ("hydra", "defaults", "cppo"):
+            continue
+        path = f"{prefix}{key}"
+        if key not in base.keys():  # `in` is False for veRL's mandatory "???" values
+            problems.append(f"{path}: not a key of veRL's config")
+            continue
+        value = OmegaConf.to_container(overlay, resolve=False)[key] if isinstance(overlay, DictConfig) else overlay[key]
+        node = base._get_node(key)
+        if isinstance(value, dict):
+            if isinstance(node, DictConfig):
+                problems += overlay_mismatches(overlay[key], base[key], path + ".")
+            elif not (node._is_none() or node._is_missing()):
+                problems.append(f"{path}: a mapping where veRL has {type(node._value()).__name__}")
+            continue
+        if value is None or node._is_none() or node._is_missing() or node._is_interpolation():
+            continue
+        known = node if isinstance(node, (DictConfig, ListConfig)) else node._value()
+        if isinstance(known, (DictConfig, ListConfig)):
+            ok = isinstance(value, list) == isinstance(known, ListConfig)
+        elif isinstance(known, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(known, (int, float)):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, type(known)) or isinstance(value, str) and value.startswith("${")
+        if not ok:
+            problems.append(f"{path}: {value!r} ({type(value).__name__}) where veRL has {type(known).__name__}")
+    return problems

@@ -1,0 +1,145 @@
+"""The hook in veRL's legacy loop (``trainer.use_v1=False``): the real
+``RayPPOTrainer._balance_batch`` (wrapped) on a real ``DataProto``, then veRL's
+``compute_advantage`` and policy loss on the pruned batch."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from cppo_megatron import CPPOConfig
+from cppo_megatron.core import aggregate_loss, clipped_surrogate, group_advantages, prune
+
+from .batches import make_dataproto, rewards_table
+
+B, G, STEP = 4, 8, 3
+
+
+def bare_trainer(config, dp_size: int):
+    """A RayPPOTrainer with only what _balance_batch reads (no Ray workers)."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    trainer = object.__new__(RayPPOTrainer)
+    trainer.config = config
+    trainer.global_steps = STEP
+    trainer.use_critic = False
+    trainer.actor_rollout_wg = SimpleNamespace(_dispatch_info={"actor": list(range(dp_size))})
+    return trainer
+
+
+@pytest.fixture
+def pruned(plugin, config):
+    """(batch after the hooked _balance_batch, metrics, rewards, core's selection), DP = 3."""
+    assert plugin.is_installed("verl.trainer.ppo.ray_trainer")
+    rewards = rewards_table(seed=2, prompts=B, group=G)
+    batch = make_dataproto(rewards, seed=2)
+    metrics: dict = {}
+    out = bare_trainer(config, dp_size=3)._balance_batch(batch, metrics=metrics)
+    assert out is None  # the legacy loop ignores the return value: the batch changes in place
+    gids = torch.arange(B * G) // G
+    expected = prune(rewards.reshape(-1), gids, CPPOConfig(pruning_rate=0.75), step=STEP).selection
+    return batch, metrics, rewards, expected
+
+
+def test_keeps_exactly_core_survivors_aligned(pruned):
+    batch, metrics, rewards, expected = pruned
+    real = ~torch.as_tensor(batch.non_tensor_batch["cppo_is_padding"])
+    rows = batch.batch["row_id"][real]
+    assert sorted(rows.tolist()) == expected.kept.tolist()  # exactly the survivors, none lost
+    # every field moved with its row: uid, prompt text, prompt tokens, reward
+    assert list(batch.non_tensor_batch["uid"][real.numpy()]) == [f"p{r // G}" for r in rows.tolist()]
+    assert list(batch.non_tensor_batch["prompt_text"][real.numpy()]) == [f"question {r // G}" for r in rows.tolist()]
+    torch.testing.assert_close(batch.batch["rm_scores"][real].sum(-1), rewards.reshape(-1)[rows])
+    assert metrics["cppo/num_kept"] == 8 and metrics["cppo/num_pruned"] == 24
+    assert metrics["cppo/kept_ratio"] == 0.25
+    assert "global_seqlen/max" in metrics  # veRL's own rebalance ran after pruning
+    lens = batch.batch["attention_mask"].sum(-1).double()
+    w = 24576 * lens + lens * lens
+    final = float(w.view(3, -1).sum(1).max()) / (float(w.sum()) / 3)
+    assert final == pytest.approx(min(metrics["cppo/balance_imbalance_verl"], metrics["cppo/balance_imbalance_core"]))
+
+
+def test_pads_loss_free_to_dp_times_minibatch_multiple(pruned, config):
+    batch, metrics, _, _ = pruned
+    multiple = math.lcm(3, config.actor_rollout_ref.actor.ppo_mini_batch_size * G)  # 24
+    assert len(batch) % multiple == 0 and len(batch) == 24
+    pad = torch.as_tensor(batch.non_tensor_batch["cppo_is_padding"])
+    assert int(pad.sum()) == 16 == metrics["cppo/padding_rows"]
+    assert batch.batch["response_mask"][pad].sum().item() == 0
+    assert batch.batch["rm_scores"][pad].abs().sum().item() == 0
+    pad_uids = set(batch.non_tensor_batch["uid"][pad.numpy()])
+    assert len(pad_uids) == 16 and not pad_uids & {f"p{b}" for b in range(B)}
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_verl_advantage_and_loss_on_pruned_batch(pruned, config, mode):
+    """veRL's compute_advantage("cppo") and vanilla policy loss on the pruned, padded batch,
+    split over 3 DP ranks with global denominators, equal the core's numbers on the kept rows."""
+    from verl.trainer.ppo import core_algos
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+    from verl.utils.config import omega_conf_to_dataclass
+
+    batch, _, rewards, expected = pruned
+    batch.batch["token_level_rewards"] = batch.batch["rm_scores"]
+    batch = compute_advantage(batch, adv_estimator="cppo", num_repeat=G, config=config.algorithm)
+    real = ~torch.as_tensor(batch.non_tensor_batch["cppo_is_padding"])
+    rows = batch.batch["row_id"][real]
+    full_adv, _ = group_advantages(rewards.reshape(-1), torch.arange(B * G) // G)
+    mask = batch.batch["response_mask"].float()
+    adv = batch.batch["advantages"]
+    torch.testing.assert_close(adv[real], full_adv[rows].unsqueeze(1) * mask[real], atol=1e-5, rtol=1e-5)
+    assert adv[~real].abs().sum().item() == 0
+
+    old = -torch.rand(mask.shape, generator=torch.Generator().manual_seed(0))
+    new = old + 0.25 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
+    actor_cfg = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    loss_fn = core_algos.get_policy_loss_fn("vanilla")
+    dp = 3
+    global_tokens = mask.sum().item()
+    global_seqs = int((mask.sum(-1) > 0).sum())
+    per_rank = []
+    for shard in torch.arange(len(batch)).chunk(dp):  # veRL's dispatch: equal contiguous chunks
+        # as veRL's workers do: the global denominators of the whole (kept) batch
+        actor_cfg.global_batch_info.update(dp_size=dp, batch_num_tokens=global_tokens, global_batch_size=global_seqs)
+        loss, _ = loss_fn(old[shard], new[shard], adv[shard], mask[shard], loss_agg_mode=mode, config=actor_cfg)
+        per_rank.append(loss)
+    verl_loss = torch.stack(per_rank).mean()  # DDP averages the ranks' gradients
+    ours, _ = clipped_surrogate(new[real], old[real], full_adv[rows], clip_low=actor_cfg.clip_ratio)
+    core_loss = aggregate_loss(ours, mask[real], mode)
+    torch.testing.assert_close(verl_loss, core_loss, atol=1e-6, rtol=1e-5)
+    assert core_loss.abs().item() > 0
+
+
+def test_inactive_without_cppo_estimator(plugin, config):
+    from omegaconf import open_dict
+
+    with open_dict(config):
+        config.algorithm.adv_estimator = "grpo"
+    batch = make_dataproto(rewards_table(seed=2, prompts=B, group=G), seed=2)
+    metrics: dict = {}
+    bare_trainer(config, dp_size=2)._balance_batch(batch, metrics=metrics)
+    assert len(batch) == B * G and not any(k.startswith("cppo/") for k in metrics)
+
+
+def test_with_allocation_kept_rows_fill_mini_batches_without_padding(plugin, config):
+    """apply_allocation: 4 -> 16 prompts; 16 x k=2 = 32 kept = 2 mini-batches of 2 prompts x 8,
+    exactly GRPO's 4 x 8 batch: no padding row on 2 DP ranks."""
+    from omegaconf import open_dict
+
+    from cppo_megatron.integrations.verl import apply_allocation
+
+    with open_dict(config):
+        config.actor_rollout_ref.actor.ppo_mini_batch_size = 2
+    plan = apply_allocation(config)
+    assert config.data.train_batch_size == 16 and plan.kept_per_step == 32
+    batch = make_dataproto(rewards_table(seed=4, prompts=16, group=G), seed=4)
+    metrics: dict = {}
+    bare_trainer(config, dp_size=2)._balance_batch(batch, metrics=metrics)
+    assert len(batch) == 32 and metrics["cppo/padding_rows"] == 0
+    assert not batch.non_tensor_batch["cppo_is_padding"].any()
+    assert len(batch) % (config.actor_rollout_ref.actor.ppo_mini_batch_size * G) == 0
+    assert sorted(np.unique(batch.non_tensor_batch["uid"], return_counts=True)[1].tolist()) == [2] * 16

@@ -1,0 +1,76 @@
+"""Every recipe composes against the pinned veRL's real hydra config: every key exists in
+veRL's config with a matching type, veRL's own validate_config passes at the cluster size
+the recipe declares, and the CPPO variant's allocation gives the GRPO variant's batch."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from omegaconf import OmegaConf
+
+from cppo_megatron.integrations.verl.main import CONFIG_DIR
+from cppo_megatron.integrations.verl.runconfig import overlay_mismatches, prepare
+
+from .conftest import RECIPES, compose
+
+NAMES = sorted(p.stem for p in RECIPES.glob("*.yaml"))
+PAIRS = sorted({re.sub(r"-(grpo|cppo)$", "", n) for n in NAMES})
+
+
+def test_recipe_set_is_complete():
+    assert PAIRS == ["qwen2.5-1.5b-gsm8k", "qwen2.5-14b-math-megatron", "qwen2.5-7b-math-megatron"]
+    assert NAMES == sorted(f"{p}-{v}" for p in PAIRS for v in ("grpo", "cppo"))
+
+
+@pytest.fixture(scope="module")
+def bases(plugin):
+    # the recipes' base (cppo_ppo_*) composed through its primary config (cppo_*)
+    return {f"cppo_ppo_{n}": compose(CONFIG_DIR, f"cppo_{n}") for n in ("trainer", "megatron_trainer")}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_recipe_composes_and_validates(name, bases, monkeypatch):
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    monkeypatch.setenv("HOME", "/home/user")
+    raw = OmegaConf.load(RECIPES / f"{name}.yaml")
+    text = (RECIPES / f"{name}.yaml").read_text()
+    assert re.search(r"^# Cluster: \d+ nodes? x \d+ GPUs", text, re.M), "header must state the cluster"
+    base_name = raw.defaults[0]
+    assert overlay_mismatches(raw, bases[base_name]) == []
+    config = compose(RECIPES, name)
+    nodes, gpus = map(int, re.search(r"^# Cluster: (\d+) nodes? x (\d+) GPUs", text, re.M).groups())
+    assert (config.trainer.nnodes, config.trainer.n_gpus_per_node) == (nodes, gpus)
+    plan = prepare(config)
+    assert (plan is not None) == name.endswith("-cppo")
+    validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    assert config.actor_rollout_ref.rollout.n == 16
+    if "megatron" in name:
+        assert config.actor_rollout_ref.actor.strategy == "megatron"
+        assert config.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 4
+        pp = 2 if "14b" in name else 1
+        assert config.actor_rollout_ref.actor.megatron.pipeline_model_parallel_size == pp
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_cppo_allocation_keeps_grpo_batch(pair, plugin):
+    grpo, cppo = compose(RECIPES, f"{pair}-grpo"), compose(RECIPES, f"{pair}-cppo")
+    assert prepare(grpo) is None
+    plan = prepare(cppo)
+    n = grpo.actor_rollout_ref.rollout.n
+    assert cppo.data.train_batch_size == grpo.data.train_batch_size * 8  # 1 / (1 - 0.875)
+    assert plan.kept_per_step == grpo.data.train_batch_size * n  # survivors = GRPO's batch
+    assert cppo.actor_rollout_ref.actor.ppo_mini_batch_size == grpo.actor_rollout_ref.actor.ppo_mini_batch_size
+    assert cppo.cppo.pruning_rate == 0.875 and cppo.algorithm.adv_estimator == "cppo"
+    env = cppo.ray_kwargs.ray_init.runtime_env.env_vars
+    assert env.VERL_USE_EXTERNAL_MODULES == "cppo_megatron.integrations.verl"
+
+
+def test_overlay_check_catches_typos(bases):
+    bad = OmegaConf.create({"actor_rollout_ref": {"actor": {"ppo_epoch": 2, "ppo_epochs": "two"}}, "datta": {}})
+    problems = overlay_mismatches(bad, bases["cppo_ppo_trainer"])
+    assert any(p.startswith("actor_rollout_ref.actor.ppo_epoch:") for p in problems)
+    assert any(p.startswith("actor_rollout_ref.actor.ppo_epochs:") and "'two'" in p for p in problems)
+    assert any(p.startswith("datta:") for p in problems)

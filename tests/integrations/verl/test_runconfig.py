@@ -1,0 +1,104 @@
+"""The cppo group, allocation helper and compatibility checks on the real composed config."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from omegaconf import OmegaConf, open_dict
+
+from cppo_megatron import CPPOConfig
+from cppo_megatron.integrations.verl.hook import _check_single_output_sessions, decide
+from cppo_megatron.integrations.verl.runconfig import apply_allocation, check_compatible, cppo_config_from, prepare
+
+
+def test_yaml_group_matches_cppo_config_defaults(plugin):
+    from cppo_megatron.integrations.verl.main import CONFIG_DIR
+
+    node = OmegaConf.load(f"{CONFIG_DIR}/cppo_ppo_trainer.yaml").cppo
+    mega = OmegaConf.load(f"{CONFIG_DIR}/cppo_ppo_megatron_trainer.yaml").cppo
+    assert node == mega
+    defaults = {f.name: f.default for f in dataclasses.fields(CPPOConfig)}
+    assert set(node) == set(defaults)
+    for key, value in defaults.items():
+        expected = 0.875 if key == "pruning_rate" else value  # None means the default rate
+        assert node[key] == expected, key
+
+
+def test_allocation_grows_prompts(config):
+    plan = apply_allocation(config)  # G = 8, P = 0.75 -> k = 2, x4
+    assert (plan.keep, plan.train_batch_size_before, plan.train_batch_size) == (2, 4, 16)
+    assert config.data.train_batch_size == 16 and plan.kept_per_step == 32
+    assert config.actor_rollout_ref.actor.ppo_mini_batch_size == 1
+
+
+def test_no_allocation_shrinks_mini_batches(config):
+    with open_dict(config):
+        config.cppo.allocation = False
+        config.actor_rollout_ref.actor.ppo_mini_batch_size = 4
+    plan = apply_allocation(config)
+    assert config.data.train_batch_size == 4
+    assert config.actor_rollout_ref.actor.ppo_mini_batch_size == 1  # 4 x 2/8: mini-batch follows kept
+    assert plan.kept_per_step == 8
+
+
+def test_allocation_errors_name_the_value(config):
+    with open_dict(config):
+        config.cppo.allocation = False
+        config.actor_rollout_ref.actor.ppo_mini_batch_size = 3
+    with pytest.raises(ValueError, match="ppo_mini_batch_size=3"):
+        apply_allocation(config)
+    with open_dict(config):
+        config.cppo.typo = 1
+    with pytest.raises(ValueError, match="cppo.typo is not a CPPO setting"):
+        cppo_config_from(config)
+
+
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("algorithm.use_kl_in_reward", True, "use_kl_in_reward"),
+        ("algorithm.filter_groups.enable", True, "filter_groups"),
+        ("algorithm.norm_adv_by_std_in_grpo", False, "cppo.adv_norm=none"),
+    ],
+)
+def test_incompatible_settings(config, key, value, match):
+    OmegaConf.update(config, key, value, force_add=True)
+    with pytest.raises(ValueError, match=match):
+        check_compatible(config)
+
+
+def test_legacy_loop_needs_balance_batch(config):
+    with open_dict(config):
+        config.trainer.use_v1 = False
+        config.trainer.balance_batch = False
+    with pytest.raises(ValueError, match="balance_batch"):
+        prepare(config)
+
+
+def test_grpo_run_is_left_alone(config):
+    with open_dict(config):
+        config.algorithm.adv_estimator = "grpo"
+    assert prepare(config) is None and config.data.train_batch_size == 4
+
+
+def test_decide_is_deterministic_and_order_independent_of_names():
+    rewards = torch.tensor([1.0, 0, 0, 1, 0.5, 0.5, 0.5, 0.5, 0, 1, 1, 1])
+    uids = ["b"] * 4 + ["a"] * 4 + ["c"] * 4
+    cfg = CPPOConfig(pruning_rate=0.5)
+    r1, rec1 = decide(uids, rewards, cfg, step=3)
+    r2, rec2 = decide(uids, rewards, cfg, step=3)
+    assert torch.equal(r1.selection.kept, r2.selection.kept) and rec1 == rec2
+    assert rec1["b"].mean == pytest.approx(0.5) and rec1["b"].size == 4 and rec1["b"].kept == 2
+    assert rec1["a"].std == 0.0  # zero-variance group: still k kept in group scope
+    assert set(rec1) == {"a", "b", "c"}
+    batch_scope, rec = decide(uids, rewards, CPPOConfig(pruning_rate=0.5, scope="batch"), step=3)
+    assert "a" not in rec  # all-zero-advantage group vanishes in batch scope: no record needed
+    assert batch_scope.selection.num_kept == 6
+
+
+def test_multi_output_sessions_rejected():
+    _check_single_output_sessions(["u1_0_0", "u1_1_0", "u2_0_0"])
+    with pytest.raises(ValueError, match="two outputs of one agent session"):
+        _check_single_output_sessions(["u1_0_0", "u1_0_1"])

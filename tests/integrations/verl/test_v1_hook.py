@@ -1,0 +1,130 @@
+"""The hook in veRL's default V1 trainer: the real ``PPOTrainerSync._balance_batch``
+(wrapped) and ``_compute_advantage`` on a ``KVBatchMeta`` whose rows live in a real
+TransferQueue (SimpleStorage on a local Ray), as the agent loop leaves them."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from cppo_megatron import CPPOConfig
+from cppo_megatron.core import group_advantages, prune
+
+from .batches import rewards_table
+
+B, G, STEP, DP = 4, 8, 7, 3
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tq():
+    ray = pytest.importorskip("ray")
+    transfer_queue = pytest.importorskip("transfer_queue")
+    from omegaconf import OmegaConf
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    transfer_queue.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1, "total_storage_size": 4096}}}))
+    yield transfer_queue
+    transfer_queue.close()
+    ray.shutdown()
+
+
+def jagged(rows):
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+
+def put_rollout(tq, rewards: torch.Tensor, seed: int):
+    """B x G single-turn outputs under keys ``{uid}_{session}_0``; returns (meta, keys)."""
+    from transfer_queue import KVBatchMeta
+    from verl.utils import tensordict_utils as tu
+
+    gen = torch.Generator().manual_seed(seed)
+    n = B * G
+    p_len = torch.randint(2, 7, (B,), generator=gen).repeat_interleave(G)
+    r_len = torch.randint(2, 11, (n,), generator=gen)
+    prompts = [torch.randint(3, 100, (int(p_len[i]),), generator=gen) for i in range(n)]
+    responses = [torch.randint(3, 100, (int(r_len[i]),), generator=gen) for i in range(n)]
+    scores = []
+    for i in range(n):
+        s = torch.zeros(int(r_len[i]))
+        s[-1] = rewards.reshape(-1)[i]
+        scores.append(s)
+    fields = {
+        "uid": np.array([f"p{i // G}" for i in range(n)], dtype=object),
+        "prompts": jagged(prompts),
+        "responses": jagged(responses),
+        "input_ids": jagged([torch.cat([p, r]) for p, r in zip(prompts, responses)]),
+        "attention_mask": jagged([torch.ones(len(p) + len(r), dtype=torch.int64) for p, r in zip(prompts, responses)]),
+        "response_mask": jagged([torch.ones(len(r), dtype=torch.int64) for r in responses]),
+        "rm_scores": jagged(scores),
+        "rollout_log_probs": jagged([torch.zeros(len(r)) for r in responses]),
+        "row_id": torch.arange(n),
+    }
+    keys = [f"p{i // G}_{i % G}_0" for i in range(n)]
+    tags = [{"seq_len": int(p_len[i] + r_len[i]), "global_steps": STEP} for i in range(n)]
+    tq.kv_batch_put(keys=keys, partition_id="train", fields=tu.get_tensordict(fields), tags=tags)
+    return KVBatchMeta(keys=keys, tags=tags, partition_id="train"), keys
+
+
+def bare_v1_trainer(config):
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    trainer = object.__new__(PPOTrainerSync)
+    trainer.config = config
+    trainer.global_steps = STEP
+    trainer.use_critic = False
+    trainer.actor_rollout_wg = SimpleNamespace(_dispatch_info={"actor": list(range(DP))})
+    trainer.tokenizer = SimpleNamespace(eos_token_id=EOS)
+    return trainer
+
+
+def test_v1_prune_balance_advantage(tq, plugin, config):
+    assert plugin.is_installed("verl.trainer.ppo.v1.trainer_base")
+    rewards = rewards_table(seed=3, prompts=B, group=G)
+    meta, keys = put_rollout(tq, rewards, seed=3)
+    trainer = bare_v1_trainer(config)
+    metrics: dict = {}
+    out = trainer._balance_batch(meta, metrics=metrics)
+
+    sel = prune(rewards.reshape(-1), torch.arange(B * G) // G, CPPOConfig(pruning_rate=0.75), step=STEP).selection
+    kept_keys = {keys[i] for i in sel.kept.tolist()}
+    real = [k for k, t in zip(out.keys, out.tags) if not t.get("is_padding", False)]
+    assert set(real) == kept_keys and len(real) == len(kept_keys)  # exactly the survivors
+    # pruned rows are gone from storage, the kept ones and veRL's padding rows remain
+    stored = set(tq.kv_list("train")["train"])
+    assert stored == set(out.keys) and not stored & (set(keys) - kept_keys)
+    # loss-free padding to lcm(DP, mini-batch x n) by veRL's own upsampler
+    assert len(out) % math.lcm(DP, config.actor_rollout_ref.actor.ppo_mini_batch_size * G) == 0
+    assert metrics["cppo/padding_rows"] == len(out) - len(real) == 16
+    assert metrics["cppo/rows_cleared"] == 24 and metrics["cppo/num_kept"] == 8
+    assert "global_seqlen/max" in metrics
+    # the split the workers get (equal contiguous chunks) has the better of veRL's and the core's loads
+    w = torch.tensor([t["seq_len"] for t in out.tags], dtype=torch.float64)
+    w = 24576 * w + w * w
+    final = float(w.view(DP, -1).sum(1).max()) / (float(w.sum()) / DP)
+    best = min(metrics["cppo/balance_imbalance_verl"], metrics["cppo/balance_imbalance_core"])
+    assert final == pytest.approx(best, rel=1e-12)
+    data = tq.kv_batch_get(keys=out.keys, partition_id="train", select_fields=["uid", "row_id", "response_mask", "rm_scores"])
+    pad = torch.tensor([t.get("is_padding", False) for t in out.tags])
+    rows = data["row_id"][~pad]
+    assert [str(u) for u, p in zip(data["uid"], pad) if not p] == [f"p{r // G}" for r in rows.tolist()]
+    assert all(int(m.sum()) == 0 for m, p in zip(data["response_mask"].unbind(), pad) if p)
+
+    # the old-policy and reference passes would write these; then veRL's advantage step
+    lengths = [int(m.numel()) for m in data["response_mask"].unbind()]
+    from verl.utils import tensordict_utils as tu
+
+    lp = {"old_log_probs": jagged([torch.full((n,), -1.0) for n in lengths]),
+          "ref_log_prob": jagged([torch.full((n,), -1.1) for n in lengths])}
+    tq.kv_batch_put(keys=out.keys, partition_id="train", fields=tu.get_tensordict(lp))
+    trainer._compute_advantage(out, metrics)
+    adv = tq.kv_batch_get(keys=out.keys, partition_id="train", select_fields=["advantages"])["advantages"]
+    full, _ = group_advantages(rewards.reshape(-1), torch.arange(B * G) // G)
+    got = torch.stack([a[0] for a, p in zip(adv.unbind(), pad) if not p])
+    torch.testing.assert_close(got, full[rows].to(got.dtype), atol=1e-5, rtol=1e-5)
+    assert all(a.abs().sum().item() == 0 for a, p in zip(adv.unbind(), pad) if p)
+    tq.kv_clear(keys=out.keys, partition_id="train")
