@@ -5,11 +5,13 @@ chunks leaves some ranks with several long reasoning traces and others idle. The
 minimises the largest rank workload:
 
 1. Karmarkar-Karp largest differencing (multi-way), the method veRL's ``_balance_batch``
-   uses, for inputs up to ``KK_MAX_CELLS`` items x ranks;
+   uses, for inputs up to ``KK_MAX_CELLS`` items x ranks (with equal-size parts, also
+   LPT in rounds, keeping the better start);
    a vectorised longest-processing-time pass in rounds of ``num_parts`` for larger inputs
    (1M sequences into 256 ranks in tens of milliseconds);
 2. then a local search that moves or swaps single items between the most loaded rank and
-   the others while that lowers the pair's maximum (swaps only in equal-size mode).
+   any other while that lowers the pair's maximum (swaps only in equal-size mode), taking
+   the change that leaves the pair's maximum lowest, vectorised over all candidate pairs.
 
 The workload of one sequence is ``a * len + b * len**2`` (attention is quadratic); the
 defaults a = 24576, b = 1 are veRL's, so both balancers optimise the same objective.
@@ -17,6 +19,7 @@ defaults a = 24576, b = 1 are veRL's, so both balancers optimise the same object
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 from dataclasses import dataclass
@@ -38,7 +41,9 @@ __all__ = [
 KK_MAX_CELLS = 4_000_000  # items * parts above which KK's O(N k) cost is replaced by rounds
 _REL_TOL = 1e-12
 _LPT_HEAD_ROUNDS = 8  # largest 8k items placed one by one (heap) before the vectorised rounds
-_STOP_TOL = 1e-6  # within this of the lower bound the split is optimal for any practical purpose
+_STOP_TOL = 1e-4  # within 0.01% of the lower bound: further swaps buy nothing a step time can show
+_SWAP_CELLS = 1_000_000  # item pairs compared per refinement step (bounds memory and time)
+_NEAR_PARTS = 8  # swap partners looked for among this many lightest parts before all of them
 
 
 def sequence_workload(lengths, *, linear: float = 24576.0, quadratic: float = 1.0) -> torch.Tensor:
@@ -154,6 +159,15 @@ def balance_partitions(
     if n * k <= KK_MAX_CELLS:
         members = _karmarkar_karp(w, k, equal_size)
         method = "kk"
+        if equal_size and k > 1 and max(w[m].sum() for m in members) > lb * (1 + _STOP_TOL):
+            # Equal-size KK merges whole rows of k items, which can pair the largest item
+            # with other large ones (lognormal tails: 2.2x the mean where 1.6x is optimal).
+            # Sequential LPT with a cap on items per part leaves a part holding a huge item
+            # open until the others catch up, then fills it with the smallest items. Both
+            # are cheap here, so start from whichever is better.
+            lpt = _lpt_capped(w, k)
+            if max(w[m].sum() for m in lpt) < max(w[m].sum() for m in members):
+                members, method = lpt, "lpt"
     else:
         members = _lpt_rounds(w, k, equal_size)
         method = "lpt"
@@ -245,6 +259,19 @@ def _karmarkar_karp(w: np.ndarray, k: int, equal_size: bool) -> list[np.ndarray]
             states.append((-sums[0], counter, sums, [int(i)] + [None] * (k - 1)))
             counter += 1
     heapq.heapify(states)
+    # The merges build many small nested tuples; the cyclic garbage collector would rescan
+    # them all on every collection (most of KK's time at 4096 items x 256 ranks). They hold
+    # no cycles, so pausing it is safe.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _kk_merge(states, k, counter)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _kk_merge(states: list, k: int, counter: int) -> list[np.ndarray]:
     while len(states) > 1:
         _, _, sa, ma = heapq.heappop(states)
         _, _, sb, mb = heapq.heappop(states)
@@ -308,64 +335,90 @@ def _lpt_rounds(w: np.ndarray, k: int, equal_size: bool) -> list[np.ndarray]:
     return np.split(order, np.cumsum(counts)[:-1])
 
 
+def _lpt_capped(w: np.ndarray, k: int) -> list[np.ndarray]:
+    """Largest first, each to the least loaded part that still has room; parts hold
+    ceil(N/k) (the first N mod k parts) or floor(N/k) items."""
+    n = w.size
+    caps = [n // k + (1 if r < n % k else 0) for r in range(k)]
+    owner = np.empty(n, dtype=np.int64)
+    heap = [(0.0, r) for r in range(k) if caps[r] > 0]
+    heapq.heapify(heap)
+    for i in np.argsort(-w, kind="stable").tolist():
+        load, r = heapq.heappop(heap)
+        owner[i] = r
+        caps[r] -= 1
+        if caps[r]:
+            heapq.heappush(heap, (load + w[i], r))
+    order = np.argsort(owner, kind="stable")
+    return np.split(order, np.cumsum(np.bincount(owner, minlength=k))[:-1])
+
+
 def _refine(w: np.ndarray, members: list[np.ndarray], *, allow_moves: bool, max_steps: int, bound: float):
     """Lower the largest part: move one item (or swap two) between it and a lighter part
-    while the pair's maximum drops. Each accepted change strictly lowers the sum of squared
+    while the pair's maximum drops, choosing among all parts at once the change that leaves
+    the pair's maximum lowest. Each accepted change strictly lowers the sum of squared
     loads, so the search terminates; ``max_steps`` bounds it anyway."""
-    items = list(members)
-    loads = np.array([w[m].sum() for m in items])
+    k = len(members)
+    owner = np.empty(w.size, dtype=np.int64)
+    for r, m in enumerate(members):
+        owner[m] = r
+    loads = np.bincount(owner, weights=w, minlength=k).astype(np.float64)
     for _ in range(max_steps):
         h = int(np.argmax(loads))
         top = loads[h]
         if top <= bound * (1 + _STOP_TOL):
             break
-        hw = w[items[h]]
-        for j in np.argsort(loads, kind="stable"):
-            if j == h or loads[j] >= top:
-                continue
-            change = _best_change(hw, w[items[j]], top - loads[j], allow_moves)
-            if change is not None and max(top - change[2], loads[j] + change[2]) < top * (1 - _REL_TOL):
-                break
-        else:
-            break  # no lighter part can take anything: done
-        a, b, delta = change
-        xh = items[h][a]
-        if b is None:  # move
-            items[h] = np.delete(items[h], a)
-            items[j] = np.append(items[j], xh)
-        else:
-            yj = items[j][b]
-            items[h] = np.append(np.delete(items[h], a), yj)
-            items[j] = np.append(np.delete(items[j], b), xh)
+        change = _best_change(w, owner, loads, h, allow_moves)
+        if change is None:
+            break  # no move or swap lowers the largest part: done
+        a, b, j, delta = change
+        owner[a] = j
+        if b is not None:
+            owner[b] = h
         loads[h] -= delta
         loads[j] += delta
-    return items
+    order = np.argsort(owner, kind="stable")
+    return np.split(order, np.cumsum(np.bincount(owner, minlength=k))[:-1])
 
 
-def _best_change(hw: np.ndarray, jw: np.ndarray, diff: float, allow_moves: bool):
-    """Between a heavy part (item workloads ``hw``) and a part lighter by ``diff``: the move
-    of x (returned as (a, None, x)) or swap of x <-> y ((a, b, x - y)) whose transfer is
-    closest to diff / 2, the transfer that evens the pair. None when nothing fits."""
-    best = None  # (distance from diff/2, a, b, delta)
-    half = diff / 2
-    if not hw.size:
+def _best_change(w: np.ndarray, owner: np.ndarray, loads: np.ndarray, h: int, allow_moves: bool):
+    """The move (item a of the heaviest part h to part j) or swap (a <-> b of part j) after
+    which max(load_h, load_j) is lowest, if that is below the current load_h. Returns
+    (a, b or None, j, transferred workload) or None. Swap partners are searched among the
+    ``_NEAR_PARTS`` lightest parts first (cheap, usually enough), then among all parts (at
+    most ``_SWAP_CELLS`` item pairs compared)."""
+    top = loads[h]
+    in_h = np.nonzero(owner == h)[0]
+    if in_h.size == 0:
         return None
+    hw = w[in_h]
+    best = None  # (new pair max, a, b, j, delta)
     if allow_moves:
+        j = int(np.argmin(loads))
+        diff = top - loads[j]
         ok = (hw > 0) & (hw < diff)
-        if ok.any():
-            score = np.where(ok, np.abs(hw - half), np.inf)
-            a = int(np.argmin(score))
-            best = (score[a], a, None, float(hw[a]))
-    if jw.size:
-        order = np.argsort(jw, kind="stable")
-        ys = jw[order]
-        pos = np.searchsorted(ys, hw - half)
-        for cand in (np.minimum(pos, ys.size - 1), np.maximum(pos - 1, 0)):
-            delta = hw - ys[cand]
-            ok = (delta > 0) & (delta < diff)
-            if ok.any():
-                score = np.where(ok, np.abs(delta - half), np.inf)
-                a = int(np.argmin(score))
-                if best is None or score[a] < best[0]:
-                    best = (score[a], a, int(order[cand[a]]), float(delta[a]))
-    return None if best is None else best[1:]
+        if j != h and ok.any():
+            new_max = np.where(ok, np.maximum(top - hw, loads[j] + hw), np.inf)
+            a = int(np.argmin(new_max))
+            best = (new_max[a], int(in_h[a]), None, j, float(hw[a]))
+    by_load = np.argsort(loads, kind="stable")
+    by_load = by_load[(by_load != h) & (loads[by_load] < top)]
+    per_part = max(1, w.size // max(1, loads.size))
+    widest = max(1, _SWAP_CELLS // max(1, in_h.size * per_part))
+    for n_parts in (_NEAR_PARTS, widest):
+        parts = by_load[:n_parts]
+        if parts.size == 0:
+            break
+        cand = np.nonzero(np.isin(owner, parts))[0]
+        if cand.size:
+            delta = hw[:, None] - w[cand][None, :]  # [m_h, C]
+            new_max = np.where(delta > 0, np.maximum(top - delta, loads[owner[cand]][None, :] + delta), np.inf)
+            flat = int(np.argmin(new_max))
+            ai, ci = divmod(flat, cand.size)
+            if best is None or new_max[ai, ci] < best[0]:
+                best = (new_max[ai, ci], int(in_h[ai]), int(cand[ci]), int(owner[cand[ci]]), float(delta[ai, ci]))
+        if (best is not None and best[0] < top * (1 - _REL_TOL)) or parts.size == by_load.size:
+            break
+    if best is None or not best[0] < top * (1 - _REL_TOL):
+        return None
+    return best[1:]
