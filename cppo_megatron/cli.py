@@ -15,12 +15,16 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("cppo_megatron.commands.doctor", "report which backends (torch/CUDA, megatron-core, veRL, vLLM, Ray, ...) import, with versions"),
     "demo": ("cppo_megatron.commands.demo", "run the CPPO core on synthetic rewards: advantages, pruning, allocation, balancing, timing"),
+    "bench": ("cppo_megatron.commands.bench", "benchmarks (overhead, balance): JSON + markdown + PNG into --out"),
+    "simulate": ("cppo_megatron.commands.simulate", "cost model of GRPO/CPPO steps on GPU clusters; --check-paper"),
 }
 
 EPILOG = """\
 examples:
   cppo-megatron doctor
   cppo-megatron demo --group-size 16 --pruning-rate 0.875 --ranks 8
+  cppo-megatron bench balance --out runs/bench
+  cppo-megatron simulate --model 7B --gpu H100-SXM --dp 8
   cppo-megatron COMMAND --help      (options of one command)
 """
 

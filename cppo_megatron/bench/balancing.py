@@ -225,3 +225,30 @@ def run_balance(s: BalanceSettings, *, log=print) -> Report:
         notes=notes,
         plot=plot,
     )
+
+
+# ----------------------------------------------------------------------------- command line
+def configure(parser) -> None:
+    def ints(text):
+        return [int(x) for x in text.split(",") if x.strip()]
+
+    def names(text):
+        return [x.strip() for x in text.split(",") if x.strip()]
+
+    parser.add_argument("--distributions", type=names, default=list(DISTRIBUTIONS),
+                        help=f"comma-separated, from {','.join(DISTRIBUTIONS)} (default all)")
+    parser.add_argument("--ranks", type=ints, default=[2, 8, 64, 256], help="comma-separated (default 2,8,64,256)")
+    parser.add_argument("--items-per-rank", type=int, default=16, help="N = this x ranks sequences (default 16)")
+    parser.add_argument("--equal-size", choices=["both", "on", "off"], default="both",
+                        help="equal-size parts: both (default), on, off")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per input; the median is reported")
+    parser.add_argument("--no-verl", action="store_true", help="skip the veRL comparison")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args) -> Report:
+    eq = {"both": [False, True], "on": [True], "off": [False]}[args.equal_size]
+    return run_balance(BalanceSettings(
+        distributions=args.distributions, ranks=args.ranks, items_per_rank=args.items_per_rank,
+        equal_size=eq, repeats=args.repeats, seed=args.seed, compare_verl=not args.no_verl,
+    ))

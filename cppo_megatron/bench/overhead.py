@@ -11,6 +11,7 @@ pass ``step_seconds`` (e.g. from ``bench speedup`` or a trainer log) and each ro
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -184,3 +185,37 @@ def run_overhead(s: OverheadSettings, *, log=print) -> Report:
         notes=notes,
         plot=plot,
     )
+
+
+# ----------------------------------------------------------------------------- command line
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(float(x)) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def configure(parser) -> None:
+    parser.add_argument("--sizes", type=_ints, default=[1_000, 10_000, 100_000, 1_000_000],
+                        help="completions per step, comma-separated (default 1000,10000,100000,1000000)")
+    parser.add_argument("--group-size", type=int, default=16, help="G (default 16)")
+    parser.add_argument("--pruning-rate", type=float, default=0.875, help="P (default 0.875)")
+    parser.add_argument("--scope", default="group", choices=["group", "batch"])
+    parser.add_argument("--ranks", type=int, default=8, help="DP ranks the survivors are balanced onto (default 8)")
+    parser.add_argument("--equal-size", action="store_true", help="equal-size parts when balancing")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per size; the median is reported")
+    parser.add_argument("--threads", type=_ints, default=[1, 0],
+                        help="torch thread counts to run with, 0 = default (default 1,0)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--step-seconds", default=None,
+                        help="a measured step time of the default recipe (seconds, or a JSON file with "
+                             "step_seconds) to report the overhead as a share of a step")
+
+
+def run(args) -> Report:
+    step = load_step_seconds(args.step_seconds) if args.step_seconds is not None else None
+    return run_overhead(OverheadSettings(
+        sizes=args.sizes, group_size=args.group_size, pruning_rate=args.pruning_rate, scope=args.scope,
+        ranks=args.ranks, equal_size=args.equal_size, repeats=args.repeats, threads=args.threads,
+        seed=args.seed, step_seconds=step,
+    ))
