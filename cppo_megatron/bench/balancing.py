@@ -224,6 +224,8 @@ def run_balance(s: BalanceSettings, *, log=print) -> Report:
         rows=rows,
         notes=notes,
         plot=plot,
+        formats={"ours_imbalance": ".6f", "verl_imbalance": ".6f", "naive_imbalance": ".4f", "ours_gap": ".1e",
+                 "verl_gap": ".1e", "ours_ms": ".2f", "verl_ms": ".2f"},
     )
 
 

@@ -184,6 +184,8 @@ def run_overhead(s: OverheadSettings, *, log=print) -> Report:
         rows=rows,
         notes=notes,
         plot=plot,
+        formats={**{f"{ph}_ms": ".2f" for ph in PHASES}, "total_ms": ".2f", "us_per_completion": ".2f",
+                 "share_of_step": ".3%"},
     )
 
 

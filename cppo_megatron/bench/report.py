@@ -71,10 +71,19 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def markdown_table(columns: list[str], rows: list[dict[str, Any]]) -> str:
+def markdown_table(columns: list[str], rows: list[dict[str, Any]], formats: Optional[dict[str, str]] = None) -> str:
+    """A markdown table; ``formats`` maps a column to a format spec (e.g. ``.6f``)."""
+    formats = formats or {}
+
+    def cell(row, c):
+        v = row.get(c)
+        if c in formats and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            return format(v, formats[c])
+        return _fmt(v)
+
     head = "| " + " | ".join(columns) + " |"
     sep = "|" + "|".join("---" for _ in columns) + "|"
-    body = ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    body = ["| " + " | ".join(cell(r, c) for c in columns) + " |" for r in rows]
     return "\n".join([head, sep, *body])
 
 
@@ -85,7 +94,8 @@ class Report:
     name: file stem (``overhead`` -> overhead.json/.md/.png); title: markdown heading;
     params: the options it ran with; columns/rows: the table (rows are dicts keyed by
     column, extra keys go to the JSON only); notes: lines printed under the table;
-    extras: anything else for the JSON; plot: draws onto a matplotlib Figure.
+    extras: anything else for the JSON; plot: draws onto a matplotlib Figure; formats:
+    column -> format spec for the markdown table.
     """
 
     name: str
@@ -96,6 +106,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     extras: dict[str, Any] = field(default_factory=dict)
     plot: Optional[Callable[[Any], None]] = None
+    formats: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -110,7 +121,7 @@ class Report:
         }
 
     def to_markdown(self) -> str:
-        parts = [f"### {self.title}", "", markdown_table(self.columns, self.rows)]
+        parts = [f"### {self.title}", "", markdown_table(self.columns, self.rows, self.formats)]
         if self.notes:
             parts += ["", *[f"- {n}" for n in self.notes]]
         return "\n".join(parts) + "\n"

@@ -79,7 +79,7 @@ class ModelSpec:
 # Qwen2.5 model cards (config.json of Qwen/Qwen2.5-{1.5B,7B,14B,32B}-Instruct).
 MODELS: dict[str, ModelSpec] = {
     "1.5B": ModelSpec(1.54e9, 28, 1536, 2, 128),
-    "7B": ModelSpec(7.62e9, 28, 3584, 4, 128),
+    "7B": ModelSpec(7.61e9, 28, 3584, 4, 128),
     "14B": ModelSpec(14.7e9, 48, 5120, 8, 128),
     "32B": ModelSpec(32.5e9, 64, 5120, 8, 128),
 }
@@ -426,14 +426,25 @@ def _notes(cfg: ClusterSim) -> list[str]:
     ]
 
 
+# hardware-efficiency assumptions a user may vary in the paper check (the setups stay fixed)
+EFFICIENCY_FIELDS = ("train_mfu", "gen_mfu", "bw_eff", "iter_overhead_s", "seq_overhead_s", "max_num_seqs",
+                     "step_overhead_s", "sync_gb_per_s", "reward_s_per_completion", "train_tokens_per_gpu",
+                     "gen_tokens_per_gpu", "seed")
+
+
 def run_paper_check(rates: Optional[list[float]] = None, *, gpu: str = "A100-80GB", samples: int = 8,
-                    log=print) -> Report:
-    """Predict both published setups and compare with the published speedups."""
+                    overrides: Optional[dict] = None, log=print) -> Report:
+    """Predict both published setups and compare with the published speedups.
+    ``overrides``: values for ``EFFICIENCY_FIELDS`` (sensitivity of the check)."""
     rates = rates or [0.5, 0.75, 0.875, 0.9375]
+    overrides = dict(overrides or {})
+    bad = sorted(set(overrides) - set(EFFICIENCY_FIELDS))
+    if bad:
+        raise ValueError(f"the paper check only varies {', '.join(EFFICIENCY_FIELDS)}; got {', '.join(bad)}")
     rows = []
     curves = {}
-    for name, cfg in paper_presets(gpu).items():
-        cfg = replace(cfg, samples=samples)
+    presets = {name: replace(cfg, samples=samples, **overrides).validate() for name, cfg in paper_presets(gpu).items()}
+    for name, cfg in presets.items():
         pred = {r["P"]: r for r in predict(cfg, rates)}
         curves[name] = pred
         for p in rates:
@@ -478,8 +489,8 @@ def run_paper_check(rates: Optional[list[float]] = None, *, gpu: str = "A100-80G
     return Report(
         name="simulate_paper",
         title="Cost model vs published CPPO speedups",
-        params={"gpu": gpu, "samples": samples, "rates": rates,
-                "presets": {k: asdict(v) for k, v in paper_presets(gpu).items()}},
+        params={"gpu": gpu, "samples": samples, "rates": rates, "overrides": overrides,
+                "presets": {k: asdict(v) for k, v in presets.items()}},
         columns=["setup", "P", "published", "predicted", "ratio", "bound", "rollout_share_grpo", "step_s"],
         rows=rows,
         notes=notes,

@@ -9,6 +9,10 @@ examples:
   cppo-megatron simulate --model 7B --gpu A100-80GB --dp 8
   cppo-megatron simulate --model 32B --gpu H100-SXM --tp 4 --pp 2 --dp 4 --rollout-tp 4 --capacity 1024
   cppo-megatron simulate --check-paper          (against the paper's published speedups)
+  cppo-megatron simulate --check-paper --seq-overhead-s 0   (the check without host overhead per sequence)
+
+With --check-paper the two published setups are fixed; only --gpu, --samples and the
+efficiency options (MFUs, bandwidth efficiency, overheads, throughputs) apply.
 """
 
 from __future__ import annotations
@@ -86,7 +90,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         if args.check_paper:
-            report = run_paper_check(args.rates, gpu=args.gpu, samples=args.samples)
+            from ..bench.simulate import EFFICIENCY_FIELDS
+
+            overrides = {name: getattr(args, name) for name in EFFICIENCY_FIELDS}
+            report = run_paper_check(args.rates, gpu=args.gpu, samples=args.samples, overrides=overrides)
         else:
             cfg = ClusterSim(**{f.name: getattr(args, f.name) for f in fields(ClusterSim)}).validate()
             report = run_simulate(cfg, args.rates)

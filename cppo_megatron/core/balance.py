@@ -5,13 +5,15 @@ chunks leaves some ranks with several long reasoning traces and others idle. The
 minimises the largest rank workload:
 
 1. Karmarkar-Karp largest differencing (multi-way), the method veRL's ``_balance_batch``
-   uses, for inputs up to ``KK_MAX_CELLS`` items x ranks (with equal-size parts, also
-   LPT in rounds, keeping the better start);
-   a vectorised longest-processing-time pass in rounds of ``num_parts`` for larger inputs
-   (1M sequences into 256 ranks in tens of milliseconds);
+   uses, for inputs up to ``KK_MAX_ITEMS`` items and ``KK_MAX_CELLS`` items x ranks (with
+   equal-size parts, also capped LPT, keeping the better start);
+   a vectorised longest-processing-time pass in rounds of ``num_parts`` for larger inputs,
+   where thousands of items per rank make it as good (1M sequences into 256 ranks in
+   under a second);
 2. then a local search that moves or swaps single items between the most loaded rank and
-   any other while that lowers the pair's maximum (swaps only in equal-size mode), taking
-   the change that leaves the pair's maximum lowest, vectorised over all candidate pairs.
+   a lighter one while that lowers the pair's maximum (swaps only in equal-size mode),
+   taking the change that leaves the pair's maximum lowest (a sorted search per part),
+   until the largest part is within ``_STOP_TOL`` of the lower bound.
 
 The workload of one sequence is ``a * len + b * len**2`` (attention is quadratic); the
 defaults a = 24576, b = 1 are veRL's, so both balancers optimise the same objective.
@@ -39,10 +41,10 @@ __all__ = [
 ]
 
 KK_MAX_CELLS = 4_000_000  # items * parts above which KK's O(N k) cost is replaced by rounds
+KK_MAX_ITEMS = 32_768  # and items above which (thousands per rank) LPT is as good, 10x cheaper
 _REL_TOL = 1e-12
 _LPT_HEAD_ROUNDS = 8  # largest 8k items placed one by one (heap) before the vectorised rounds
 _STOP_TOL = 1e-4  # within 0.01% of the lower bound: further swaps buy nothing a step time can show
-_SWAP_CELLS = 1_000_000  # item pairs compared per refinement step (bounds memory and time)
 _NEAR_PARTS = 8  # swap partners looked for among this many lightest parts before all of them
 
 
@@ -156,7 +158,7 @@ def balance_partitions(
     if n == 0:
         return Partition([[] for _ in range(k)], np.zeros(k), 0.0, "empty")
 
-    if n * k <= KK_MAX_CELLS:
+    if n * k <= KK_MAX_CELLS and n <= KK_MAX_ITEMS:
         members = _karmarkar_karp(w, k, equal_size)
         method = "kk"
         if equal_size and k > 1 and max(w[m].sum() for m in members) > lb * (1 + _STOP_TOL):
@@ -355,69 +357,76 @@ def _lpt_capped(w: np.ndarray, k: int) -> list[np.ndarray]:
 
 def _refine(w: np.ndarray, members: list[np.ndarray], *, allow_moves: bool, max_steps: int, bound: float):
     """Lower the largest part: move one item (or swap two) between it and a lighter part
-    while the pair's maximum drops, choosing among all parts at once the change that leaves
-    the pair's maximum lowest. Each accepted change strictly lowers the sum of squared
-    loads, so the search terminates; ``max_steps`` bounds it anyway."""
-    k = len(members)
-    owner = np.empty(w.size, dtype=np.int64)
-    for r, m in enumerate(members):
-        owner[m] = r
-    loads = np.bincount(owner, weights=w, minlength=k).astype(np.float64)
+    while the pair's maximum drops, taking the change that leaves the pair's maximum lowest
+    (among the ``_NEAR_PARTS`` lightest parts, or all parts when none of those helps). Each
+    accepted change strictly lowers the sum of squared loads, so the search terminates;
+    ``max_steps`` bounds it anyway."""
+    items = [np.asarray(m, dtype=np.int64) for m in members]
+    loads = np.array([w[m].sum() for m in items], dtype=np.float64)
     for _ in range(max_steps):
         h = int(np.argmax(loads))
         top = loads[h]
         if top <= bound * (1 + _STOP_TOL):
             break
-        change = _best_change(w, owner, loads, h, allow_moves)
+        change = _best_change(w, items, loads, h, allow_moves)
         if change is None:
             break  # no move or swap lowers the largest part: done
         a, b, j, delta = change
-        owner[a] = j
-        if b is not None:
-            owner[b] = h
+        xh = items[h][a]
+        if b is None:  # move
+            items[h] = np.delete(items[h], a)
+            items[j] = np.append(items[j], xh)
+        else:
+            yj = items[j][b]
+            items[h][a] = yj
+            items[j][b] = xh
         loads[h] -= delta
         loads[j] += delta
-    order = np.argsort(owner, kind="stable")
-    return np.split(order, np.cumsum(np.bincount(owner, minlength=k))[:-1])
+    return items
 
 
-def _best_change(w: np.ndarray, owner: np.ndarray, loads: np.ndarray, h: int, allow_moves: bool):
-    """The move (item a of the heaviest part h to part j) or swap (a <-> b of part j) after
-    which max(load_h, load_j) is lowest, if that is below the current load_h. Returns
-    (a, b or None, j, transferred workload) or None. Swap partners are searched among the
-    ``_NEAR_PARTS`` lightest parts first (cheap, usually enough), then among all parts (at
-    most ``_SWAP_CELLS`` item pairs compared)."""
+def _best_change(w: np.ndarray, items: list[np.ndarray], loads: np.ndarray, h: int, allow_moves: bool):
+    """The move (position a of the heaviest part h to part j) or swap (a <-> position b of
+    part j) after which max(load_h, load_j) is lowest, if below the current load_h.
+    Returns (a, b or None, j, transferred workload) or None.
+
+    For one pair the best transfer is the one closest to half their difference, so per
+    candidate part a sorted search finds it in O(m log m)."""
     top = loads[h]
-    in_h = np.nonzero(owner == h)[0]
-    if in_h.size == 0:
+    hw = w[items[h]]
+    if hw.size == 0:
         return None
-    hw = w[in_h]
     best = None  # (new pair max, a, b, j, delta)
     if allow_moves:
         j = int(np.argmin(loads))
         diff = top - loads[j]
         ok = (hw > 0) & (hw < diff)
         if j != h and ok.any():
-            new_max = np.where(ok, np.maximum(top - hw, loads[j] + hw), np.inf)
-            a = int(np.argmin(new_max))
-            best = (new_max[a], int(in_h[a]), None, j, float(hw[a]))
+            score = np.where(ok, np.abs(hw - diff / 2), np.inf)
+            a = int(np.argmin(score))
+            best = (max(top - hw[a], loads[j] + hw[a]), a, None, j, float(hw[a]))
     by_load = np.argsort(loads, kind="stable")
     by_load = by_load[(by_load != h) & (loads[by_load] < top)]
-    per_part = max(1, w.size // max(1, loads.size))
-    widest = max(1, _SWAP_CELLS // max(1, in_h.size * per_part))
-    for n_parts in (_NEAR_PARTS, widest):
-        parts = by_load[:n_parts]
-        if parts.size == 0:
-            break
-        cand = np.nonzero(np.isin(owner, parts))[0]
-        if cand.size:
-            delta = hw[:, None] - w[cand][None, :]  # [m_h, C]
-            new_max = np.where(delta > 0, np.maximum(top - delta, loads[owner[cand]][None, :] + delta), np.inf)
-            flat = int(np.argmin(new_max))
-            ai, ci = divmod(flat, cand.size)
-            if best is None or new_max[ai, ci] < best[0]:
-                best = (new_max[ai, ci], int(in_h[ai]), int(cand[ci]), int(owner[cand[ci]]), float(delta[ai, ci]))
-        if (best is not None and best[0] < top * (1 - _REL_TOL)) or parts.size == by_load.size:
+    for tier in (by_load[:_NEAR_PARTS], by_load[_NEAR_PARTS:]):
+        for j in tier.tolist():
+            jw = w[items[j]]
+            if jw.size == 0:
+                continue
+            diff = top - loads[j]
+            order = np.argsort(jw, kind="stable")
+            ys = jw[order]
+            pos = np.searchsorted(ys, hw - diff / 2)
+            for cand in (np.minimum(pos, ys.size - 1), np.maximum(pos - 1, 0)):
+                delta = hw - ys[cand]
+                ok = (delta > 0) & (delta < diff)
+                if not ok.any():
+                    continue
+                score = np.where(ok, np.abs(delta - diff / 2), np.inf)
+                a = int(np.argmin(score))
+                new_max = max(top - delta[a], loads[j] + delta[a])
+                if best is None or new_max < best[0]:
+                    best = (new_max, a, int(order[cand[a]]), j, float(delta[a]))
+        if best is not None and best[0] < top * (1 - _REL_TOL):
             break
     if best is None or not best[0] < top * (1 - _REL_TOL):
         return None

@@ -40,3 +40,8 @@ def test_write_report_json_md_png(tmp_path):
 def test_write_report_without_plot(tmp_path):
     paths = write_report(Report("x", "X", {}, ["a"], [{"a": 1}]), tmp_path, plot=True)
     assert set(paths) == {"json", "md"}
+
+
+def test_markdown_table_column_formats():
+    text = markdown_table(["x", "y"], [{"x": 1.0000123, "y": None}], {"x": ".6f", "y": ".2f"})
+    assert text.splitlines()[2] == "| 1.000012 | - |"
