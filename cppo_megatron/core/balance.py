@@ -5,11 +5,11 @@ chunks leaves some ranks with several long reasoning traces and others idle. The
 minimises the largest rank workload:
 
 1. Karmarkar-Karp largest differencing (multi-way), the method veRL's ``_balance_batch``
-   uses, for inputs up to ``KK_MAX_ITEMS`` items and ``KK_MAX_CELLS`` items x ranks (with
-   equal-size parts, also capped LPT, keeping the better start);
+   uses, for up to ``KK_MAX_ITEMS_PER_PART`` items per rank and ``KK_MAX_CELLS`` items x
+   ranks (with equal-size parts, also capped LPT, keeping the better start);
    a vectorised longest-processing-time pass in rounds of ``num_parts`` for larger inputs,
-   where thousands of items per rank make it as good (1M sequences into 256 ranks in
-   under a second);
+   where many items per rank make it as good after refinement (1M sequences into 256
+   ranks in under a second);
 2. then a local search that moves or swaps single items between the most loaded rank and
    a lighter one while that lowers the pair's maximum (swaps only in equal-size mode),
    taking the change that leaves the pair's maximum lowest (a sorted search per part),
@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 KK_MAX_CELLS = 4_000_000  # items * parts above which KK's O(N k) cost is replaced by rounds
-KK_MAX_ITEMS = 32_768  # and items above which (thousands per rank) LPT is as good, 10x cheaper
+KK_MAX_ITEMS_PER_PART = 64  # above this many items per part, LPT + refinement is as good and far cheaper
 _REL_TOL = 1e-12
 _LPT_HEAD_ROUNDS = 8  # largest 8k items placed one by one (heap) before the vectorised rounds
 _STOP_TOL = 1e-4  # within 0.01% of the lower bound: further swaps buy nothing a step time can show
@@ -158,7 +158,7 @@ def balance_partitions(
     if n == 0:
         return Partition([[] for _ in range(k)], np.zeros(k), 0.0, "empty")
 
-    if n * k <= KK_MAX_CELLS and n <= KK_MAX_ITEMS:
+    if n * k <= KK_MAX_CELLS and n <= KK_MAX_ITEMS_PER_PART * k:
         members = _karmarkar_karp(w, k, equal_size)
         method = "kk"
         if equal_size and k > 1 and max(w[m].sum() for m in members) > lb * (1 + _STOP_TOL):
@@ -358,7 +358,7 @@ def _lpt_capped(w: np.ndarray, k: int) -> list[np.ndarray]:
 def _refine(w: np.ndarray, members: list[np.ndarray], *, allow_moves: bool, max_steps: int, bound: float):
     """Lower the largest part: move one item (or swap two) between it and a lighter part
     while the pair's maximum drops, taking the change that leaves the pair's maximum lowest
-    (among the ``_NEAR_PARTS`` lightest parts, or all parts when none of those helps). Each
+    with the lightest part, else among the ``_NEAR_PARTS`` lightest, else among all. Each
     accepted change strictly lowers the sum of squared loads, so the search terminates;
     ``max_steps`` bounds it anyway."""
     items = [np.asarray(m, dtype=np.int64) for m in members]
@@ -407,7 +407,7 @@ def _best_change(w: np.ndarray, items: list[np.ndarray], loads: np.ndarray, h: i
             best = (max(top - hw[a], loads[j] + hw[a]), a, None, j, float(hw[a]))
     by_load = np.argsort(loads, kind="stable")
     by_load = by_load[(by_load != h) & (loads[by_load] < top)]
-    for tier in (by_load[:_NEAR_PARTS], by_load[_NEAR_PARTS:]):
+    for tier in (by_load[:1], by_load[1:_NEAR_PARTS], by_load[_NEAR_PARTS:]):
         for j in tier.tolist():
             jw = w[items[j]]
             if jw.size == 0:
