@@ -5,10 +5,10 @@ chunks leaves some ranks with several long reasoning traces and others idle. The
 minimises the largest rank workload:
 
 1. Karmarkar-Karp largest differencing (multi-way), the method veRL's ``_balance_batch``
-   uses, for up to ``KK_MAX_ITEMS_PER_PART`` items per rank and ``KK_MAX_CELLS`` items x
-   ranks (with equal-size parts, also capped LPT, keeping the better start);
+   uses, for up to ``KK_MAX_ITEMS`` items and ``KK_MAX_CELLS`` items x ranks (with
+   equal-size parts, also capped LPT, keeping the better start);
    a vectorised longest-processing-time pass in rounds of ``num_parts`` for larger inputs,
-   where many items per rank make it as good after refinement (1M sequences into 256
+   brought within ``_STOP_TOL`` of the bound by the refinement (1M sequences into 256
    ranks in under a second);
 2. then a local search that moves or swaps single items between the most loaded rank and
    a lighter one while that lowers the pair's maximum (swaps only in equal-size mode),
@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 KK_MAX_CELLS = 4_000_000  # items * parts above which KK's O(N k) cost is replaced by rounds
-KK_MAX_ITEMS_PER_PART = 64  # above this many items per part, LPT + refinement is as good and far cheaper
+KK_MAX_ITEMS = 8192  # above this many items LPT + refinement replaces KK: within _STOP_TOL, far cheaper
 _REL_TOL = 1e-12
 _LPT_HEAD_ROUNDS = 8  # largest 8k items placed one by one (heap) before the vectorised rounds
 _STOP_TOL = 1e-4  # within 0.01% of the lower bound: further swaps buy nothing a step time can show
@@ -158,7 +158,7 @@ def balance_partitions(
     if n == 0:
         return Partition([[] for _ in range(k)], np.zeros(k), 0.0, "empty")
 
-    if n * k <= KK_MAX_CELLS and n <= KK_MAX_ITEMS_PER_PART * k:
+    if n * k <= KK_MAX_CELLS and n <= KK_MAX_ITEMS:
         members = _karmarkar_karp(w, k, equal_size)
         method = "kk"
         if equal_size and k > 1 and max(w[m].sum() for m in members) > lb * (1 + _STOP_TOL):

@@ -125,7 +125,7 @@ def test_equal_size_heavy_tail_reaches_the_bound():
     assert part.gap_to_bound <= 1e-4, part.gap_to_bound
 
 
-def test_many_items_per_rank_use_lpt_and_stay_within_tolerance():
+def test_many_items_use_lpt_and_stay_within_tolerance():
     lengths = _lognormal_lengths(40_000, 5)
     part = balance_partitions(sequence_workload(torch.tensor(lengths)), 8)
     assert part.method.startswith("lpt")
