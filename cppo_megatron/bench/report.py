@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-__all__ = ["Report", "write_report", "machine_info", "markdown_table", "median"]
+__all__ = ["Report", "write_report", "publish", "machine_info", "markdown_table", "median"]
 
 
 def median(values) -> float:
@@ -180,3 +180,12 @@ def _finite_or_none(o: Any) -> Any:
     if isinstance(o, (list, tuple)):
         return [_finite_or_none(v) for v in o]
     return o
+
+
+def publish(report: Report, out_dir, *, plot: bool = True) -> dict[str, str]:
+    """Write the report's files and print its table and where they went (the commands' output)."""
+    paths = write_report(report, out_dir, plot=plot)
+    print()
+    print(report.to_markdown())
+    print("wrote " + ", ".join(paths.values()))
+    return paths

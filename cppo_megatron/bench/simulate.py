@@ -470,7 +470,8 @@ def run_paper_check(rates: Optional[list[float]] = None, *, gpu: str = "A100-80G
         f"mean |predicted/published - 1| = {100 * float(np.mean(errs)):.0f}% over {len(errs)} points; "
         f"worst {100 * float(np.max(errs)):.0f}%.",
         "The published speedups exceed the pruning-only bound S_max: most of the gain is the larger rollout "
-        "batch under allocation (16 -> 256 completions per vLLM call), which the decode model captures.",
+        "batch under allocation (for 1.5B at P = 0.9375: 16 -> 256 completions per vLLM call), which the decode "
+        "model captures.",
     ]
 
     def plot(fig):

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"cppo-megatron bench: choose a benchmark: {', '.join(BENCHMARKS)} (bench BENCHMARK --help)",
               file=sys.stderr)
         return 2
-    from ..bench.report import write_report
+    from ..bench.report import publish
 
     module = importlib.import_module(BENCHMARKS[args.benchmark][0])
     try:
@@ -44,8 +44,5 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"cppo-megatron bench {args.benchmark}: {exc}", file=sys.stderr)
         return 2
-    paths = write_report(report, args.out, plot=not args.no_plot)
-    print()
-    print(report.to_markdown())
-    print("wrote " + ", ".join(paths.values()))
+    publish(report, args.out, plot=not args.no_plot)
     return 0

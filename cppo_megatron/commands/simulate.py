@@ -85,7 +85,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench.report import write_report
+    from ..bench.report import publish
     from ..bench.simulate import run_paper_check, run_simulate
 
     try:
@@ -100,8 +100,5 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"cppo-megatron simulate: {exc}", file=sys.stderr)
         return 2
-    paths = write_report(report, args.out, plot=not args.no_plot)
-    print()
-    print(report.to_markdown())
-    print("wrote " + ", ".join(paths.values()))
+    publish(report, args.out, plot=not args.no_plot)
     return 0
