@@ -157,7 +157,7 @@ def write_report(report: Report, out_dir, *, plot: bool = True) -> dict[str, str
     if plot and report.plot is not None:
         from .._optional import require
 
-        mpl = require("matplotlib", "benchmark plots")
+        mpl = require("matplotlib", "benchmark plots (or pass --no-plot)")  # JSON and markdown are written
         mpl.use("Agg")
         import matplotlib.pyplot as plt
 
@@ -184,7 +184,13 @@ def _finite_or_none(o: Any) -> Any:
 
 def publish(report: Report, out_dir, *, plot: bool = True) -> dict[str, str]:
     """Write the report's files and print its table and where they went (the commands' output)."""
-    paths = write_report(report, out_dir, plot=plot)
+    from .._optional import MissingDependency
+
+    try:
+        paths = write_report(report, out_dir, plot=plot)
+    except MissingDependency as exc:  # the JSON and markdown are already written
+        print(f"no plot: {exc}")
+        paths = write_report(report, out_dir, plot=False)
     print()
     print(report.to_markdown())
     print("wrote " + ", ".join(paths.values()))

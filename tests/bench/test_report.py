@@ -45,3 +45,18 @@ def test_write_report_without_plot(tmp_path):
 def test_markdown_table_column_formats():
     text = markdown_table(["x", "y"], [{"x": 1.0000123, "y": None}], {"x": ".6f", "y": ".2f"})
     assert text.splitlines()[2] == "| 1.000012 | - |"
+
+
+def test_publish_without_matplotlib_still_writes_json_and_markdown(tmp_path, monkeypatch, capsys):
+    import cppo_megatron._optional as optional
+    from cppo_megatron.bench.report import publish
+
+    def missing(module, purpose=""):
+        raise optional.MissingDependency(f"{module} is needed for {purpose}. Install it: pip install ...")
+
+    monkeypatch.setattr(optional, "require", missing)
+    rep = Report("x", "X", {}, ["a"], [{"a": 1}], plot=lambda fig: None)
+    paths = publish(rep, tmp_path)
+    assert set(paths) == {"json", "md"} and (tmp_path / "x.json").exists() and (tmp_path / "x.md").exists()
+    assert not (tmp_path / "x.png").exists()
+    assert "no plot: matplotlib is needed" in capsys.readouterr().out
