@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "patch": ("cppo_megatron.commands.patch", "check or apply the CPPO source patch to an installed framework (openrlhf)"),
     "megatron-check": ("cppo_megatron.commands.megatron_check", "HF -> megatron TP/PP/DP on local processes: log-probs vs HF, weight round trip, one pruned rebalanced update"),
     "verl": ("cppo_megatron.commands.verl", "train with veRL 0.9.1 + CPPO (= python -m cppo_megatron.integrations.verl.main; veRL hydra overrides)"),
+    "bench": ("cppo_megatron.commands.bench", "benchmarks (overhead, balance): JSON + markdown + PNG into --out"),
+    "simulate": ("cppo_megatron.commands.simulate", "cost model of GRPO/CPPO steps on GPU clusters; --check-paper"),
 }
 
 EPILOG = """\
@@ -31,6 +33,8 @@ examples:
   cppo-megatron patch openrlhf --check
   cppo-megatron megatron-check --tp 2 --pp 1 --dp 2
   cppo-megatron verl --config-path=$PWD/recipes/verl --config-name=qwen2.5-1.5b-gsm8k-cppo
+  cppo-megatron bench balance --out runs/bench
+  cppo-megatron simulate --model 7B --gpu H100-SXM --dp 8
   cppo-megatron COMMAND --help      (options of one command)
 """
 

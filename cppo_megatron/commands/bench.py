@@ -1,0 +1,48 @@
+"""Benchmarks: each writes NAME.json, NAME.md and NAME.png into --out.
+
+  cppo-megatron bench overhead [--sizes 1000,10000,100000,1000000] [--step-seconds S|RUN.json]
+  cppo-megatron bench balance  [--ranks 2,8,64,256] [--items-per-rank 16]
+  cppo-megatron bench BENCHMARK --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module with configure(parser) and run(args) -> Report, one-line help).
+# The training benchmarks plug in here once the embedded trainer exists:
+#   "speedup": GRPO vs CPPO at several rates on a recipe, speedup vs the bound S_max
+#              (cppo_megatron.bench.bound.speedup_bound / fraction_of_bound),
+#   "rollout": generation throughput of the rollout engines.
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "overhead": ("cppo_megatron.bench.overhead", "time of advantages + selection + allocation + balancing per step"),
+    "balance": ("cppo_megatron.bench.balancing", "our balancer vs veRL's get_seqlen_balanced_partitions vs contiguous split"),
+}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK")
+    for name, (module, help_) in BENCHMARKS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        importlib.import_module(module).configure(p)
+        p.add_argument("--out", default=f"runs/bench", help="output directory (default runs/bench)")
+        p.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not getattr(args, "benchmark", None):
+        print(f"cppo-megatron bench: choose a benchmark: {', '.join(BENCHMARKS)} (bench BENCHMARK --help)",
+              file=sys.stderr)
+        return 2
+    from ..bench.report import publish
+
+    module = importlib.import_module(BENCHMARKS[args.benchmark][0])
+    try:
+        report = module.run(args)
+    except ValueError as exc:
+        print(f"cppo-megatron bench {args.benchmark}: {exc}", file=sys.stderr)
+        return 2
+    publish(report, args.out, plot=not args.no_plot)
+    return 0
