@@ -1,5 +1,6 @@
 """Benchmarks: each writes NAME.json, NAME.md and NAME.png into --out.
 
+  cppo-megatron bench speedup recipes/tiny_cpu.yaml [--rates 0,0.5,0.75,0.875,0.9375] [--allocation both]
   cppo-megatron bench overhead [--sizes 1000,10000,100000,1000000] [--step-seconds S|RUN.json]
   cppo-megatron bench balance  [--ranks 2,8,64,256] [--items-per-rank 16]
   cppo-megatron bench BENCHMARK --help
@@ -12,11 +13,8 @@ import importlib
 import sys
 
 # name -> (module with configure(parser) and run(args) -> Report, one-line help).
-# The training benchmarks plug in here once the embedded trainer exists:
-#   "speedup": GRPO vs CPPO at several rates on a recipe, speedup vs the bound S_max
-#              (cppo_megatron.bench.bound.speedup_bound / fraction_of_bound),
-#   "rollout": generation throughput of the rollout engines.
 BENCHMARKS: dict[str, tuple[str, str]] = {
+    "speedup": ("cppo_megatron.bench.speedup", "GRPO vs CPPO at several rates, interleaved: speedup vs the bound S_max"),
     "overhead": ("cppo_megatron.bench.overhead", "time of advantages + selection + allocation + balancing per step"),
     "balance": ("cppo_megatron.bench.balancing", "our balancer vs veRL's get_seqlen_balanced_partitions vs contiguous split"),
 }

@@ -1,0 +1,218 @@
+"""bench speedup: GRPO (P = 0) and CPPO at several pruning rates, side by side in one run.
+
+All runs start from the same warm-started weights with the same seed. Their steps are
+interleaved (A B C ... then C B A ..., for --repeats rounds) so drift of a shared machine
+hits every run alike; per-step figures are medians. Per rate and allocation setting:
+
+- seconds per prompt processed (the paper's epoch time, normalised by prompts), and the
+  speedup against P = 0;
+- per-phase seconds per prompt;
+- the bound S_max(P) = (T_gen + T_rest) / (T_gen + (1 - P) T_rest), with T_gen (rollout +
+  reward) and T_rest (old-policy + reference + update) per prompt from this run's GRPO
+  steps, and the fraction of the bound achieved.
+
+  cppo-megatron bench speedup recipes/tiny_cpu.yaml --rates 0,0.5,0.75,0.875,0.9375
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from .bound import fraction_of_bound, speedup, speedup_bound
+from .report import Report, median
+
+GEN_PHASES = ("rollout", "reward")
+REST_PHASES = ("old_logprob", "ref_logprob", "update")
+ALL_PHASES = ("rollout", "reward", "cppo", "old_logprob", "ref_logprob", "update", "sync")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="recipe YAML (e.g. recipes/tiny_cpu.yaml)")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides key=value (applied to every run)")
+    parser.add_argument("--rates", default="0,0.5,0.75,0.875,0.9375", help="comma-separated P values (0 is added)")
+    parser.add_argument("--allocation", choices=["on", "off", "both"], default="both")
+    parser.add_argument("--steps", type=int, default=4, help="steps per run per round (default 4)")
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds (default 2)")
+    parser.add_argument("--warmup-checkpoint", default=None,
+                        help="start weights; default: the recipe's init_checkpoint, else run its warm-up once")
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = sorted({0.0, *(float(x) for x in text.split(",") if x.strip())})
+    except ValueError as exc:
+        raise ValueError(f"--rates must be comma-separated numbers, got {text!r}") from exc
+    bad = [p for p in rates if not 0.0 <= p < 1.0]
+    if bad:
+        raise ValueError(f"--rates must be in [0, 1), got {bad}")
+    return rates
+
+
+def warm_start(recipe, out: Path, explicit: str | None) -> Path:
+    """The weights every run starts from: given, the recipe's, or one warm-up run now."""
+    from ..trainer import Trainer
+
+    if explicit:
+        return Path(explicit)
+    if recipe.init_checkpoint:
+        return Path(recipe.init_checkpoint)
+    path = out / "warmup" / "warmup.pt"
+    if path.exists():
+        return path
+    if not recipe.warmup.enabled:
+        raise ValueError("the recipe has no init_checkpoint and no warm-up: pass --warmup-checkpoint")
+    print(f"bench: warm-up once, shared by every run -> {path}")
+    warm = _override(recipe, out_dir=str(path.parent), **{"train.steps": 0})
+    t = Trainer(warm)
+    t.prepare(initial_eval=False)
+    t.logger.close()
+    return path
+
+
+def _override(recipe, **changes):
+    """A copy of ``recipe`` with dotted keys replaced, validated like a loaded recipe."""
+    import copy
+
+    from ..trainer.config import validate_recipe
+
+    r = copy.deepcopy(recipe)
+    for dotted, value in changes.items():
+        obj = r
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            obj = getattr(obj, part)
+        if not hasattr(obj, leaf):
+            raise ValueError(f"unknown recipe key {dotted!r}")
+        setattr(obj, leaf, value)
+    return validate_recipe(r)
+
+
+def _bench_recipe(recipe, out: Path, warm: Path, rate: float, allocation: bool):
+    return _override(
+        recipe,
+        out_dir=str(out / "runs" / f"p{rate:g}_{'alloc' if allocation else 'noalloc'}"),
+        init_checkpoint=str(warm),
+        **{
+            "cppo.pruning_rate": rate, "cppo.keep_per_group": None, "cppo.allocation": allocation,
+            "warmup.enabled": False, "eval.every": 0, "log.progress": False, "log.tensorboard": False,
+            "log.plots": False, "log.checkpoint_every": 0, "train.steps": 10**9, "train.max_time_s": 0.0,
+        },
+    )
+
+
+def measure(recipe, rates: list[float], allocations: list[bool], steps: int, repeats: int, warm: Path,
+            out: Path, progress: bool = True) -> dict[tuple[float, bool], list[dict]]:
+    """Interleave the runs' steps; return every step record per (rate, allocation)."""
+    from ..trainer import Trainer
+
+    keys = [(p, a) for a in allocations for p in rates if not (p == 0.0 and a != allocations[0])]
+    trainers = {}
+    for p, a in keys:
+        t = Trainer(_bench_recipe(recipe, out, warm, p, a))
+        t.prepare(initial_eval=False)
+        trainers[(p, a)] = t
+    records: dict = {k: [] for k in keys}
+    total = len(keys) * steps * repeats
+    bar = None
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, desc="bench speedup", dynamic_ncols=True)
+        except ImportError:
+            bar = None
+    for rep in range(repeats):
+        order = keys if rep % 2 == 0 else keys[::-1]  # A B C, C B A: linear drift cancels
+        for k in order:
+            for _ in range(steps):
+                records[k].append(trainers[k].step_once())
+                if bar is not None:
+                    bar.update(1)
+    if bar is not None:
+        bar.close()
+    for t in trainers.values():
+        t.logger.close()
+    return records
+
+
+def per_prompt(recs: list[dict], key: str) -> float:
+    return median(r[key] / r["alloc/prompts_drawn"] for r in recs)
+
+
+def analyse(records: dict, rates: list[float], allocations: list[bool]) -> tuple[list[dict], dict]:
+    base = records[(0.0, allocations[0])]
+    t_gen = sum(per_prompt(base, f"time/{ph}") for ph in GEN_PHASES)
+    t_rest = sum(per_prompt(base, f"time/{ph}") for ph in REST_PHASES)
+    t_base = per_prompt(base, "time/step")
+    rows = []
+    for a in allocations:
+        for p in rates:
+            recs = records[(p, allocations[0])] if p == 0.0 else records[(p, a)]
+            t = per_prompt(recs, "time/step")
+            s = speedup(t_base, t)
+            bound = speedup_bound(p, t_gen, t_rest)
+            row = {
+                "P": p,
+                "allocation": a,
+                "prompts/step": median(r["alloc/prompts_drawn"] for r in recs),
+                "trained/step": median(r["cppo/num_kept"] for r in recs),
+                "ms/prompt": 1e3 * t,
+                "speedup": s,
+                "bound": bound,
+                "of bound": fraction_of_bound(s, bound),
+            }
+            for ph in ALL_PHASES:
+                row[f"ms/prompt {ph}"] = 1e3 * per_prompt(recs, f"time/{ph}")
+            row["steps measured"] = len(recs)
+            rows.append(row)
+    return rows, {"t_gen_per_prompt_s": t_gen, "t_rest_per_prompt_s": t_rest, "t_step_per_prompt_s": t_base}
+
+
+def run(args: argparse.Namespace) -> Report:
+    """Measure; return the report (``cppo-megatron bench`` writes it into --out)."""
+    from ..trainer.config import load_recipe
+
+    rates = _rates(args.rates)
+    if args.steps < 1 or args.repeats < 1:
+        raise ValueError(f"--steps and --repeats must be >= 1, got {args.steps}, {args.repeats}")
+    allocations = {"on": [True], "off": [False], "both": [True, False]}[args.allocation]
+    recipe = load_recipe(args.recipe, args.overrides)
+    out = Path(args.out)
+    t0 = time.perf_counter()
+    warm = warm_start(recipe, out, args.warmup_checkpoint)
+    records = measure(recipe, rates, allocations, args.steps, args.repeats, warm, out, recipe.log.progress)
+    rows, split = analyse(records, rates, allocations)
+    report = Report(
+        name="speedup",
+        title=f"CPPO speedup vs GRPO, {Path(args.recipe).name} ({args.steps} steps x {args.repeats} interleaved rounds)",
+        params={"recipe": args.recipe, "overrides": args.overrides, "rates": rates, "allocation": args.allocation,
+                "steps": args.steps, "repeats": args.repeats, "warm_start": str(warm)},
+        columns=["P", "allocation", "prompts/step", "trained/step", "ms/prompt", "speedup", "bound", "of bound",
+                 "ms/prompt rollout", "ms/prompt update"],
+        rows=rows,
+        notes=[
+            f"GRPO phase split per prompt: T_gen (rollout + reward) {1e3 * split['t_gen_per_prompt_s']:.2f} ms, "
+            f"T_rest (old + ref + update) {1e3 * split['t_rest_per_prompt_s']:.2f} ms",
+            "bound S_max(P) = (T_gen + T_rest) / (T_gen + (1-P) T_rest); 'of bound' = speedup / S_max",
+            f"total bench time {time.perf_counter() - t0:.0f} s",
+        ],
+        extras={"phase_split": split},
+        plot=lambda fig: _plot(fig, rows, allocations),
+    )
+    return report
+
+
+def _plot(fig, rows: list[dict], allocations: list[bool]) -> None:
+    ax = fig.add_subplot(1, 1, 1)
+    for a in allocations:
+        sel = [r for r in rows if r["allocation"] == a]
+        ax.plot([r["P"] for r in sel], [r["speedup"] for r in sel], "o-", label=f"measured, allocation {'on' if a else 'off'}")
+    sel = [r for r in rows if r["allocation"] == allocations[0]]
+    ax.plot([r["P"] for r in sel], [r["bound"] for r in sel], "k--", label="bound S_max(P)")
+    ax.set(xlabel="pruning rate P", ylabel="speedup vs GRPO (time per prompt)", title="CPPO speedup and its bound")
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+

@@ -1,0 +1,291 @@
+"""study: pruning rates x metrics x allocation x seeds at equal time budgets, plus a
+supervised control, on one recipe. Answers: does CPPO with allocation beat GRPO at equal
+time, and does the paper's ordering smallest > random > largest hold at this scale?
+
+Every run starts from the same warm-up weights and gets the same RL time budget
+(``--budget`` seconds on ``--clock``: ``wall``, or ``cpu`` = this process's CPU time,
+which a busy shared machine distorts less). Held-out accuracy is measured at fixed points
+of the budget; evaluation time is not charged to the budget. The control continues
+supervised training from the same weights for the same budget.
+
+  cppo-megatron study recipes/tiny_cpu.yaml                  # default grid, ~45 min on 2 cores
+  cppo-megatron study recipes/tiny_cpu.yaml --full           # every rate, metric, allocation
+  cppo-megatron study recipes/tiny_cpu.yaml --seeds 1 --budget 20 --rates 0,0.875 --metrics smallest
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+from .report import Report, publish
+from .speedup import _override, warm_start
+
+DEFAULT = {"rates": "0,0.5,0.875", "metrics": "smallest,random,largest", "allocation": "on"}
+FULL = {"rates": "0,0.5,0.75,0.875,0.9375", "metrics": "smallest,random,largest,signed", "allocation": "both"}
+METRIC_SETTINGS = {  # name -> (cppo.metric, cppo.use_abs)
+    "smallest": ("smallest", True),
+    "largest": ("largest", True),
+    "random": ("random", True),
+    "signed": ("smallest", False),
+}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="recipe YAML (e.g. recipes/tiny_cpu.yaml)")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides key=value (applied to every run)")
+    parser.add_argument("--rates", default=None, help=f"comma-separated P (default {DEFAULT['rates']})")
+    parser.add_argument("--metrics", default=None,
+                        help=f"comma-separated of smallest,largest,random,signed (default {DEFAULT['metrics']})")
+    parser.add_argument("--allocation", choices=["on", "off", "both"], default=None, help="default on")
+    parser.add_argument("--full", action="store_true", help=f"the full grid: {FULL}")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--budget", type=float, default=100.0, help="RL seconds per run (default 100)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    parser.add_argument("--evals", type=int, default=5, help="evaluations spread over the budget (default 5)")
+    parser.add_argument("--no-control", action="store_true", help="skip the supervised control runs")
+    parser.add_argument("--warmup-checkpoint", default=None)
+    parser.add_argument("--out", default="runs/study", help="output directory (default runs/study)")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+
+
+def grid(args) -> list[dict]:
+    spec = dict(FULL if args.full else DEFAULT)
+    for key in ("rates", "metrics", "allocation"):
+        if getattr(args, key):
+            spec[key] = getattr(args, key)
+    rates = sorted({float(x) for x in spec["rates"].split(",")})
+    metrics = [m.strip() for m in spec["metrics"].split(",")]
+    unknown = [m for m in metrics if m not in METRIC_SETTINGS]
+    if unknown:
+        raise ValueError(f"--metrics: unknown {unknown}; choose from {list(METRIC_SETTINGS)}")
+    allocs = {"on": [True], "off": [False], "both": [True, False]}[spec["allocation"]]
+    runs = []
+    for seed in range(args.seeds):
+        for p in rates:
+            for a in allocs:
+                # at P = 0 nothing is pruned: metric and allocation change nothing
+                for m in ([metrics[0]] if p == 0 else metrics):
+                    if p == 0 and a != allocs[0]:
+                        continue
+                    runs.append({"kind": "rl", "P": p, "metric": "grpo" if p == 0 else m, "allocation": a, "seed": seed})
+        if not args.no_control:
+            runs.append({"kind": "control", "P": None, "metric": "sft", "allocation": None, "seed": seed})
+    return runs
+
+
+def _clock(name: str):
+    return time.process_time if name == "cpu" else time.perf_counter
+
+
+def run_rl(recipe, warm: Path, spec: dict, budget: float, clock_name: str, evals: int, out: Path) -> dict:
+    from ..trainer import Trainer
+
+    metric, use_abs = METRIC_SETTINGS[spec["metric"]] if spec["P"] else ("smallest", True)
+    r = _override(
+        recipe,
+        seed=spec["seed"],
+        out_dir=str(out / "runs" / _run_id(spec)),
+        init_checkpoint=str(warm),
+        **{
+            "cppo.pruning_rate": spec["P"], "cppo.keep_per_group": None, "cppo.metric": metric,
+            "cppo.use_abs": use_abs, "cppo.allocation": spec["allocation"], "cppo.seed": spec["seed"],
+            "warmup.enabled": False, "eval.every": 0, "log.progress": False, "log.tensorboard": False,
+            "log.plots": False, "log.checkpoint_every": 0, "train.steps": 10**9, "train.max_time_s": 0.0,
+        },
+    )
+    t = Trainer(r)
+    t.prepare(initial_eval=False)
+    clock = _clock(clock_name)
+    curve = [(0.0, t._evaluate(r.eval.num_problems))]
+    used, next_eval = 0.0, budget / evals
+    last = {}
+    while used < budget:
+        c0 = clock()
+        last = t.step_once()
+        t.logger.log(last, t.step)
+        used += clock() - c0
+        if used >= next_eval or used >= budget:
+            curve.append((used, t._evaluate(r.eval.num_problems)))
+            next_eval += budget / evals
+    t.logger.close()
+    return _row(spec, curve, t.step, last)
+
+
+def run_control(recipe, warm: Path, spec: dict, budget: float, clock_name: str, out: Path) -> dict:
+    import copy
+
+    import torch
+
+    from ..trainer import Trainer
+    from ..trainer.sft import sft_warmup
+
+    r = _override(recipe, seed=spec["seed"], out_dir=str(out / "runs" / _run_id(spec)), init_checkpoint=str(warm),
+                  **{"warmup.enabled": False, "log.progress": False, "log.tensorboard": False})
+    t = Trainer(r)
+    t.model.load_state_dict(torch.load(warm, map_location="cpu"))
+    before = t._evaluate(r.eval.num_problems)
+    wcfg = copy.deepcopy(r.warmup)
+    wcfg.target_accuracy, wcfg.max_steps, wcfg.eval_every = 2.0, 10**9, 10**9
+    info = sft_warmup(t.model, t.tok, t.task, wcfg, device=t.device, seed=spec["seed"],
+                      prompt_template=r.task.prompt_template, evaluate_fn=lambda n: {"eval/accuracy": 0.0},
+                      log_fn=lambda rec: None, progress=False, max_time_s=budget, clock=_clock(clock_name))
+    after = t._evaluate(r.eval.num_problems)
+    t.logger.close()
+    return _row(spec, [(0.0, before), (budget, after)], int(info.get("warmup/steps", 0)), {})
+
+
+def _run_id(spec: dict) -> str:
+    if spec["kind"] == "control":
+        return f"control_s{spec['seed']}"
+    return f"p{spec['P']:g}_{spec['metric']}_{'alloc' if spec['allocation'] else 'noalloc'}_s{spec['seed']}"
+
+
+def _row(spec: dict, curve: list, steps: int, last: dict) -> dict:
+    final = curve[-1][1]
+    return {
+        "run": _run_id(spec),
+        **spec,
+        "steps": steps,
+        "accuracy_start": curve[0][1]["eval/accuracy"],
+        "accuracy_final": final["eval/accuracy"],
+        "eval_stderr": final["eval/stderr"],
+        "prompts_drawn": last.get("alloc/total_prompts_drawn"),
+        "completions_generated": last.get("alloc/total_completions_generated"),
+        "completions_trained": last.get("alloc/total_completions_kept"),
+        "curve": [[round(tm, 3), ev["eval/accuracy"]] for tm, ev in curve],
+    }
+
+
+def summarize(rows: list[dict]) -> tuple[list[dict], list[str]]:
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["kind"], r["P"], r["metric"], r["allocation"]), []).append(r)
+    table = []
+    for (kind, p, metric, alloc), rs in groups.items():
+        accs = [r["accuracy_final"] for r in rs]
+        table.append({
+            "config": "SFT control" if kind == "control" else f"P={p:g} {metric}{'' if alloc else ' no-alloc'}",
+            "P": p, "metric": metric, "allocation": alloc, "seeds": len(rs),
+            "final acc (mean)": statistics.mean(accs),
+            "seed spread (sd)": statistics.stdev(accs) if len(accs) > 1 else float("nan"),
+            "eval stderr": statistics.mean(r["eval_stderr"] for r in rs),
+            "steps": statistics.mean(r["steps"] for r in rs),
+            "prompts": statistics.mean(r["prompts_drawn"] or 0 for r in rs),
+            "trained": statistics.mean(r["completions_trained"] or 0 for r in rs),
+        })
+    table.sort(key=lambda t: (t["P"] is None, t["P"] or 0, t["metric"]))
+    return table, _findings(table)
+
+
+def _findings(table: list[dict]) -> list[str]:
+    by = {(t["P"], t["metric"], t["allocation"]): t for t in table}
+    out = []
+    grpo = next((t for t in table if t["P"] == 0), None)
+    for t in table:
+        if grpo and t["P"] and t["metric"] == "smallest" and t["allocation"]:
+            diff = t["final acc (mean)"] - grpo["final acc (mean)"]
+            noise = math.sqrt(_nz(t["seed spread (sd)"]) ** 2 + _nz(grpo["seed spread (sd)"]) ** 2)
+            verdict = "beats" if diff > noise else "trails" if diff < -noise else "ties (within the seed spread)"
+            out.append(f"CPPO P={t['P']:g} with allocation {verdict} GRPO at equal time: "
+                       f"{t['final acc (mean)']:.3f} vs {grpo['final acc (mean)']:.3f} (difference {diff:+.3f}, "
+                       f"combined seed sd {noise:.3f})")
+    for p in sorted({t["P"] for t in table if t["P"]}):
+        accs = {m: by[(p, m, True)]["final acc (mean)"] for m in ("smallest", "random", "largest") if (p, m, True) in by}
+        if len(accs) == 3:
+            holds = accs["smallest"] > accs["random"] > accs["largest"]
+            spread = max(_nz(by[(p, m, True)]["seed spread (sd)"]) for m in accs)
+            out.append(f"P={p:g}: {', '.join(f'{m} {a:.3f}' for m, a in accs.items())} (largest seed sd {spread:.3f}); "
+                       f"the paper's strict ordering smallest > random > largest "
+                       f"{'holds' if holds else 'does not hold'} in the means")
+    ctrl = next((t for t in table if t["metric"] == "sft"), None)
+    if ctrl:
+        out.append(f"supervised control for the same time: {ctrl['final acc (mean)']:.3f}")
+    return out
+
+
+def _nz(x: float) -> float:
+    return 0.0 if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..trainer.config import load_recipe
+
+    if args.seeds < 1 or args.budget <= 0 or args.evals < 1:
+        raise ValueError(f"--seeds, --budget, --evals must be positive, got {args.seeds}, {args.budget}, {args.evals}")
+    recipe = load_recipe(args.recipe, args.overrides)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    warm = warm_start(recipe, out, args.warmup_checkpoint)
+    runs = grid(args)
+    print(f"study: {len(runs)} runs x {args.budget:g} s ({args.clock} clock) from {warm}")
+    rows = []
+    csv_path = out / "study.csv"
+    t0 = time.perf_counter()
+    for i, spec in enumerate(runs):
+        if spec["kind"] == "control":
+            row = run_control(recipe, warm, spec, args.budget, args.clock, out)
+        else:
+            row = run_rl(recipe, warm, spec, args.budget, args.clock, args.evals, out)
+        rows.append(row)
+        _write_csv(csv_path, rows)
+        print(f"[{i + 1}/{len(runs)}] {row['run']}: accuracy {row['accuracy_start']:.3f} -> {row['accuracy_final']:.3f} "
+              f"({row['steps']} steps, {time.perf_counter() - t0:.0f} s elapsed)", flush=True)
+    table, findings = summarize(rows)
+    report = Report(
+        name="study",
+        title=f"study on {Path(args.recipe).name}: {args.budget:g} s ({args.clock}) per run, {args.seeds} seed(s)",
+        params={k: v for k, v in vars(args).items() if k != "func"},
+        columns=["config", "seeds", "final acc (mean)", "seed spread (sd)", "eval stderr", "steps", "prompts", "trained"],
+        rows=table,
+        notes=findings + [f"total study time {time.perf_counter() - t0:.0f} s"],
+        extras={"runs": rows},
+        plot=lambda fig: _plot(fig, rows, table),
+    )
+    publish(report, out, plot=not args.no_plot)
+    print(f"per-run rows: {csv_path}")
+    return 0
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    fields = [k for k in rows[0] if k != "curve"] + ["curve"]
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow({**r, "curve": json.dumps(r["curve"])})
+
+
+def _plot(fig, rows: list[dict], table: list[dict]) -> None:
+    ax1 = fig.add_subplot(1, 2, 1)
+    configs: dict = {}
+    for r in rows:
+        configs.setdefault(r["run"].rsplit("_s", 1)[0], []).append(r["curve"])
+    for name, curves in sorted(configs.items()):
+        n = min(len(c) for c in curves)
+        ts = [statistics.mean(c[i][0] for c in curves) for i in range(n)]
+        ms = [statistics.mean(c[i][1] for c in curves) for i in range(n)]
+        sd = [statistics.stdev([c[i][1] for c in curves]) if len(curves) > 1 else 0.0 for i in range(n)]
+        line = ax1.plot(ts, ms, "o-" if "control" not in name else "s--", ms=3, label=name)[0]
+        ax1.fill_between(ts, [m - s for m, s in zip(ms, sd)], [m + s for m, s in zip(ms, sd)], alpha=0.15,
+                         color=line.get_color())
+    ax1.set(xlabel="RL time (s)", ylabel="held-out accuracy", title="accuracy vs time (mean ± sd over seeds)")
+    ax1.legend(fontsize=6)
+    ax2 = fig.add_subplot(1, 2, 2)
+    for metric in sorted({t["metric"] for t in table if t["P"] is not None and t["metric"] != "grpo"}):
+        pts = sorted((t["P"], t["final acc (mean)"], _nz(t["seed spread (sd)"])) for t in table
+                     if t["metric"] in (metric, "grpo") and t["allocation"] in (True, None))
+        ax2.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], fmt="o-", capsize=3,
+                     label=metric)
+    ctrl = [t for t in table if t["metric"] == "sft"]
+    if ctrl:
+        ax2.axhline(ctrl[0]["final acc (mean)"], color="k", ls="--", label="SFT control")
+    ax2.set(xlabel="pruning rate P", ylabel="final accuracy", title="final accuracy vs P (allocation on)")
+    ax2.legend(fontsize=7)
+
+

@@ -1,0 +1,69 @@
+"""The speedup bench and the study run end to end on a micro recipe and write
+well-formed outputs (the real runs are long and live in docs/benchmarks.md)."""
+
+import argparse
+import csv
+import json
+
+import pytest
+
+from cppo_megatron.bench import speedup, study
+from cppo_megatron.cli import main
+from tests.trainer.conftest import MICRO
+
+FAST = [o for o in MICRO if not o.startswith(("warmup.enabled", "train.steps", "cppo.pruning_rate"))] + [
+    "warmup.max_steps=3",
+    "warmup.eval_problems=10",
+]
+
+
+def _args(module, argv):
+    p = argparse.ArgumentParser()
+    module.configure(p)
+    return p.parse_args(argv)
+
+
+def test_speedup_bench_interleaves_runs_and_reports_the_bound(tmp_path):
+    out = tmp_path / "sp"
+    assert main(["bench", "speedup", "recipes/tiny_cpu.yaml", *FAST, "--rates", "0.5", "--steps", "1",
+                 "--repeats", "2", "--out", str(out)]) == 0
+    data = json.loads((out / "speedup.json").read_text())
+    rows = data["rows"]
+    assert [(r["P"], r["allocation"]) for r in rows] == [(0.0, True), (0.5, True), (0.0, False), (0.5, False)]
+    t_gen, t_rest = data["phase_split"]["t_gen_per_prompt_s"], data["phase_split"]["t_rest_per_prompt_s"]
+    for r in rows:
+        assert r["steps measured"] == 2  # one step in each of two interleaved rounds
+        expect = (t_gen + t_rest) / (t_gen + (1 - r["P"]) * t_rest)
+        assert r["bound"] == pytest.approx(expect)
+        assert r["of bound"] == pytest.approx(r["speedup"] / r["bound"])
+    alloc = {r["P"]: r for r in rows if r["allocation"]}
+    noalloc = {r["P"]: r for r in rows if not r["allocation"]}
+    assert alloc[0.5]["prompts/step"] == 2 * alloc[0.0]["prompts/step"]  # allocation doubles prompts at P=0.5
+    assert noalloc[0.5]["trained/step"] == alloc[0.0]["trained/step"] / 2
+    assert (out / "speedup.md").exists() and (out / "speedup.png").exists()
+
+
+def test_study_writes_csv_rows_for_every_run_and_a_control(tmp_path):
+    out = tmp_path / "st"
+    assert main(["study", "recipes/tiny_cpu.yaml", *FAST, "--rates", "0,0.5", "--metrics", "smallest,largest",
+                 "--seeds", "2", "--budget", "0.5", "--evals", "2", "--out", str(out)]) == 0
+    with (out / "study.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    # per seed: GRPO once, P=0.5 x 2 metrics, one supervised control
+    assert len(rows) == 2 * (1 + 2 + 1)
+    assert {r["metric"] for r in rows} == {"grpo", "smallest", "largest", "sft"}
+    for r in rows:
+        curve = json.loads(r["curve"])
+        assert 0.0 <= float(r["accuracy_final"]) <= 1.0 and curve[-1][1] == float(r["accuracy_final"])
+        if r["kind"] == "rl":
+            assert float(r["completions_generated"]) >= float(r["completions_trained"]) > 0
+    summary = json.loads((out / "study.json").read_text())
+    assert any("GRPO at equal time" in n for n in summary["notes"])
+    assert any("control" in n for n in summary["notes"])
+
+
+def test_bad_rates_are_errors():
+    with pytest.raises(ValueError, match=r"--rates must be in \[0, 1\)"):
+        speedup._rates("0.5,1.0")
+    with pytest.raises(ValueError, match="--metrics: unknown"):
+        study.grid(_args(study, ["r.yaml", "--metrics", "median"]))
