@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .logger import read_metrics
@@ -13,6 +14,7 @@ def summarize(records: list[dict]) -> dict:
     steps = [r for r in records if r.get("kind") == "step"]
     evals = [r for r in records if r.get("kind") == "eval"]
     phase_totals = {p: sum(r.get(f"time/{p}", 0.0) for r in steps) for p in PHASES}
+    step_times = sorted(r["time/step"] for r in steps)
     total = sum(phase_totals.values())
     last = steps[-1] if steps else {}
     return {
@@ -21,6 +23,7 @@ def summarize(records: list[dict]) -> dict:
         "accuracy_after": evals[-1]["eval/accuracy"] if evals else None,
         "accuracy_stderr": evals[-1].get("eval/stderr") if evals else None,
         "rl_wall_s": last.get("wall", 0.0),
+        "step_seconds": step_times[len(step_times) // 2] if step_times else None,  # median
         "phase_seconds": phase_totals,
         "phase_share": {p: (v / total if total else 0.0) for p, v in phase_totals.items()},
         "prompts_drawn": last.get("alloc/total_prompts_drawn"),
@@ -58,6 +61,8 @@ def write_report(out_dir: Path, title: str, plots: bool = True) -> dict:
     if plots and _plot(records, out_dir / "report.png", title):
         lines += ["", "![report](report.png)"]
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
+    # machine-readable too: `cppo-megatron bench overhead --step-seconds OUT_DIR/summary.json`
+    (out_dir / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
     return s
 
 
