@@ -29,6 +29,7 @@ import os
 import resource
 import sys
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
@@ -431,6 +432,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    # megatron-core warns about optional CUDA kernels (apex, TE) on every rank: keep the
+    # console to rank 0's progress and its other warnings
+    warnings.filterwarnings("ignore", module=r"megatron\.")
+    if int(os.environ.get("RANK", 0)) != 0:
+        warnings.simplefilter("ignore")
     recipe = load_recipe(args.recipe, args.overrides)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
