@@ -20,7 +20,7 @@ from cppo_megatron.trainer.config import load_recipe  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = str(REPO / "recipes" / "tiny_cpu_megatron.yaml")
 MICRO = [
-    "threads=2",
+    "threads=1",
     "model.hidden_size=32",
     "model.num_layers=2",
     "model.num_heads=2",
