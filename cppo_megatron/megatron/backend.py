@@ -261,7 +261,8 @@ class MegatronTrainer:
 
         # every rank's view of the step, for the per-rank balance and forward-pass records
         passes = metrics["time/old_logprob"] + metrics["time/ref_logprob"] + metrics["time/update"]
-        mine = {"pass_seconds": passes, "forwarded_sequences": metrics["cppo/forwarded_sequences_self"],
+        mine = {"pass_seconds": passes, "old_logprob_seconds": metrics["time/old_logprob"],
+                "forwarded_sequences": metrics["cppo/forwarded_sequences_self"],
                 "received": float(res.handle.num_received), "owned": float(len(rows)),
                 "padded_tokens": metrics["cppo/padded_tokens_self"], "dp_rank": float(self.dp_rank)}
         ranks = [None] * self.world
@@ -280,9 +281,16 @@ class MegatronTrainer:
         imb = metrics["cppo/exchange_imbalance"]
         rec["cppo/exchange_mean_load"] = metrics["cppo/exchange_max_load"] / imb if imb > 0 else 0.0
         slowest = max(x["pass_seconds"] for x in ranks)
-        for key in ("pass_seconds", "forwarded_sequences", "received", "owned", "padded_tokens", "dp_rank"):
+        for key in ("pass_seconds", "old_logprob_seconds", "forwarded_sequences", "received", "owned",
+                    "padded_tokens", "dp_rank"):
             rec[f"rank/{key}"] = [x[key] for x in ranks]
         rec["rank/wait_seconds"] = [slowest - x["pass_seconds"] for x in ranks]
+        # The update ends in the DP gradient all-reduce, where a lighter rank idles until the
+        # heaviest arrives: that hides the imbalance in pass_seconds. The old-policy pass has
+        # no DP collective, so its spread is the measured cost of unequal workloads.
+        old = [x["old_logprob_seconds"] for x in ranks]
+        rec["rank/old_logprob_imbalance"] = max(old) / (sum(old) / len(old)) if sum(old) > 0 else 1.0
+        rec["rank/old_logprob_wait_mean"] = sum(max(old) - t for t in old) / len(old)
         rec.update(alloc)
         rec.update(self.planner.metrics())
         rec["train/lr"] = lr
@@ -355,6 +363,8 @@ def balance_summary(records: list[dict]) -> dict:
         "balance/rank_wait_mean": mean("cppo/rank_wait_mean"),
         "balance/rank_wait_max": mean("cppo/rank_wait_max"),
         "balance/rank_wait_fraction": mean("cppo/rank_wait_fraction"),
+        "balance/old_logprob_imbalance": mean("rank/old_logprob_imbalance"),
+        "balance/old_logprob_wait_mean": mean("rank/old_logprob_wait_mean"),
         "balance/rank_wait_per_rank": [sum(r["rank/wait_seconds"][i] for r in steps) / len(steps)
                                        for i in range(world)],
         "balance/pass_seconds_per_rank": [sum(r["rank/pass_seconds"][i] for r in steps) / len(steps)
@@ -374,6 +384,8 @@ def _append_balance(report: Path, s: dict) -> None:
         f"- measured pass time max/mean: {s['balance/rank_time_imbalance']:.3f}; wait at the step barrier: mean "
         f"{s['balance/rank_wait_mean']:.3f} s, max {s['balance/rank_wait_max']:.3f} s "
         f"({s['balance/rank_wait_fraction']:.1%} of rank time)",
+        f"- old-policy log-prob pass (no DP collective inside): time max/mean "
+        f"{s['balance/old_logprob_imbalance']:.3f}, mean wait for the slowest {s['balance/old_logprob_wait_mean']:.3f} s",
         "- per rank: wait " + ", ".join(f"{w:.3f}" for w in s["balance/rank_wait_per_rank"]) + " s; passes "
         + ", ".join(f"{w:.3f}" for w in s["balance/pass_seconds_per_rank"]) + " s",
     ]
