@@ -43,6 +43,7 @@ from ..tasks import build_task, combine_reward
 from ..trainer.config import Recipe, load_recipe, recipe_to_dict
 from ..trainer.evaluate import evaluate
 from ..trainer.logger import MetricsLogger, read_metrics
+from ..trainer.loop import _load_weights, _to_yaml
 from ..trainer.models import build_model
 from ..trainer.policy import lr_factor
 from ..trainer.report import write_report
@@ -105,8 +106,6 @@ class MegatronTrainer:
         if self.is_main:
             (self.out / "recipe.yaml").write_text(_to_yaml(recipe_to_dict(r)))
         if r.init_checkpoint:
-            from ..trainer.loop import _load_weights
-
             self.model.load_state_dict(_load_weights(r.init_checkpoint))
         elif r.warmup.enabled:
             if self.is_main:
@@ -430,12 +429,6 @@ class _threads:
 
     def __exit__(self, *exc):
         torch.set_num_threads(self.restore or self.prev)
-
-
-def _to_yaml(d: dict) -> str:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_yaml(OmegaConf.create(d))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
