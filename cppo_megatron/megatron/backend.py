@@ -207,7 +207,8 @@ class MegatronTrainer:
             t0 = time.perf_counter()
             payload = None
             if self.is_generator:
-                payload = self._generate([self.task.train[i] for i in ids[lo:hi]], params, step_round=rounds, times=times)
+                problems = [self.task.train[i] for i in ids[lo:hi]]
+                payload = self._generate(problems, params, step_round=rounds, times=times)
             box = [payload]
             dist.broadcast_object_list(box, src=self.mp_src, group=self.mp_group)
             prompts, completions, rewards, correct, formatted = box[0]
@@ -335,7 +336,8 @@ class MegatronTrainer:
         self._last_acc = m["eval/accuracy"]
         self.logger.log({"kind": "eval", "step": self.step, "wall": self.elapsed, **m}, self.step)
         if self.r.log.progress:
-            print(f"eval at step {self.step}: accuracy {m['eval/accuracy']:.3f} (± {m['eval/stderr']:.3f})", flush=True)
+            acc, err = m["eval/accuracy"], m["eval/stderr"]
+            print(f"eval at step {self.step}: accuracy {acc:.3f} (± {err:.3f})", flush=True)
         return m
 
 
@@ -384,7 +386,8 @@ def _append_balance(report: Path, s: dict) -> None:
         f"{s['balance/rank_wait_mean']:.3f} s, max {s['balance/rank_wait_max']:.3f} s "
         f"({s['balance/rank_wait_fraction']:.1%} of rank time)",
         f"- old-policy log-prob pass (no DP collective inside): time max/mean "
-        f"{s['balance/old_logprob_imbalance']:.3f}, mean wait for the slowest {s['balance/old_logprob_wait_mean']:.3f} s",
+        f"{s['balance/old_logprob_imbalance']:.3f}, mean wait for the slowest "
+        f"{s['balance/old_logprob_wait_mean']:.3f} s",
         "- per rank: wait " + ", ".join(f"{w:.3f}" for w in s["balance/rank_wait_per_rank"]) + " s; passes "
         + ", ".join(f"{w:.3f}" for w in s["balance/pass_seconds_per_rank"]) + " s",
     ]
