@@ -38,7 +38,7 @@ class ActorConfig:
     """Parallel layout and update settings of a ``MegatronActor``.
 
     Attributes: tp, pp (model-parallel sizes; dp = world / (tp pp)), lr, weight_decay,
-    clip_grad (0 disables), mu (policy updates per batch, the paper's 2),
+    adam_betas, clip_grad (0 disables), mu (policy updates per batch, the paper's 2),
     max_tokens_per_micro_batch (padded tokens per micro-batch), loss (``PolicyLossConfig``;
     ``kl_coef > 0`` builds a frozen reference model), seed.
     """
@@ -47,6 +47,7 @@ class ActorConfig:
     pp: int = 1
     lr: float = 1e-6
     weight_decay: float = 0.0
+    adam_betas: tuple = (0.9, 0.999)
     clip_grad: float = 1.0
     mu: int = 1
     max_tokens_per_micro_batch: int = 4096
@@ -70,7 +71,10 @@ class MegatronActor:
         self.layout = init_parallel(cfg.tp, cfg.pp, seed=cfg.seed)
         model = build_gpt_model(hf_config)
         load_hf_weights(model, hf_state_dict, hf_config)
-        self.model, self.optimizer = build_ddp_and_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.model, self.optimizer = build_ddp_and_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                                             adam_betas=tuple(cfg.adam_betas))
+        self.last_exchange = None  # the last step's ExchangeResult (selection, plan, owners)
+        self.last_counter: Optional[ForwardCounter] = None  # what the last step's passes saw
         self.ref = None
         if cfg.loss.kl_coef > 0:
             self.ref = build_gpt_model(hf_config)
@@ -102,7 +106,9 @@ class MegatronActor:
             cppo_cfg: a ``CPPOConfig``. lengths: [n] workload lengths (default L_i).
             extra_fields: more per-sequence fields to move with the survivors.
 
-        Returns metrics (floats, identical on all ranks except ``cppo/rank_*_self``).
+        Returns metrics (floats, identical on all ranks except ``*_self``). Per-phase seconds
+        of this rank are under ``time/exchange``, ``time/old_logprob``, ``time/ref_logprob``
+        and ``time/update``.
         """
         n = len(sequences)
         if len(loss_masks) != n:
@@ -116,10 +122,12 @@ class MegatronActor:
         toks, masks = res.fields["tokens"], res.fields["mask"]
         counter = ForwardCounter()
         old = self.logprobs(toks, counter)
+        t_old = time.perf_counter()
         ref = None
         if self.ref is not None:
             ref = compute_logprobs(self.ref, toks, max_tokens_per_micro_batch=self.cfg.max_tokens_per_micro_batch,
                                    temperature=self.cfg.loss.temperature, counter=counter)
+        t_ref = time.perf_counter()
         batch = UpdateBatch(toks, masks, res.advantages, old, ref)
         metrics: dict = {}
         for _ in range(self.cfg.mu):
@@ -131,6 +139,9 @@ class MegatronActor:
         metrics.update(res.metrics)
         metrics.update(rank_wait_metrics(t2 - t1, group=self.dp_group))
         metrics["cppo/exchange_seconds"] = t1 - t0
+        metrics.update({"time/exchange": t1 - t0, "time/old_logprob": t_old - t1, "time/ref_logprob": t_ref - t_old,
+                        "time/update": t2 - t_ref})
+        self.last_exchange, self.last_counter = res, counter
         metrics["cppo/forwarded_sequences_self"] = float(counter.sequences)
         metrics["cppo/padded_tokens_self"] = float(counter.padded_tokens)
         return metrics

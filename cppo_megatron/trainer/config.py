@@ -117,6 +117,12 @@ class LogConfig:
 
 
 @dataclass
+class MegatronConfig:
+    tp: int = 1  # tensor-parallel size (backend=megatron); dp = processes / (tp * pp)
+    pp: int = 1  # pipeline-parallel size
+
+
+@dataclass
 class Recipe:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
@@ -132,6 +138,7 @@ class Recipe:
     eval: EvalConfig = field(default_factory=EvalConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
 
 _CHOICES = {
@@ -150,6 +157,7 @@ _POSITIVE = (
     "train.mu", "train.micro_batch_tokens", "eval.num_problems", "eval.batch_size", "warmup.batch_size",
     "warmup.eval_every", "warmup.eval_problems", "task.train_size", "task.test_size", "model.hidden_size",
     "model.num_layers", "model.num_heads", "model.num_kv_heads", "model.intermediate_size", "model.max_position",
+    "megatron.tp", "megatron.pp",
 )
 _NON_NEGATIVE = (
     "train.steps", "train.max_time_s", "train.beta", "train.lr", "train.weight_decay", "train.lr_warmup_steps",
@@ -190,6 +198,12 @@ def validate_recipe(recipe: Recipe) -> Recipe:
             "model: hidden_size must divide by num_heads and num_heads by num_kv_heads, got "
             f"{recipe.model.hidden_size}/{recipe.model.num_heads}/{recipe.model.num_kv_heads}"
         )
+    if recipe.backend == "megatron" and recipe.model.source == "config":
+        tp, pp = recipe.megatron.tp, recipe.megatron.pp
+        if recipe.model.num_kv_heads % tp:
+            raise ValueError(f"megatron.tp={tp} must divide model.num_kv_heads={recipe.model.num_kv_heads}")
+        if recipe.model.num_layers % pp:
+            raise ValueError(f"megatron.pp={pp} must divide model.num_layers={recipe.model.num_layers}")
     recipe.cppo.validate()
     recipe.cppo.keep_for_group(recipe.rollout.group_size)  # k > G is an error now, not mid-run
     return recipe

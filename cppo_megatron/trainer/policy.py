@@ -83,6 +83,19 @@ def forward_logprobs(model, batch: KeptBatch, rows: Sequence[int], pad_id: int, 
     return torch.log_softmax(picked, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+def lr_factor(i: int, train_cfg, total_steps: int) -> float:
+    """Learning-rate multiplier at optimizer step ``i``: linear warm-up over
+    ``lr_warmup_steps * mu`` steps, then constant or cosine down to 0.1 (both backends)."""
+    total = max(1, total_steps * train_cfg.mu)
+    warm = train_cfg.lr_warmup_steps * train_cfg.mu
+    if warm and i < warm:
+        return (i + 1) / warm
+    if train_cfg.lr_schedule != "cosine":
+        return 1.0
+    progress = min(1.0, (i - warm) / max(1, total - warm))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 class HFPolicy:
     """Owns the optimizer and scheduler of an HF causal LM and runs the GRPO passes."""
 
@@ -98,19 +111,8 @@ class HFPolicy:
             betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
             weight_decay=train_cfg.weight_decay,
         )
-        total = max(1, total_steps * train_cfg.mu)
-        warm = train_cfg.lr_warmup_steps * train_cfg.mu
-        cosine = train_cfg.lr_schedule == "cosine"
-
-        def factor(i: int) -> float:
-            if warm and i < warm:
-                return (i + 1) / warm
-            if not cosine:
-                return 1.0
-            progress = min(1.0, (i - warm) / max(1, total - warm))
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda i: lr_factor(i, train_cfg, total_steps))
 
     @torch.no_grad()
     def logprobs(self, batch: KeptBatch, mbs: list[list[int]], *, counter: str, model=None) -> torch.Tensor:

@@ -1,0 +1,134 @@
+"""backend=megatron end to end: `cppo-megatron train ... --nproc 4` (torchrun, 4 gloo
+processes, TP 2 x DP 2) on a micro recipe, then the metrics it logged."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from cppo_megatron.megatron.launch import launch  # noqa: E402
+from cppo_megatron.trainer.config import load_recipe  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = str(REPO / "recipes" / "tiny_cpu_megatron.yaml")
+MICRO = [
+    "threads=1",
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.num_kv_heads=2",
+    "model.intermediate_size=64",
+    "task.train_size=400",
+    "task.test_size=50",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=4",
+    # 1.5 prompts per step: step 1 draws one prompt, so DP rank 0 generates nothing and
+    # trains only what the exchange sends it; step 2 draws two
+    "train.capacity=3",
+    "train.steps=2",
+    "eval.every=0",
+    "eval.num_problems=20",
+    "warmup.enabled=false",
+    "log.progress=false",
+    "log.plots=false",
+    # batch scope: survivors per rank differ, so the exchange has rows to move
+    "cppo.scope=batch",
+    "cppo.pruning_rate=0.5",
+]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mbackend") / "run"
+    cmd = [sys.executable, "-m", "cppo_megatron.cli", "train", RECIPE, *MICRO, f"out_dir={out}", "--nproc", "4"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return out, records, proc
+
+
+def test_run_completes_with_evals_and_report(run):
+    out, records, proc = run
+    steps = [r for r in records if r["kind"] == "step"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert [r["step"] for r in evals] == [0, 2]  # before RL and at the end (rank 0 only)
+    report = (out / "report.md").read_text()
+    assert "tp=2 pp=1 dp=2" in report and "Rank balance" in report
+    assert (out / "final.pt").exists()
+    assert "done: accuracy" in proc.stdout
+
+
+def test_balance_and_wait_metrics(run):
+    _, records, _ = run
+    for r in (x for x in records if x["kind"] == "step"):
+        for key in ("cppo/exchange_imbalance", "cppo/exchange_imbalance_without", "cppo/exchange_max_load",
+                    "cppo/exchange_max_load_without", "cppo/exchange_mean_load", "cppo/rank_wait_mean",
+                    "cppo/rank_wait_max", "cppo/rank_time_imbalance"):
+            assert math.isfinite(r[key]), key
+        # redistribution never makes the largest rank heavier than keeping survivors in place
+        assert r["cppo/exchange_max_load"] <= r["cppo/exchange_max_load_without"] + 1e-9
+        assert r["cppo/exchange_imbalance"] >= 1.0
+        waits, passes = r["rank/wait_seconds"], r["rank/pass_seconds"]
+        assert len(waits) == len(passes) == 4
+        assert min(waits) == 0.0 and all(w >= 0 for w in waits)
+        for w, p in zip(waits, passes):
+            assert w == pytest.approx(max(passes) - p)
+        for phase in ("reward", "cppo", "old_logprob", "update", "sync"):
+            assert r[f"time/{phase}"] > 0, phase
+        # rank 0 (which logs) generates only when its DP slice has prompts
+        assert (r["time/rollout"] > 0) == (r["rank/owned"][0] > 0)
+
+
+def test_pruned_rows_never_enter_the_forward_passes(run):
+    _, records, _ = run
+    for r in (x for x in records if x["kind"] == "step"):
+        kept, total = r["cppo/num_kept"], r["cppo/num_completions"]
+        assert 0 < kept < total  # pruning happened
+        assert r["alloc/completions_generated"] == total and r["alloc/completions_trained"] == kept
+        dp_rank, received, owned = r["rank/dp_rank"], r["rank/received"], r["rank/owned"]
+        forwarded = r["rank/forwarded_sequences"]
+        assert dp_rank == [0, 0, 1, 1]  # TP peers hold the same rows
+        assert received[0] == received[1] and received[2] == received[3]
+        assert owned[0] == owned[1] and owned[2] == owned[3]
+        assert owned[0] + owned[2] == total  # every completion generated once per DP rank
+        assert received[0] + received[2] == kept  # the survivors, each on exactly one DP rank
+        # old log-prob pass + one update (mu = 1, no reference): exactly the received rows each
+        for f, n in zip(forwarded, received):
+            assert f == 2 * n
+    first = next(x for x in records if x["kind"] == "step")
+    assert first["rank/owned"][0] == 0 and first["rank/received"][0] > 0  # a rank without rollouts still trains
+
+
+def _args(*overrides, nproc=4, recipe=RECIPE, resume=False):
+    return argparse.Namespace(recipe=recipe, overrides=list(overrides), nproc=nproc, resume=resume)
+
+
+def test_launch_refuses_bad_layouts(capsys):
+    assert launch(_args(nproc=3)) == 2
+    assert "not divisible by megatron.tp * megatron.pp" in capsys.readouterr().err
+    assert launch(_args("backend=hf")) == 2
+    assert "needs backend=megatron" in capsys.readouterr().err
+    assert launch(_args(resume=True)) == 2
+    assert "--resume is not supported" in capsys.readouterr().err
+    assert launch(_args("megatron.dp=2")) == 2
+    assert "megatron.dp" in capsys.readouterr().err
+
+
+def test_recipe_validates_megatron_keys():
+    with pytest.raises(ValueError, match="megatron.tp=3 must divide model.num_kv_heads=4"):
+        load_recipe(RECIPE, ["megatron.tp=3"])
+    with pytest.raises(ValueError, match="megatron.pp=3 must divide model.num_layers=4"):
+        load_recipe(RECIPE, ["megatron.pp=3"])
+    with pytest.raises(ValueError, match="megatron.tp must be > 0"):
+        load_recipe(RECIPE, ["megatron.tp=0"])
+    pp2 = load_recipe(str(REPO / "recipes" / "tiny_cpu_megatron_pp2.yaml"))
+    assert (pp2.megatron.tp, pp2.megatron.pp, pp2.backend) == (1, 2, "megatron")
