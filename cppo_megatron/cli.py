@@ -83,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         args, extra = parser.parse_known_args(rest)
         args.passthrough = extra
     else:
-        args = parser.parse_args(rest)
+        try:  # options may sit between positionals: `train RECIPE --nproc 4 key=value`
+            args = parser.parse_intermixed_args(rest)
+        except TypeError:  # argparse cannot intermix with subcommands (bench)
+            args = parser.parse_args(rest)
     try:
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
