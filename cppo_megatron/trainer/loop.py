@@ -242,7 +242,9 @@ class Trainer:
         rec.update(train_metrics)
         rec["train/micro_batches"] = float(len(mbs))
         if sampler_lp:
-            rec.update(self._logprob_diff(batch, [sampler_lp[i] for i in kept_rows], old))
+            # behaviour-policy log-probs: the old-policy pass (mu > 1) or the first update pass
+            trainer_lp = old if old is not None else self.policy.first_pass_logprobs
+            rec.update(self._logprob_diff(batch, [sampler_lp[i] for i in kept_rows], trainer_lp))
         rec["data/epoch"] = self.sampler.epochs_float
         rec["sys/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return rec
@@ -250,20 +252,26 @@ class Trainer:
     def _want_sampler_logprobs(self) -> bool:
         return self.r.rollout.engine != "hf"
 
-    def _logprob_diff(self, batch: KeptBatch, sampler_lp: list[torch.Tensor], old: Optional[torch.Tensor]) -> dict:
+    def _logprob_diff(self, batch: KeptBatch, sampler_lp: list[torch.Tensor], old: torch.Tensor) -> dict:
         """Mean |engine log-prob - trainer log-prob| over the kept tokens, with the weights
-        the completions were sampled with (old-policy pass, or a fresh pass when mu = 1)."""
-        if old is None:
-            return {}  # computed by the engine-specific path when available
+        the completions were sampled with (old-policy pass when mu > 1, else the first
+        update pass, which runs before any optimizer step)."""
+        if old is None or old.shape != (len(batch), batch.max_completion):
+            raise ValueError(f"logprob_diff: trainer log-probs of shape {None if old is None else tuple(old.shape)} "
+                             f"for a kept batch of {len(batch)} x {batch.max_completion}")
         mask = batch.completion_mask()
         eng = torch.zeros_like(old)
         for i, lp in enumerate(sampler_lp):
+            if lp.numel() != len(batch.completions[i]):
+                raise ValueError(f"logprob_diff: {lp.numel()} sampler log-probs for completion {i} of "
+                                 f"{len(batch.completions[i])} tokens")
             eng[i, : lp.numel()] = lp
-        diff = float(((eng - old).abs() * mask).sum() / mask.sum())
+        absdiff = (eng - old).abs() * mask
+        diff = float(absdiff.sum() / mask.sum())
         if diff > self.r.rollout.logprob_warn_threshold:
             warnings.warn(f"rollout/logprob_diff={diff:.4f} exceeds {self.r.rollout.logprob_warn_threshold}: "
                           "the rollout engine and the trainer disagree", stacklevel=2)
-        return {"rollout/logprob_diff": diff}
+        return {"rollout/logprob_diff": diff, "rollout/logprob_diff_max": float(absdiff.max())}
 
     # ------------------------------------------------------------------ eval, checkpoints
     _last_acc = 0.0
