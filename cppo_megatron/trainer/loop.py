@@ -86,7 +86,9 @@ class Trainer:
         if r.rollout.engine == "hf":
             return dict(model=self.model, pad_id=self.tok.pad_id, eos_id=self.tok.eos_id, device=self.device,
                         max_batch_sequences=r.rollout.max_batch_sequences)
-        return dict(model=self.model, tokenizer=self.tok, recipe=r)
+        return dict(model=self.model, eos_id=self.tok.eos_id, seed=r.seed, kv_cache_gb=r.rollout.vllm_kv_cache_gb,
+                    gpu_memory_utilization=r.rollout.vllm_gpu_memory_utilization,
+                    sync_via_disk=r.rollout.vllm_sync_via_disk)
 
     # ------------------------------------------------------------------ run
     def run(self) -> dict:

@@ -7,8 +7,12 @@ from cppo_megatron.trainer.models import build_model
 from tests.trainer.conftest import MICRO, micro_recipe  # noqa: F401 - the fixture, for tests here
 
 
+# vLLM's CPU attention needs head size >= 32: the micro model with 2 heads of 32
+VLLM_MICRO = ["model.hidden_size=64", "model.intermediate_size=128"]
+
+
 def tiny_recipe(*overrides):
-    return load_recipe(None, MICRO + list(overrides))
+    return load_recipe(None, MICRO + VLLM_MICRO + list(overrides))
 
 
 def tiny_policy(seed: int = 0):
