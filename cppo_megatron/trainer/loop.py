@@ -111,6 +111,7 @@ class Trainer:
         if r.train.beta > 0 and self.ref_model is None:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
 
+        self._sync_engine()  # warm-up, init_checkpoint or resume changed the weights after the engine started
         bar = self._progress()
         interrupted = False
         try:
@@ -229,7 +230,7 @@ class Trainer:
             train_metrics = self.policy.update(batch, mbs, advantages, old, ref,
                                                norm_constant=float(r.rollout.max_new_tokens))
         with _timed(times, "sync", self.device):
-            self.engine.update_weights(self.model.state_dict().items())
+            self._sync_engine()
 
         rec: dict = {f"time/{k}": v for k, v in times.items()}
         rec["time/step"] = time.perf_counter() - t_step
@@ -278,7 +279,12 @@ class Trainer:
     # ------------------------------------------------------------------ eval, checkpoints
     _last_acc = 0.0
 
+    def _sync_engine(self) -> None:
+        """Policy weights to the rollout engine (a no-op for the HF engine, which shares them)."""
+        self.engine.update_weights(self.model.state_dict().items())
+
     def _evaluate(self, n: int) -> dict:
+        self._sync_engine()  # during the warm-up the weights move without an RL update
         problems = list(self.task.test[: min(n, len(self.task.test))])
         return evaluate(self.engine, self.tok, self.task, problems, self.r.rollout.max_new_tokens,
                         self.r.task.prompt_template)
