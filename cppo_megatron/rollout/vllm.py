@@ -34,7 +34,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from .._optional import MissingDependency
-from .base import RolloutEngine, RolloutResult, SamplingParams
+from .base import RolloutEngine, RolloutResult, SamplingParams, check_prompts
 
 # In-process engine on CPU: no engine-core subprocess (lets collective_rpc hand tensors over
 # without pickling, and starts in ~5 s instead of 30-56 s); KV cache size in GiB.
@@ -154,16 +154,7 @@ class VLLMEngine(RolloutEngine):
         )
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutResult:
-        if not prompts:
-            raise ValueError("generate: no prompts")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"generate: prompt {i} is empty")
-            if len(p) + params.max_new_tokens > self.max_model_len:
-                raise ValueError(
-                    f"generate: prompt {i} has {len(p)} tokens; with max_new_tokens={params.max_new_tokens} it "
-                    f"exceeds the engine's max_model_len={self.max_model_len} (model.max_position)"
-                )
+        check_prompts(prompts, self.max_model_len, params.max_new_tokens)
         t0 = time.perf_counter()
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
         outputs = self.llm.generate(requests, self._sampling_params(params), use_tqdm=False)
