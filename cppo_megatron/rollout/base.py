@@ -61,6 +61,21 @@ class RolloutResult:
         }
 
 
+def check_prompts(prompts: Sequence[Sequence[int]], max_len: Optional[int] = None, max_new_tokens: int = 0) -> None:
+    """Every engine's input check: at least one prompt, none empty, each fits ``max_len``
+    (prompt + ``max_new_tokens``) when the engine has such a limit."""
+    if not prompts:
+        raise ValueError("generate: no prompts")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"generate: prompt {i} is empty")
+        if max_len is not None and len(p) + max_new_tokens > max_len:
+            raise ValueError(
+                f"generate: prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it "
+                f"exceeds the engine's max_model_len={max_len} (model.max_position)"
+            )
+
+
 class RolloutEngine:
     """Generates completions with the current policy weights."""
 

@@ -7,7 +7,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .base import RolloutEngine, RolloutResult, SamplingParams
+from .base import RolloutEngine, RolloutResult, SamplingParams, check_prompts
 
 _MAX_LOGIT_ELEMENTS = 3e8  # beyond this, returning sampler log-probs would exhaust memory
 
@@ -29,11 +29,7 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutResult:
-        if not prompts:
-            raise ValueError("generate: no prompts")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"generate: prompt {i} is empty")
+        check_prompts(prompts)
         t0 = time.perf_counter()
         chunk = max(1, self.max_batch_sequences // params.n)
         tokens: list[list[int]] = []

@@ -67,6 +67,9 @@ class RolloutConfig:
     max_new_tokens: int = 8
     max_batch_sequences: int = 4096  # generation chunk (sequences per generate call)
     logprob_warn_threshold: float = 0.05  # rollout/logprob_diff above this warns
+    vllm_kv_cache_gb: float = 1.0  # engine=vllm on CPU: KV cache size
+    vllm_gpu_memory_utilization: float = 0.3  # engine=vllm on GPU: vLLM's share (the trainer shares the GPU)
+    vllm_sync_via_disk: bool = False  # engine=vllm: weight sync through safetensors files instead of memory
 
 
 @dataclass
@@ -184,6 +187,11 @@ def validate_recipe(recipe: Recipe) -> Recipe:
     for key in _NON_NEGATIVE:
         if _get(recipe, key) < 0:
             raise ValueError(f"recipe key {key} must be >= 0, got {_get(recipe, key)!r}")
+    if recipe.rollout.vllm_kv_cache_gb <= 0:
+        raise ValueError(f"recipe key rollout.vllm_kv_cache_gb must be > 0, got {recipe.rollout.vllm_kv_cache_gb}")
+    if not 0 < recipe.rollout.vllm_gpu_memory_utilization <= 1:
+        raise ValueError("recipe key rollout.vllm_gpu_memory_utilization must be in (0, 1], got "
+                         f"{recipe.rollout.vllm_gpu_memory_utilization}")
     if not 0 < recipe.rollout.top_p <= 1:
         raise ValueError(f"recipe key rollout.top_p must be in (0, 1], got {recipe.rollout.top_p}")
     if recipe.train.capacity < recipe.rollout.group_size and not recipe.cppo.allocation:

@@ -87,7 +87,9 @@ class Trainer:
         if r.rollout.engine == "hf":
             return dict(model=self.model, pad_id=self.tok.pad_id, eos_id=self.tok.eos_id, device=self.device,
                         max_batch_sequences=r.rollout.max_batch_sequences)
-        return dict(model=self.model, tokenizer=self.tok, recipe=r)
+        return dict(model=self.model, eos_id=self.tok.eos_id, seed=r.seed, kv_cache_gb=r.rollout.vllm_kv_cache_gb,
+                    gpu_memory_utilization=r.rollout.vllm_gpu_memory_utilization,
+                    sync_via_disk=r.rollout.vllm_sync_via_disk)
 
     # ------------------------------------------------------------------ run
     def prepare(self, *, initial_eval: bool = True) -> None:
@@ -111,6 +113,7 @@ class Trainer:
                 self._log_eval()
         if r.train.beta > 0 and self.ref_model is None:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self._sync_engine()  # warm-up, init_checkpoint or resume changed the weights after the engine started
 
     def step_once(self) -> dict:
         """One RL step with its bookkeeping; returns the step's metrics record."""
@@ -238,7 +241,7 @@ class Trainer:
             train_metrics = self.policy.update(batch, mbs, advantages, old, ref,
                                                norm_constant=float(r.rollout.max_new_tokens))
         with _timed(times, "sync", self.device):
-            self.engine.update_weights(self.model.state_dict().items())
+            self._sync_engine()
 
         rec: dict = {f"time/{k}": v for k, v in times.items()}
         rec["time/step"] = time.perf_counter() - t_step
@@ -253,7 +256,9 @@ class Trainer:
         rec.update(train_metrics)
         rec["train/micro_batches"] = float(len(mbs))
         if sampler_lp:
-            rec.update(self._logprob_diff(batch, [sampler_lp[i] for i in kept_rows], old))
+            # behaviour-policy log-probs: the old-policy pass (mu > 1) or the first update pass
+            trainer_lp = old if old is not None else self.policy.first_pass_logprobs
+            rec.update(self._logprob_diff(batch, [sampler_lp[i] for i in kept_rows], trainer_lp))
         rec["data/epoch"] = self.sampler.epochs_float
         rec["sys/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return rec
@@ -261,25 +266,36 @@ class Trainer:
     def _want_sampler_logprobs(self) -> bool:
         return self.r.rollout.engine != "hf"
 
-    def _logprob_diff(self, batch: KeptBatch, sampler_lp: list[torch.Tensor], old: Optional[torch.Tensor]) -> dict:
+    def _logprob_diff(self, batch: KeptBatch, sampler_lp: list[torch.Tensor], old: torch.Tensor) -> dict:
         """Mean |engine log-prob - trainer log-prob| over the kept tokens, with the weights
-        the completions were sampled with (old-policy pass, or a fresh pass when mu = 1)."""
-        if old is None:
-            return {}  # computed by the engine-specific path when available
+        the completions were sampled with (old-policy pass when mu > 1, else the first
+        update pass, which runs before any optimizer step)."""
+        if old is None or old.shape != (len(batch), batch.max_completion):
+            raise ValueError(f"logprob_diff: trainer log-probs of shape {None if old is None else tuple(old.shape)} "
+                             f"for a kept batch of {len(batch)} x {batch.max_completion}")
         mask = batch.completion_mask()
         eng = torch.zeros_like(old)
         for i, lp in enumerate(sampler_lp):
+            if lp.numel() != len(batch.completions[i]):
+                raise ValueError(f"logprob_diff: {lp.numel()} sampler log-probs for completion {i} of "
+                                 f"{len(batch.completions[i])} tokens")
             eng[i, : lp.numel()] = lp
-        diff = float(((eng - old).abs() * mask).sum() / mask.sum())
+        absdiff = (eng - old).abs() * mask
+        diff = float(absdiff.sum() / mask.sum())
         if diff > self.r.rollout.logprob_warn_threshold:
             warnings.warn(f"rollout/logprob_diff={diff:.4f} exceeds {self.r.rollout.logprob_warn_threshold}: "
                           "the rollout engine and the trainer disagree", stacklevel=2)
-        return {"rollout/logprob_diff": diff}
+        return {"rollout/logprob_diff": diff, "rollout/logprob_diff_max": float(absdiff.max())}
 
     # ------------------------------------------------------------------ eval, checkpoints
     _last_acc = 0.0
 
+    def _sync_engine(self) -> None:
+        """Policy weights to the rollout engine (a no-op for the HF engine, which shares them)."""
+        self.engine.update_weights(self.model.state_dict().items())
+
     def _evaluate(self, n: int) -> dict:
+        self._sync_engine()  # during the warm-up the weights move without an RL update
         problems = list(self.task.test[: min(n, len(self.task.test))])
         return evaluate(self.engine, self.tok, self.task, problems, self.r.rollout.max_new_tokens,
                         self.r.task.prompt_template)

@@ -105,6 +105,9 @@ class HFPolicy:
         self.pad_id = pad_id
         self.cfg = train_cfg
         self.rows_seen = {"old_logprob": 0, "ref_logprob": 0, "update": 0}
+        # [N, T] detached log-probs of the first update iteration of the last batch: with
+        # mu = 1 these are the behaviour-policy log-probs (no separate old-policy pass)
+        self.first_pass_logprobs: Optional[torch.Tensor] = None
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=train_cfg.lr,
@@ -153,10 +156,13 @@ class HFPolicy:
         self.model.train()
         totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipfrac": 0.0, "ratio_max": 0.0}
         grad_norm = 0.0
-        for _ in range(cfg.mu):
+        first = torch.zeros(len(batch), batch.max_completion)
+        for it in range(cfg.mu):
             self.optimizer.zero_grad(set_to_none=True)
             for rows in mbs:
                 lp = forward_logprobs(self.model, batch, rows, self.pad_id, self.device)
+                if it == 0:
+                    first[rows, : lp.shape[1]] = lp.detach().float().cpu()
                 m = mask[rows, : lp.shape[1]].to(self.device)
                 old = old_logprobs[rows, : lp.shape[1]].to(self.device) if old_logprobs is not None else lp.detach()
                 pg, clipped = clipped_surrogate(
@@ -182,6 +188,7 @@ class HFPolicy:
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf")))
             self.optimizer.step()
             self.scheduler.step()
+        self.first_pass_logprobs = first
         out = {f"train/{k}": v for k, v in totals.items()}
         out["train/grad_norm"] = grad_norm
         out["train/lr"] = self.scheduler.get_last_lr()[0]
