@@ -17,7 +17,6 @@ environment; without vLLM only the HF column is measured.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -26,6 +25,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from .report import Report
 
 # the workload of each model: prompts, group size, new tokens, temperature, top-p
 _WORKLOADS = {
@@ -55,7 +56,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group", type=int, default=0, help="completions per prompt (0: the model's default)")
     parser.add_argument("--new-tokens", type=int, default=0, help="max new tokens (0: the model's default)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
 
 
 def _load(name: str):
@@ -122,65 +122,52 @@ def bench_model(name: str, engines: list[str], args) -> list[Row]:
     return rows
 
 
-def table(rows: list[Row]) -> str:
-    lines = [
-        "| model | params | engine | workload | start-up s | weight sync s | s / call | tokens / call | tokens/s |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r.model} | {r.params_m:.1f}M | {r.engine} | {r.workload} | {r.startup_s:.1f} | {r.sync_s:.3f} | "
-            f"{r.seconds:.2f} | {r.tokens:.0f} | {r.tokens_per_s:.0f} |"
-        )
-    return "\n".join(lines)
-
-
 def machine() -> str:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return (f"{platform.machine()}, {os.cpu_count()} CPUs (load average {load}), torch {torch.__version__} "
             f"({torch.get_num_threads()} threads), Python {platform.python_version()}")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> Report:
+    """Measure; return the report (``cppo-megatron bench`` writes it into --out)."""
     if args.repeats < 1:
-        print(f"bench rollout: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
-        return 2
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.threads:
         torch.set_num_threads(args.threads)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in ("hf", "vllm")]
     if bad or not engines:
-        print(f"bench rollout: --engines takes hf and/or vllm, got {args.engines!r}", file=sys.stderr)
-        return 2
+        raise ValueError(f"--engines takes hf and/or vllm, got {args.engines!r}")
+    notes = [f"machine: {machine()}"]
     if "vllm" in engines:
         from ..rollout.vllm import vllm_distribution
 
         if vllm_distribution() is None:
-            print("bench rollout: vLLM is not installed here (bash scripts/setup_vllm.sh); measuring HF only",
-                  file=sys.stderr)
+            notes.append("vLLM is not installed here (bash scripts/setup_vllm.sh): HF only")
+            print(f"bench rollout: {notes[-1]}", file=sys.stderr)
             engines.remove("vllm")
             if not engines:
-                return 2
+                raise ValueError("no engine left to measure: install vLLM or add --engines hf")
     rows: list[Row] = []
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         try:
             rows += bench_model(name, engines, args)
-        except (ValueError, FileNotFoundError, ImportError) as exc:
-            print(f"bench rollout: {name}: {exc}", file=sys.stderr)
-            return 2
-    print(f"machine: {machine()}")
-    print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine(), "rows": [r.__dict__ for r in rows]}, f, indent=2)
-    return 0
+        except (FileNotFoundError, ImportError) as exc:
+            raise ValueError(f"{name}: {exc}") from exc
+    return Report(
+        name="rollout",
+        title="rollout engines: generation throughput, side by side",
+        params={k: v for k, v in vars(args).items() if k not in ("func",)},
+        columns=["model", "params_m", "engine", "workload", "startup_s", "sync_s", "seconds", "tokens", "tokens_per_s"],
+        rows=[dict(r.__dict__) for r in rows],
+        notes=notes,
+        plot=lambda fig: _plot(fig, rows),
+    )
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cppo_megatron.bench.rollout", description=__doc__.splitlines()[0])
-    configure(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def _plot(fig, rows: list[Row]) -> None:
+    ax = fig.add_subplot(1, 1, 1)
+    labels = [f"{r.model}\n{r.engine}" for r in rows]
+    ax.bar(range(len(rows)), [r.tokens_per_s for r in rows])
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set(ylabel="generated tokens / s", title="rollout throughput (median of timed calls)")

@@ -15,6 +15,7 @@ import sys
 # name -> (module with configure(parser) and run(args) -> Report, one-line help).
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "speedup": ("cppo_megatron.bench.speedup", "GRPO vs CPPO at several rates, interleaved: speedup vs the bound S_max"),
+    "rollout": ("cppo_megatron.bench.rollout", "tokens/s of the HF and vLLM rollout engines (tiny model, SmolLM2-135M)"),
     "overhead": ("cppo_megatron.bench.overhead", "time of advantages + selection + allocation + balancing per step"),
     "balance": ("cppo_megatron.bench.balancing", "our balancer vs veRL's get_seqlen_balanced_partitions vs contiguous split"),
 }
