@@ -262,9 +262,9 @@ def select_completions(
         rank_in_group = torch.arange(n) - starts[inverse[grouped]]
         kept = grouped[rank_in_group < k_of_group[inverse[grouped]]]
 
-    kept = torch.sort(kept).values
     mask = torch.zeros(n, dtype=torch.bool)
     mask[kept] = True
+    kept = mask.nonzero().squeeze(1)  # ascending, without another sort
     pruned = (~mask).nonzero().squeeze(1)
     kept_per_group = torch.zeros(uniq.numel(), dtype=torch.int64).index_add_(
         0, inverse[kept], torch.ones_like(kept)
