@@ -1,10 +1,10 @@
 """Generation engines behind one interface (``RolloutEngine``): HF ``generate`` (default)
 and vLLM (``rollout.engine: vllm``, optional extra)."""
 
-from .base import RolloutEngine, RolloutResult, SamplingParams
+from .base import RolloutEngine, RolloutResult, SamplingParams, mix_seed
 from .hf import HFEngine
 
-__all__ = ["HFEngine", "RolloutEngine", "RolloutResult", "SamplingParams", "build_engine"]
+__all__ = ["HFEngine", "RolloutEngine", "RolloutResult", "SamplingParams", "build_engine", "mix_seed"]
 
 
 def build_engine(name: str, **kwargs) -> RolloutEngine:

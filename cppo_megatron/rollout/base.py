@@ -15,6 +15,9 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 8
     logprobs: bool = False  # also return the sampler's log-prob of each generated token
+    # None: the engine's own random stream (the global torch RNG for HF, vLLM's engine
+    # seed); an int: the same prompts with the same seed give the same samples, across
+    # restarts too, without any engine state to save
     seed: Optional[int] = None
 
     def __post_init__(self) -> None:
@@ -26,6 +29,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.seed is not None and not 0 <= self.seed < 1 << 63:
+            raise ValueError(f"SamplingParams.seed must be in [0, 2**63) or None, got {self.seed}")
 
 
 @dataclass
@@ -74,6 +79,19 @@ def check_prompts(prompts: Sequence[Sequence[int]], max_len: Optional[int] = Non
                 f"generate: prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it "
                 f"exceeds the engine's max_model_len={max_len} (model.max_position)"
             )
+
+
+def mix_seed(*parts: int) -> int:
+    """A seed in [0, 2**62) derived from integers (a run seed, a step, a rank, a prompt
+    index...): streams for different tuples are unrelated, and equal tuples agree on
+    every rank and across restarts. 2**62 leaves room for vLLM's per-sample ``seed + i``."""
+    h = 0x9E3779B97F4A7C15
+    for x in parts:
+        if not isinstance(x, int) or isinstance(x, bool):
+            raise TypeError(f"mix_seed: parts must be ints, got {x!r}")
+        h = (h ^ (x + 0x632BE59BD9B4E019)) * 0xBF58476D1CE4E5B9 % (1 << 64)
+        h ^= h >> 31
+    return h % (1 << 62)
 
 
 class RolloutEngine:

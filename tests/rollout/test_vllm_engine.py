@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM not installed: bash scripts/setup_vllm.sh, then .venv-vllm/bin/python -m pytest")
 
-from cppo_megatron.rollout import HFEngine, SamplingParams  # noqa: E402
+from cppo_megatron.rollout import HFEngine, SamplingParams, mix_seed  # noqa: E402
 from cppo_megatron.rollout.vllm import VLLMEngine  # noqa: E402
 from cppo_megatron.trainer import Trainer  # noqa: E402
 from cppo_megatron.trainer.logger import read_metrics  # noqa: E402
@@ -65,6 +65,20 @@ def test_sampled_logprobs_match_the_trainer(setup, temperature):
     trainer_lp = _trainer_logprobs(model, tok, prompts, out)
     for i, lp in enumerate(out.logprobs):
         torch.testing.assert_close(lp, trainer_lp[i, : len(out.tokens[i])], atol=1e-4, rtol=0)
+
+
+def test_seeded_sampling_depends_on_seed_and_position_only(setup):
+    model, tok, task, engine = setup
+    prompts = sample_prompts(tok, task, 6)
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=6, seed=mix_seed(3, 1))
+    a = engine.generate(prompts, params).tokens
+    engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=6))  # moves vLLM's own stream
+    assert engine.generate(prompts, params).tokens == a
+    # the first three prompts alone: the same samples (not a function of the batch around them)
+    assert engine.generate(prompts[:3], params).tokens == a[:12]
+    assert len(set(map(tuple, a[:4]))) > 1  # the n samples of one prompt differ (seed + k)
+    assert engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=6,
+                                                   seed=mix_seed(3, 2))).tokens != a
 
 
 def test_weight_update_changes_generations_to_match_hf(setup):
@@ -125,3 +139,38 @@ def test_three_step_cppo_run_with_vllm_logs_logprob_diff(micro_recipe):
         # engine and trainer hold the same weights (synced after every update)
         assert 0 <= s["rollout/logprob_diff"] < 1e-4, s["rollout/logprob_diff"]
         assert s["cppo/num_kept"] == 16 and s["time/sync"] > 0
+
+
+def test_resumed_vllm_run_draws_what_the_uninterrupted_run_drew(micro_recipe, tmp_path):
+    # sampling seeds derive from (seed, step, round): nothing of vLLM's state is checkpointed
+    common = [*VLLM_MICRO, "rollout.engine=vllm", "train.steps=3"]
+    full = micro_recipe(*common, f"out_dir={tmp_path / 'full'}")
+    part = micro_recipe(*common, "log.checkpoint_every=1", f"out_dir={tmp_path / 'part'}")
+    _run_closed(Trainer(full))
+    t = Trainer(part)
+    real_step = t._rl_step
+
+    def crash_after_one():
+        if t.step == 1:
+            raise KeyboardInterrupt
+        return real_step()
+
+    t._rl_step = crash_after_one
+    assert _run_closed(t)["interrupted"]
+    _run_closed(Trainer(part, resume=True))
+    a, b = (_steps(tmp_path / name) for name in ("full", "part"))
+    assert [s["step"] for s in b] == [1, 2, 3]
+    for ra, rb in zip(a, b):
+        for key in ("reward/mean", "rollout/tokens", "rollout/mean_length", "cppo/num_kept", "train/loss"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-7), (ra["step"], key)
+
+
+def _run_closed(trainer):
+    try:
+        return trainer.run()
+    finally:
+        trainer.engine.close()
+
+
+def _steps(out):
+    return [r for r in read_metrics(Path(out) / "metrics.jsonl") if r.get("kind") == "step"]
