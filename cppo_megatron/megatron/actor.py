@@ -142,6 +142,7 @@ class MegatronActor:
         metrics.update({"time/exchange": t1 - t0, "time/old_logprob": t_old - t1, "time/ref_logprob": t_ref - t_old,
                         "time/update": t2 - t_ref})
         self.last_exchange, self.last_counter = res, counter
+        self.last_old_logprobs = old  # the survivors' log-probs before the update (rollout consistency checks)
         metrics["cppo/forwarded_sequences_self"] = float(counter.sequences)
         metrics["cppo/padded_tokens_self"] = float(counter.padded_tokens)
         return metrics

@@ -7,15 +7,22 @@ Every rank runs the same loop and decides the same things from the same seed:
                 same prompt ids from a ``PromptSampler``; the ``AllocationPlanner`` sizes
                 the step identically everywhere
     rollout     DP rank d takes the d-th contiguous slice of the prompts; the first rank of
-                its model-parallel (TP x PP) group generates and rewards them with the HF
-                engine and broadcasts the completions to its TP/PP peers, which must feed
-                Megatron identical rows (one generation per DP rank instead of tp*pp
-                identical ones, and no reliance on identical sampling across processes)
+                its model-parallel (TP x PP) group generates and rewards them and broadcasts
+                the completions to its TP/PP peers, which must feed Megatron identical rows
+                (one generation per DP rank instead of tp*pp identical ones, and no reliance
+                on identical sampling across processes). The engine is HF ``generate`` or,
+                with ``rollout.engine: vllm``, one in-process vLLM engine per rank on the
+                job's process group (vLLM's external launcher); the sampling seed of a
+                (step, DP rank, round) is derived from the run seed
     reward      the rewards of all DP ranks are all-gathered (dynamic-sampling decisions
                 and the reward metrics need them)
     cppo        ``MegatronActor.step``: prune over all DP ranks, rebalance the survivors,
                 old / reference log-probs and the update on the survivors only
-    sync        Megatron -> HF weights (``hf_state_dict``) into every rollout model
+    sync        Megatron -> full HF-layout weights (``hf_state_dict``: TP shards gathered,
+                PP stages exchanged, in memory) into the HF model and the vLLM engines that
+                generate or evaluate; vLLM's prefix cache is reset
+    check       with vLLM, ``rollout/logprob_diff``: mean |sampler - Megatron| log-prob over
+                the survivors' completion tokens (Megatron's pre-update pass), over all DP ranks
 
 The supervised warm-up and the greedy evaluations run on rank 0 (with all the process's
 CPU threads) and the warmed-up weights are broadcast to every rank before the actor is
@@ -25,6 +32,7 @@ built. Rank 0 writes metrics.jsonl, report.md and the progress lines.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import resource
 import sys
@@ -60,8 +68,6 @@ class MegatronTrainer:
     def __init__(self, recipe: Recipe) -> None:
         if not dist.is_initialized():
             raise RuntimeError("MegatronTrainer needs torch.distributed: start it with `cppo-megatron train --nproc N`")
-        if recipe.rollout.engine != "hf":
-            raise ValueError(f"backend=megatron rolls out with the HF engine; rollout.engine={recipe.rollout.engine!r}")
         self.r = recipe
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         tp, pp = recipe.megatron.tp, recipe.megatron.pp
@@ -82,8 +88,19 @@ class MegatronTrainer:
         self.task = build_task(recipe.task)
         self.model, self.tok = build_model(recipe.model, self.task.alphabet, recipe.seed)
         self.model.to(self.device)
-        self.engine = HFEngine(self.model, pad_id=self.tok.pad_id, eos_id=self.tok.eos_id, device=self.device,
-                               max_batch_sequences=recipe.rollout.max_batch_sequences, shared=False)
+        # the HF copy holds the current policy (final.pt, the warm-up) and generates when engine=hf
+        self.hf_engine = HFEngine(self.model, pad_id=self.tok.pad_id, eos_id=self.tok.eos_id, device=self.device,
+                                  max_batch_sequences=recipe.rollout.max_batch_sequences, shared=False)
+        self.engine = self.hf_engine
+        self.use_vllm = recipe.rollout.engine == "vllm"
+        if self.use_vllm:
+            from ..rollout.vllm import VLLMEngine
+
+            # built by every rank at this same point: vLLM creates its groups collectively
+            self.engine = VLLMEngine(self.model, eos_id=self.tok.eos_id, seed=recipe.seed,
+                                     kv_cache_gb=recipe.rollout.vllm_kv_cache_gb,
+                                     gpu_memory_utilization=recipe.rollout.vllm_gpu_memory_utilization,
+                                     sync_via_disk=recipe.rollout.vllm_sync_via_disk, join_process_group=True)
         G = recipe.rollout.group_size
         self.planner = AllocationPlanner.from_config(recipe.cppo, capacity=recipe.train.capacity, group_size=G)
         self.sampler = PromptSampler(len(self.task.train), seed=recipe.seed)
@@ -118,6 +135,7 @@ class MegatronTrainer:
                     )
                 torch.save(self.model.state_dict(), self.out / "warmup.pt")
             self._broadcast_weights(src=0)
+        self._sync_from_model()
         self._log_eval()
         t = r.train
         loss = PolicyLossConfig(clip_low=t.clip_low, clip_high=t.clip_high, kl_coef=t.beta, kl_kind=t.kl_type,
@@ -141,6 +159,23 @@ class MegatronTrainer:
             dist.broadcast(buf, src=src)
             if self.rank != src:
                 v.copy_(buf.to(v.device))
+
+    def _sync_from_model(self) -> None:
+        """The HF model's weights into this rank's vLLM engine (after the warm-up, its
+        broadcast or an init_checkpoint; the HF engine generates with the model itself)."""
+        if self.use_vllm:
+            self.engine.update_weights(self.model.state_dict().items())
+
+    def _sync_from_actor(self) -> None:
+        """The updated Megatron policy as full HF tensors (a collective: every rank gathers)
+        into the HF model, and into the vLLM engines that generate or evaluate."""
+        state = self.actor.hf_state_dict()
+        self.hf_engine.update_weights(state.items())
+        if self.use_vllm and (self.is_generator or self.is_main):
+            self.engine.update_weights(state.items())
+
+    def close(self) -> None:
+        self.engine.close()
 
     def _comm_device(self) -> torch.device:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -188,9 +223,10 @@ class MegatronTrainer:
         times = {p: 0.0 for p in PHASES}
         t_step = time.perf_counter()
         params = SamplingParams(n=G, temperature=r.rollout.temperature, top_p=r.rollout.top_p,
-                                max_new_tokens=r.rollout.max_new_tokens)
+                                max_new_tokens=r.rollout.max_new_tokens, logprobs=self.use_vllm)
         seqs: list[torch.Tensor] = []  # this DP rank's completions, prompt + completion
         masks: list[torch.Tensor] = []
+        sampler_lp: list[torch.Tensor] = []  # vLLM's log-probs, aligned with masks (0 on prompts)
         local_rewards: list[float] = []
         local_groups: list[int] = []  # global group index (draw order) of each local row
         all_rewards: list[float] = []  # every DP rank's rewards, in draw order
@@ -211,7 +247,7 @@ class MegatronTrainer:
                 payload = self._generate(problems, params, step_round=rounds, times=times)
             box = [payload]
             dist.broadcast_object_list(box, src=self.mp_src, group=self.mp_group)
-            prompts, completions, rewards, correct, formatted = box[0]
+            prompts, completions, rewards, correct, formatted, logprobs = box[0]
             if not self.is_generator:
                 times["rollout"] += time.perf_counter() - t0
             t1 = time.perf_counter()
@@ -220,6 +256,10 @@ class MegatronTrainer:
                 m = torch.zeros(len(p) + len(c) - 1)
                 m[len(p) - 1 :] = 1.0  # targets t + 1 that are completion tokens
                 masks.append(m)
+                if logprobs is not None:
+                    lp = torch.zeros(len(m))
+                    lp[len(p) - 1 :] = torch.tensor(logprobs[j], dtype=torch.float32)
+                    sampler_lp.append(lp)
                 local_rewards.append(rewards[j])
                 local_groups.append(base + lo + j // G)
             gathered = [None] * self.dp
@@ -249,14 +289,16 @@ class MegatronTrainer:
             [seqs[i] for i in rows], [masks[i] for i in rows],
             torch.tensor([local_rewards[i] for i in rows], dtype=torch.float32),
             torch.tensor([local_groups[i] for i in rows], dtype=torch.int64), r.cppo, step=self.step,
+            extra_fields={"sampler_lp": [sampler_lp[i] for i in rows]} if self.use_vllm else None,
         )
         res = self.actor.last_exchange
         times["cppo"] = metrics["time/exchange"]
         for p in ("old_logprob", "ref_logprob", "update"):
             times[p] = metrics[f"time/{p}"]
         t0 = time.perf_counter()
-        self.engine.update_weights(self.actor.hf_state_dict().items())
+        self._sync_from_actor()
         times["sync"] = time.perf_counter() - t0
+        consistency = self._logprob_diff() if self.use_vllm else {}
         alloc = self.planner.end_step(res.prune.selection, dropped_prompts=dropped, dropped_completions=dropped * G)
 
         # every rank's view of the step, for the per-rank balance and forward-pass records
@@ -293,6 +335,7 @@ class MegatronTrainer:
         rec["rank/old_logprob_wait_mean"] = sum(max(old) - t for t in old) / len(old)
         rec.update(alloc)
         rec.update(self.planner.metrics())
+        rec.update(consistency)
         rec["train/lr"] = lr
         rec["data/epoch"] = self.sampler.epochs_float
         rec["sys/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -303,9 +346,9 @@ class MegatronTrainer:
         r = self.r
         t0 = time.perf_counter()
         if not problems:
-            return [], [], [], [], []
+            return [], [], [], [], [], ([] if params.logprobs else None)
         # one stream per (step, DP rank, round): reproducible and different across DP ranks
-        torch.manual_seed(_mix(r.seed, self.step, self.dp_rank, step_round))
+        params = dataclasses.replace(params, seed=_mix(r.seed, self.step, self.dp_rank, step_round))
         p_ids = [self.tok.prompt_ids(r.task.prompt_template.format(question=p.question)) for p in problems]
         out = self.engine.generate(p_ids, params)
         t1 = time.perf_counter()
@@ -319,10 +362,34 @@ class MegatronTrainer:
             formatted.append(float(s.formatted))
             prompts.append(p_ids[j // G])
         times["reward"] += time.perf_counter() - t1
-        return prompts, [list(t) for t in out.tokens], rewards, correct, formatted
+        logprobs = None if out.logprobs is None else [lp.tolist() for lp in out.logprobs]
+        return prompts, [list(t) for t in out.tokens], rewards, correct, formatted, logprobs
+
+    def _logprob_diff(self) -> dict:
+        """``rollout/logprob_diff``: mean |vLLM sampler - Megatron| log-prob over the survivors'
+        completion tokens of all DP ranks, with the weights the completions were sampled with
+        (the actor's pre-update pass); ``_max`` is the largest single-token difference."""
+        res = self.actor.last_exchange
+        total = torch.zeros(3, dtype=torch.float64)  # sum |diff|, tokens, max |diff|
+        for lp, old, mask in zip(res.fields["sampler_lp"], self.actor.last_old_logprobs, res.fields["mask"]):
+            d = (lp.float() - old.detach().float().cpu()).abs() * mask.float()
+            total[0] += float(d.sum())
+            total[1] += float(mask.sum())
+            total[2] = max(float(total[2]), float(d.max()) if d.numel() else 0.0)
+        dev = self._comm_device()
+        sums, peak = total[:2].to(dev), total[2:].to(dev)
+        dist.all_reduce(sums, group=self.dp_group)  # TP/PP peers hold the same rows: reduce over DP only
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.dp_group)
+        diff = float(sums[0] / sums[1]) if float(sums[1]) > 0 else 0.0
+        if self.is_main and diff > self.r.rollout.logprob_warn_threshold:
+            warnings.warn(f"rollout/logprob_diff={diff:.4f} exceeds {self.r.rollout.logprob_warn_threshold}: "
+                          "vLLM and the Megatron policy disagree", stacklevel=2)
+        return {"rollout/logprob_diff": diff, "rollout/logprob_diff_max": float(peak[0])}
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate(self, n: int) -> dict:
+        if self.use_vllm and self.actor is None:
+            self._sync_from_model()  # during the warm-up the weights move without an RL update
         problems = list(self.task.test[: min(n, len(self.task.test))])
         return evaluate(self.engine, self.tok, self.task, problems, self.r.rollout.max_new_tokens,
                         self.r.task.prompt_template)
@@ -451,13 +518,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     # rank 0 runs the warm-up while the others wait in a broadcast: allow for it
     dist.init_process_group(backend, timeout=timedelta(hours=6))
+    trainer = None
     try:
-        summary = MegatronTrainer(recipe).run()
+        trainer = MegatronTrainer(recipe)
+        summary = trainer.run()
     finally:
         from .model import destroy_parallel
 
         destroy_parallel()
-        dist.destroy_process_group()
+        if trainer is not None:
+            trainer.close()
+        if dist.is_initialized():  # vLLM's shutdown may already have taken the default group down
+            dist.destroy_process_group()
     if summary:
         print(
             f"done: accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f}, "
