@@ -475,6 +475,8 @@ def _slice(n: int, parts: int, i: int) -> tuple[int, int]:
 
 
 def _mix(*xs: int) -> int:
+    # the backend's own seed hash (not rollout.mix_seed): the runs in docs/integrations/megatron.md
+    # were sampled with it and reproduce only with it
     h = 0x9E3779B97F4A7C15
     for x in xs:
         h = (h ^ (int(x) + 0x632BE59BD9B4E019)) * 0xBF58476D1CE4E5B9 % (1 << 63)

@@ -13,7 +13,7 @@ passed as a stop token id; the sampler's log-probs are vLLM's ``raw_logprobs`` (
 temperature and top-p), the same quantity the trainer computes.
 
 Weight sync: ``update_weights(named_tensors)`` takes full HF-layout tensors (HF parameter
-names), so the HF policy and, later, Megatron shards gathered to HF layout use the same
+names), so the HF policy and Megatron shards gathered to HF layout use the same
 path: ``collective_rpc("reload_weights", weights_iterator=...)`` in memory, then the prefix
 cache is reset (cached KV blocks were computed with the old weights). ``sync_via_disk``
 writes safetensors and reloads from the directory instead.

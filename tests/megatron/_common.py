@@ -1,5 +1,10 @@
 """Shared pieces of the megatron tests: a tiny random-init Qwen2 (no downloads) and data."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -40,3 +45,17 @@ def hf_logprobs(model, seqs):
             logits = model(s[None]).logits[0, :-1].float()
             out.append(torch.log_softmax(logits, -1).gather(-1, s[1:, None]).squeeze(-1))
     return out
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def train_nproc(recipe: str, overrides: list, out: Path, *, nproc: int = 4, timeout: int = 300):
+    """`cppo-megatron train RECIPE OVERRIDES out_dir=OUT --nproc N` from the repo root; the
+    finished process and the metrics records it wrote (fails the test on a non-zero exit)."""
+    cmd = [sys.executable, "-m", "cppo_megatron.cli", "train", recipe, *overrides, f"out_dir={out}", "--nproc",
+           str(nproc)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return proc, records

@@ -4,11 +4,7 @@ processes, TP 2 x DP 2) on a micro recipe, then the metrics it logged."""
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,7 +13,8 @@ pytest.importorskip("megatron.core")
 from cppo_megatron.megatron.launch import launch  # noqa: E402
 from cppo_megatron.trainer.config import load_recipe  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+from ._common import REPO, train_nproc  # noqa: E402
+
 RECIPE = str(REPO / "recipes" / "tiny_cpu_megatron.yaml")
 MICRO = [
     "threads=1",
@@ -48,10 +45,7 @@ MICRO = [
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("mbackend") / "run"
-    cmd = [sys.executable, "-m", "cppo_megatron.cli", "train", RECIPE, *MICRO, f"out_dir={out}", "--nproc", "4"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    proc, records = train_nproc(RECIPE, MICRO, out, timeout=240)
     return out, records, proc
 
 

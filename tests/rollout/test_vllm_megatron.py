@@ -6,18 +6,14 @@ Runs in .venv-vllm (bash scripts/setup_vllm.sh installs megatron-core there too)
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed: bash scripts/setup_vllm.sh, then .venv-vllm/bin/python -m pytest")
 pytest.importorskip("megatron.core")
 
+from tests.megatron._common import REPO, train_nproc  # noqa: E402
+
 pytestmark = pytest.mark.vllm
-REPO = Path(__file__).resolve().parents[2]
 MICRO = [
     "threads=1",
     "model.hidden_size=64",  # head size 32: vLLM's CPU attention needs >= 32
@@ -54,11 +50,7 @@ MICRO = [
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("vllm_megatron") / "run"
-    cmd = [sys.executable, "-m", "cppo_megatron.cli", "train", str(REPO / "recipes" / "tiny_cpu_megatron.yaml"),
-           *MICRO, f"out_dir={out}", "--nproc", "4"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    _, records = train_nproc(str(REPO / "recipes" / "tiny_cpu_megatron.yaml"), MICRO, out)
     return out, records
 
 
