@@ -39,6 +39,11 @@ def launch(args: argparse.Namespace) -> int:
                     "add backend=megatron or drop --nproc")
     if getattr(args, "resume", False):
         return fail("--resume is not supported by backend=megatron (it writes final.pt, no checkpoints)")
+    if recipe.rollout.engine == "vllm":
+        from ..rollout.vllm import INSTALL_HINT, vllm_distribution
+
+        if vllm_distribution() is None:  # say it once, before N processes fail on it
+            return fail(INSTALL_HINT)
     tp, pp = recipe.megatron.tp, recipe.megatron.pp
     if nproc % (tp * pp):
         return fail(f"--nproc {nproc} is not divisible by megatron.tp * megatron.pp = {tp} * {pp}")

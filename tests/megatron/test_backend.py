@@ -117,6 +117,16 @@ def test_launch_refuses_bad_layouts(capsys):
     assert "megatron.dp" in capsys.readouterr().err
 
 
+def test_launch_without_vllm_says_how_to_install_before_starting_ranks(capsys):
+    from cppo_megatron.rollout.vllm import vllm_distribution
+
+    if vllm_distribution() is not None:
+        pytest.skip("vLLM is installed here; tests/rollout/test_vllm_megatron.py runs it")
+    assert launch(_args("rollout.engine=vllm")) == 2
+    err = capsys.readouterr().err
+    assert "scripts/setup_vllm.sh" in err and "launching" not in err
+
+
 def test_recipe_validates_megatron_keys():
     with pytest.raises(ValueError, match="megatron.tp=3 must divide model.num_kv_heads=4"):
         load_recipe(RECIPE, ["megatron.tp=3"])
