@@ -91,7 +91,7 @@ class MegatronTrainer:
         # the HF copy holds the current policy (final.pt, the warm-up) and generates when engine=hf
         self.hf_engine = HFEngine(self.model, pad_id=self.tok.pad_id, eos_id=self.tok.eos_id, device=self.device,
                                   max_batch_sequences=recipe.rollout.max_batch_sequences, shared=False)
-        self.engine = self.eval_engine = self.hf_engine
+        self.engine = self.hf_engine
         self.use_vllm = recipe.rollout.engine == "vllm"
         if self.use_vllm:
             from ..rollout.vllm import VLLMEngine
@@ -155,10 +155,10 @@ class MegatronTrainer:
         self.dp_group = ps.get_data_parallel_group()
         self.mp_group = ps.get_model_parallel_group()
         self.mp_src = min(dist.get_process_group_ranks(self.mp_group))
-        self.is_generator = self.rank == self.mp_src
-        # ranks that call the engine: the generator, and with rollout.vllm_tp > 1 the rest of
-        # its vLLM TP group (consecutive ranks, which must lie in the generator's Megatron TP group)
-        vtp = r.rollout.vllm_tp if self.use_vllm else 1
+        # ranks that call the engine: the model-parallel group's first rank (which broadcasts
+        # the completions to its peers) and, with rollout.vllm_tp > 1, the rest of its vLLM TP
+        # group (consecutive ranks, which must lie in that rank's Megatron TP group)
+        vtp = r.rollout.vllm_tp  # 1 unless engine=vllm (validate_recipe)
         self.generates = self.mp_src <= self.rank < self.mp_src + vtp
         if self.generates and not set(range(self.mp_src, self.mp_src + vtp)) <= set(
                 dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())):
@@ -180,10 +180,10 @@ class MegatronTrainer:
 
     def _sync_from_actor(self) -> None:
         """The updated Megatron policy as full HF tensors (a collective: every rank gathers)
-        into the HF model, and into the vLLM engines that generate or evaluate."""
+        into the HF model, and into the vLLM engines that generate."""
         state = self.actor.hf_state_dict()
         self.hf_engine.update_weights(state.items())
-        if self.use_vllm and (self.generates or (self.is_main and self.eval_engine is self.engine)):
+        if self.use_vllm and self.generates:  # rank 0, which evaluates, is always one
             self.engine.update_weights(state.items())
 
     def close(self) -> None:
