@@ -5,8 +5,9 @@
   cppo-megatron train recipes/tiny_cpu.yaml --resume        (continue the run in out_dir)
 
 Overrides are omegaconf dotlist `key=value` pairs; an unknown key is an error. Every key
-is documented in docs/trainer.md. Ctrl-C saves a checkpoint and exits; --resume continues
-with the same data order and accounting. Outputs in out_dir: metrics.jsonl,
+is documented in docs/trainer.md. Ctrl-C / SIGTERM finishes the running step, saves a
+checkpoint and exits with status 130; --resume continues with the same data order and
+accounting. backend=megatron recipes run under torchrun (--nproc N). Outputs in out_dir: metrics.jsonl,
 tensorboard/, checkpoints/, report.md, report.png.
 """
 
@@ -38,16 +39,18 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(recipe_to_dict(recipe), indent=2))
         return 0
     if recipe.backend == "megatron" or args.nproc > 1:
-        try:
-            from ..megatron.launch import launch  # provided with the megatron backend
-        except ImportError as exc:
-            print(f"cppo-megatron train: backend=megatron is not available here ({exc})", file=sys.stderr)
-            return 2
-        return launch(args)
+        from ..trainer.launch import launch
+
+        return launch(args)  # torchrun; every rank runs the same Trainer
 
     from ..trainer import Trainer
 
-    summary = Trainer(recipe, resume=args.resume).run()
+    try:
+        trainer = Trainer(recipe, resume=args.resume)
+    except FileNotFoundError as exc:  # --resume without a (readable) checkpoint
+        print(f"cppo-megatron train: {exc}", file=sys.stderr)
+        return 2
+    summary = trainer.run()
     if summary.get("interrupted"):
         return 130
     print(

@@ -124,6 +124,7 @@ class LogConfig:
 class MegatronConfig:
     tp: int = 1  # tensor-parallel size (backend=megatron); dp = processes / (tp * pp)
     pp: int = 1  # pipeline-parallel size
+    collective_timeout_s: int = 600  # a collective waiting longer (a rank died or hangs) fails the job
 
 
 @dataclass
@@ -161,7 +162,7 @@ _POSITIVE = (
     "train.mu", "train.micro_batch_tokens", "eval.num_problems", "eval.batch_size", "warmup.batch_size",
     "warmup.eval_every", "warmup.eval_problems", "task.train_size", "task.test_size", "model.hidden_size",
     "model.num_layers", "model.num_heads", "model.num_kv_heads", "model.intermediate_size", "model.max_position",
-    "megatron.tp", "megatron.pp", "rollout.vllm_tp",
+    "megatron.tp", "megatron.pp", "megatron.collective_timeout_s", "rollout.vllm_tp",
 )
 _NON_NEGATIVE = (
     "train.steps", "train.max_time_s", "train.beta", "train.lr", "train.weight_decay", "train.lr_warmup_steps",

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from cppo_megatron.megatron.launch import launch  # noqa: E402
+from cppo_megatron.trainer.launch import launch  # noqa: E402
 from cppo_megatron.trainer.config import load_recipe  # noqa: E402
 
 from ._common import REPO, train_nproc  # noqa: E402
@@ -106,13 +106,13 @@ def _args(*overrides, nproc=4, recipe=RECIPE, resume=False):
     return argparse.Namespace(recipe=recipe, overrides=list(overrides), nproc=nproc, resume=resume)
 
 
-def test_launch_refuses_bad_layouts(capsys):
+def test_launch_refuses_bad_layouts(capsys, tmp_path):
     assert launch(_args(nproc=3)) == 2
     assert "not divisible by megatron.tp * megatron.pp" in capsys.readouterr().err
     assert launch(_args("backend=hf")) == 2
     assert "needs backend=megatron" in capsys.readouterr().err
-    assert launch(_args(resume=True)) == 2
-    assert "--resume is not supported" in capsys.readouterr().err
+    assert launch(_args(f"out_dir={tmp_path / 'none'}", resume=True)) == 2
+    assert "--resume: no checkpoint under" in capsys.readouterr().err
     assert launch(_args("megatron.dp=2")) == 2
     assert "megatron.dp" in capsys.readouterr().err
 

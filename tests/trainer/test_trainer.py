@@ -25,7 +25,8 @@ def test_two_step_run_writes_metrics_checkpoint_and_report(micro_recipe):
     # allocation: capacity 16, k = 2 of 4 -> 8 prompts, 32 generated, 16 trained
     assert steps[0]["alloc/prompts_drawn"] == 8 and steps[0]["cppo/num_kept"] == 16
     assert steps[-1]["alloc/total_completions_generated"] == 64
-    assert (out_dir / "checkpoints" / "step_000002.pt").exists()
+    assert (out_dir / "checkpoints" / "step_000002" / "trainer.pt").exists()
+    assert (out_dir / "checkpoints" / "step_000002" / "policy_rank00000.pt").exists()
     assert (out_dir / "report.md").exists() and (out_dir / "report.png").exists()
     assert any((out_dir / "tensorboard").iterdir())
     assert summary["steps"] == 2 and 0.0 <= summary["accuracy_after"] <= 1.0
@@ -67,8 +68,8 @@ def test_grpo_p0_loss_equals_hand_computed_grpo_loss(micro_recipe):
         k3 = torch.exp(ref[i, : len(completions[i])] - lp) - (ref[i, : len(completions[i])] - lp) - 1
         total = total + (pg + 0.1 * k3).sum()
     by_hand = float(total) / ntok
-    metrics = trainer.policy.update(batch, mbs, adv, None, ref, norm_constant=4.0)
-    assert metrics["train/loss"] == pytest.approx(by_hand, rel=1e-5)
+    res = trainer.policy.hf.update(batch, mbs, adv, None, ref, norm_constant=4.0)
+    assert res.iterations[0]["loss"] == pytest.approx(by_hand, rel=1e-5)
 
 
 def test_resume_continues_the_same_run(micro_recipe, tmp_path):
