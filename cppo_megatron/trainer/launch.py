@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -83,6 +84,10 @@ def launch(args: argparse.Namespace) -> int:
     cmd = torchrun_command(args.recipe, overrides + (["--resume"] if getattr(args, "resume", False) else []), nproc)
     print(f"launching {nproc} processes (tp={tp} pp={pp} dp={nproc // (tp * pp)}): {' '.join(cmd[1:])}",
           file=sys.stderr, flush=True)
+    from .loop import INTERRUPTED_MARKER
+
+    marker = Path(recipe.out_dir) / INTERRUPTED_MARKER
+    started = time.time()
     proc = subprocess.Popen(cmd, env=env)
     stopped = []
 
@@ -98,8 +103,8 @@ def launch(args: argparse.Namespace) -> int:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-    if stopped or code == 130:
-        return 130
+    if stopped or (code == 0 and marker.exists() and marker.stat().st_mtime >= started):
+        return 130  # the ranks stopped on a signal, after a checkpoint
     if code != 0:
         print(f"cppo-megatron train: the job failed (torchrun exit status {code}); the lines above name the "
               "failed rank and what it was doing", file=sys.stderr)
@@ -136,9 +141,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         from .loop import Trainer
 
         trainer = Trainer(recipe, resume=args.resume)
-        summary = trainer.run()
-        if summary.get("interrupted"):
-            code = 130
+        summary = trainer.run()  # interrupted: exit 0 (torchrun would call 130 a failure); the launcher says 130
     except BaseException as exc:  # noqa: BLE001 - every failure names the rank and what it was doing
         where = "setup" if trainer is None else f"step {trainer.step + 1}, phase {trainer.phase}"
         print(f"cppo-megatron train: rank {rank} failed at {where}: {type(exc).__name__}: {exc}",

@@ -26,6 +26,7 @@ no checkpoint is written (resume continues from the previous one).
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import signal
@@ -53,8 +54,9 @@ from .report import write_report
 from .sft import sft_warmup
 from .step import PhaseTimer, collect_groups, select_survivors
 
-__all__ = ["REPEAT_WINDOW_S", "Trainer", "load_weights"]
+__all__ = ["INTERRUPTED_MARKER", "REPEAT_WINDOW_S", "Trainer", "load_weights"]
 
+INTERRUPTED_MARKER = "interrupted.json"  # written when a run stopped on a signal
 REPEAT_WINDOW_S = 3.0  # signals this close to the first are one request (torchrun forwards Ctrl-C again)
 
 
@@ -218,6 +220,9 @@ class Trainer:
 
     def run(self) -> dict:
         r = self.r
+        marker = self.out / INTERRUPTED_MARKER
+        if self.is_main and marker.exists():
+            marker.unlink()
         self.prepare()
         bar = self._progress()
         stop = _StopRequest()
@@ -271,10 +276,12 @@ class Trainer:
 
     def _interrupted(self, checkpoint_ok: bool) -> dict:
         path = self._checkpoint() if checkpoint_ok else None
+        marker = self.out / INTERRUPTED_MARKER  # tells the torchrun launcher to exit 130
         if self.is_main:
             self.logger.close()
             write_report(self.out, self._title(f" (interrupted at step {self.step})"), plots=self.r.log.plots,
                          balance=self.rollout.world > 1)
+            marker.write_text(json.dumps({"step": self.step, "checkpoint": None if path is None else str(path)}) + "\n")
             if path is not None:
                 print(f"\ninterrupted: checkpoint saved to {path}; continue with --resume", file=sys.stderr)
             else:

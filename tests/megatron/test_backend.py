@@ -13,32 +13,18 @@ pytest.importorskip("megatron.core")
 from cppo_megatron.trainer.launch import launch  # noqa: E402
 from cppo_megatron.trainer.config import load_recipe  # noqa: E402
 
+from tests.recipes import MICRO as COMMON  # noqa: E402
+
 from ._common import REPO, train_nproc  # noqa: E402
 
 RECIPE = str(REPO / "recipes" / "tiny_cpu_megatron.yaml")
-MICRO = [
-    "threads=1",
-    "model.hidden_size=32",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.num_kv_heads=2",
-    "model.intermediate_size=64",
-    "task.train_size=400",
-    "task.test_size=50",
-    "rollout.group_size=4",
-    "rollout.max_new_tokens=4",
+# the shared micro recipe on TP 2 x DP 2, with
+MICRO = [o for o in COMMON if not o.startswith(("train.capacity", "model.max_position", "log.checkpoint_every"))] + [
     # 1.5 prompts per step: step 1 draws one prompt, so DP rank 0 generates nothing and
     # trains only what the exchange sends it; step 2 draws two
     "train.capacity=3",
-    "train.steps=2",
-    "eval.every=0",
-    "eval.num_problems=20",
-    "warmup.enabled=false",
-    "log.progress=false",
-    "log.plots=false",
     # batch scope: survivors per rank differ, so the exchange has rows to move
     "cppo.scope=batch",
-    "cppo.pruning_rate=0.5",
 ]
 
 
@@ -146,3 +132,26 @@ def test_recipe_validates_megatron_keys():
         load_recipe(RECIPE, ["megatron.tp=0"])
     pp2 = load_recipe(str(REPO / "recipes" / "tiny_cpu_megatron_pp2.yaml"))
     assert (pp2.megatron.tp, pp2.megatron.pp, pp2.backend) == (1, 2, "megatron")
+
+
+def test_a_rank_killed_mid_step_ends_the_job_quickly_naming_it(tmp_path):
+    """SIGKILL rank 3 of 4 as it enters the update of step 1: no hang on a collective; the
+    job exits non-zero within the stated bound (launch included), naming the rank, and a
+    surviving rank names the phase it was in."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    cmd = [sys.executable, "-m", "cppo_megatron.cli", "train", RECIPE, *MICRO, f"out_dir={tmp_path / 'run'}",
+           "--nproc", "4"]
+    env = {**os.environ, "CPPO_MEGATRON_FAULT": "update:1:3:kill"}
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - t0
+    err = proc.stderr
+    assert proc.returncode not in (0, 130), err[-3000:]
+    assert elapsed < 120, f"took {elapsed:.0f} s"
+    assert "rank: 3" in err or "rank 3" in err, err[-3000:]  # torchrun's summary names the dead rank
+    assert "phase update" in err, err[-3000:]  # its peers say where they were
+    assert "the job failed" in err

@@ -8,6 +8,7 @@ from cppo_megatron.trainer import Trainer
 from cppo_megatron.trainer.config import load_recipe
 from cppo_megatron.trainer.logger import read_metrics
 from cppo_megatron.trainer.policy import KeptBatch, forward_logprobs, micro_batches
+from tests.recipes import recipe_path
 
 
 def _steps(out_dir):
@@ -112,9 +113,9 @@ def test_unknown_and_bad_recipe_keys_are_named(micro_recipe):
 
 def test_shipped_recipes_load():
     for name in ("tiny_cpu", "tiny_cpu_grpo", "smollm2_cpu"):
-        r = load_recipe(f"recipes/{name}.yaml")
+        r = load_recipe(recipe_path(name))
         assert r.rollout.group_size >= 2
-    assert load_recipe("recipes/tiny_cpu_grpo.yaml").cppo.pruning_rate == 0.0
+    assert load_recipe(recipe_path("tiny_cpu_grpo")).cppo.pruning_rate == 0.0
 
 
 def test_without_allocation_fewer_completions_train(micro_recipe):
