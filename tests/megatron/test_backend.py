@@ -30,17 +30,23 @@ MICRO = [o for o in COMMON if not o.startswith(("train.capacity", "model.max_pos
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
+    """3 steps: SIGINT on rank 0 while it generates step 2 stops the job after that step
+    (exit 130, checkpoint), then `--resume` runs step 3 and finishes."""
     out = tmp_path_factory.mktemp("mbackend") / "run"
-    proc, records = train_nproc(RECIPE, MICRO, out, timeout=240)
-    return out, records, proc
+    stopped, _ = train_nproc(RECIPE, MICRO + ["train.steps=3"], out, timeout=240, fault="rollout:2:0:sigint",
+                             expect=130)
+    proc, records = train_nproc(RECIPE, MICRO + ["train.steps=3"], out, "--resume", timeout=240)
+    return out, records, proc, stopped
 
 
 def test_run_completes_with_evals_and_report(run):
-    out, records, proc = run
+    out, records, proc, stopped = run
+    assert (out / "checkpoints" / "step_000002" / "policy_rank00003.pt").exists()  # one shard file per rank
+    assert "finishing the current step" in stopped.stderr
     steps = [r for r in records if r["kind"] == "step"]
     evals = [r for r in records if r["kind"] == "eval"]
-    assert [r["step"] for r in steps] == [1, 2]
-    assert [r["step"] for r in evals] == [0, 2]  # before RL and at the end (rank 0 only)
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["step"] for r in evals] == [0, 3]  # before RL and at the end (rank 0 only)
     report = (out / "report.md").read_text()
     assert "tp=2 pp=1 dp=2" in report and "Rank balance" in report
     assert (out / "final.pt").exists()
@@ -48,7 +54,7 @@ def test_run_completes_with_evals_and_report(run):
 
 
 def test_balance_and_wait_metrics(run):
-    _, records, _ = run
+    _, records, _, _ = run
     for r in (x for x in records if x["kind"] == "step"):
         for key in ("cppo/exchange_imbalance", "cppo/exchange_imbalance_without", "cppo/exchange_max_load",
                     "cppo/exchange_max_load_without", "cppo/exchange_mean_load", "cppo/rank_wait_mean",
@@ -69,7 +75,7 @@ def test_balance_and_wait_metrics(run):
 
 
 def test_pruned_rows_never_enter_the_forward_passes(run):
-    _, records, _ = run
+    _, records, _, _ = run
     for r in (x for x in records if x["kind"] == "step"):
         kept, total = r["cppo/num_kept"], r["cppo/num_completions"]
         assert 0 < kept < total  # pruning happened
