@@ -107,6 +107,11 @@ def test_launch_refuses_bad_layouts(capsys, tmp_path):
     assert "--resume: no checkpoint under" in capsys.readouterr().err
     assert launch(_args("megatron.dp=2")) == 2
     assert "megatron.dp" in capsys.readouterr().err
+    import torch
+
+    if not torch.cuda.is_available():  # device is honoured: no silent fallback to the CPU
+        assert launch(_args("device=cuda")) == 2
+        assert "device=cuda but no CUDA device" in capsys.readouterr().err
 
 
 def test_launch_without_vllm_says_how_to_install_before_starting_ranks(capsys):
