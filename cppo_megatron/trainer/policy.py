@@ -119,9 +119,6 @@ class HFPolicy:
         self.pad_id = pad_id
         self.cfg = train_cfg
         self.rows_seen = {"old_logprob": 0, "ref_logprob": 0, "update": 0}
-        # [N, T] detached log-probs of the first update iteration of the last batch: with
-        # mu = 1 these are the behaviour-policy log-probs (no separate old-policy pass)
-        self.first_pass_logprobs: Optional[torch.Tensor] = None
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=train_cfg.lr,
@@ -208,7 +205,6 @@ class HFPolicy:
             self.optimizer.step()
             self.scheduler.step()
             iterations.append(stats)
-        self.first_pass_logprobs = first
         return HFUpdate(iterations, first, lr, num_tokens, num_seqs)
 
     def state_dict(self) -> dict:
