@@ -1,7 +1,7 @@
 """Export an embedded-trainer model as an HF model directory (config, safetensors, tokenizer).
 
   cppo-megatron export-hf runs/tiny_cpu/warmup.pt runs/verl_tiny/model
-  cppo-megatron export-hf runs/tiny_cpu/checkpoints/step_000040.pt OUT --recipe recipes/tiny_cpu.yaml
+  cppo-megatron export-hf runs/tiny_cpu/checkpoints/step_000040 OUT --recipe recipes/tiny_cpu.yaml
 
 The run's recipe (RUN_DIR/recipe.yaml, written by `cppo-megatron train`) rebuilds the model
 and its character tokenizer; the export maps that tokenizer to a real HF tokenizer with the
@@ -16,7 +16,7 @@ import sys
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="RUN_DIR/warmup.pt, RUN_DIR/final.pt or RUN_DIR/checkpoints/step_*.pt")
+    parser.add_argument("checkpoint", help="RUN_DIR/warmup.pt, RUN_DIR/final.pt or RUN_DIR/checkpoints/step_NNNNNN")
     parser.add_argument("out_dir", help="directory to write (created; files in it are overwritten)")
     parser.add_argument("--recipe", default=None,
                         help="the run's recipe (default: recipe.yaml beside the checkpoint or its run directory)")

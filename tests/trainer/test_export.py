@@ -86,3 +86,19 @@ def test_export_hf_command_from_a_run_directory(trained, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "cppo_megatron.cli", "export-hf", str(tmp_path / "nope.pt"),
                           str(tmp_path / "x")], capture_output=True, text=True)
     assert bad.returncode == 2 and "is not a file" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_export_run_takes_a_checkpoint_directory(tmp_path):
+    """A trainer checkpoint (checkpoints/step_NNNNNN/) exports the policy it holds."""
+    from cppo_megatron.trainer import Trainer
+    from cppo_megatron.trainer.config import load_recipe
+    from cppo_megatron.trainer.export import export_run
+    from tests.recipes import MICRO
+
+    run = tmp_path / "run"
+    t = Trainer(load_recipe(ROOT / "recipes" / "tiny_cpu.yaml", MICRO + ["train.steps=1", f"out_dir={run}"]))
+    t.run()
+    res = export_run(run / "checkpoints" / "step_000001", tmp_path / "hf")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(res.out_dir)
+    ours = t.model.state_dict()["model.embed_tokens.weight"]
+    assert torch.equal(hf_model.state_dict()["model.embed_tokens.weight"][: ours.shape[0]], ours)
