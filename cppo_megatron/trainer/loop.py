@@ -417,8 +417,9 @@ class Trainer:
         if self.is_main:
             state = {"sampler": self.sampler.state_dict(), "planner": self.planner.state_dict(),
                      "elapsed": self.elapsed, "last_acc": self._last_acc, "recipe": recipe_to_dict(self.r)}
+        # the slow group: writing a large shard may take longer than a collective may wait
         return save_checkpoint(self.out, self.step, state, self.policy.state_dict(), rank=self.rollout.rank,
-                               barrier=self.rollout.barrier)
+                               barrier=lambda: self.rollout.barrier(slow=True))
 
     def _resume(self) -> None:
         """The newest checkpoint every rank can read; a truncated or corrupt one is named and
