@@ -14,6 +14,17 @@ from typing import Optional, Sequence
 from ..config import CPPOConfig
 
 
+class RecipeError(ValueError):
+    """A mistake in the recipe or in what it points at (a key, a file, a model directory).
+
+    The message is one line that names the key or file and says what to do;
+    ``cppo-megatron train`` prints it and exits with status 2 (a traceback only with
+    ``--debug``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))  # always one line
+
+
 @dataclass
 class ModelConfig:
     source: str = "config"  # config | hf_dir | gguf
@@ -181,52 +192,59 @@ def validate_recipe(recipe: Recipe) -> Recipe:
     """Range and choice checks the type system cannot express; errors name the key."""
     for key, choices in _CHOICES.items():
         if _get(recipe, key) not in choices:
-            raise ValueError(f"recipe key {key} must be one of {list(choices)}, got {_get(recipe, key)!r}")
+            raise RecipeError(f"recipe key {key} must be one of {list(choices)}, got {_get(recipe, key)!r}")
     for key in _POSITIVE:
         if _get(recipe, key) <= 0:
-            raise ValueError(f"recipe key {key} must be > 0, got {_get(recipe, key)!r}")
+            raise RecipeError(f"recipe key {key} must be > 0, got {_get(recipe, key)!r}")
     for key in _NON_NEGATIVE:
         if _get(recipe, key) < 0:
-            raise ValueError(f"recipe key {key} must be >= 0, got {_get(recipe, key)!r}")
+            raise RecipeError(f"recipe key {key} must be >= 0, got {_get(recipe, key)!r}")
     if recipe.rollout.vllm_kv_cache_gb <= 0:
-        raise ValueError(f"recipe key rollout.vllm_kv_cache_gb must be > 0, got {recipe.rollout.vllm_kv_cache_gb}")
+        raise RecipeError(f"recipe key rollout.vllm_kv_cache_gb must be > 0, got {recipe.rollout.vllm_kv_cache_gb}")
     if not 0 < recipe.rollout.vllm_gpu_memory_utilization <= 1:
-        raise ValueError("recipe key rollout.vllm_gpu_memory_utilization must be in (0, 1], got "
+        raise RecipeError("recipe key rollout.vllm_gpu_memory_utilization must be in (0, 1], got "
                          f"{recipe.rollout.vllm_gpu_memory_utilization}")
     if not 0 < recipe.rollout.top_p <= 1:
-        raise ValueError(f"recipe key rollout.top_p must be in (0, 1], got {recipe.rollout.top_p}")
+        raise RecipeError(f"recipe key rollout.top_p must be in (0, 1], got {recipe.rollout.top_p}")
     if recipe.train.capacity < recipe.rollout.group_size and not recipe.cppo.allocation:
-        raise ValueError(
+        raise RecipeError(
             f"train.capacity={recipe.train.capacity} is smaller than one group "
             f"(rollout.group_size={recipe.rollout.group_size}) without allocation"
         )
     if recipe.model.source != "config" and not recipe.model.path:
-        raise ValueError(f"model.source={recipe.model.source} needs model.path")
+        raise RecipeError(f"model.source={recipe.model.source} needs model.path")
     if recipe.model.num_heads % recipe.model.num_kv_heads or recipe.model.hidden_size % recipe.model.num_heads:
-        raise ValueError(
+        raise RecipeError(
             "model: hidden_size must divide by num_heads and num_heads by num_kv_heads, got "
             f"{recipe.model.hidden_size}/{recipe.model.num_heads}/{recipe.model.num_kv_heads}"
         )
     if recipe.rollout.vllm_tp > 1:
         if recipe.backend != "megatron" or recipe.rollout.engine != "vllm":
-            raise ValueError(f"rollout.vllm_tp={recipe.rollout.vllm_tp} needs backend=megatron and rollout.engine=vllm "
+            raise RecipeError(f"rollout.vllm_tp={recipe.rollout.vllm_tp} needs backend=megatron and rollout.engine=vllm "
                              "(the single-process trainer runs vLLM on one device)")
         if recipe.megatron.tp % recipe.rollout.vllm_tp:
-            raise ValueError(f"rollout.vllm_tp={recipe.rollout.vllm_tp} must divide megatron.tp={recipe.megatron.tp}: "
+            raise RecipeError(f"rollout.vllm_tp={recipe.rollout.vllm_tp} must divide megatron.tp={recipe.megatron.tp}: "
                              "each vLLM tensor-parallel group must sit inside one Megatron TP group")
     if recipe.backend == "megatron" and recipe.model.source == "config":
         tp, pp = recipe.megatron.tp, recipe.megatron.pp
         if recipe.model.num_kv_heads % tp:
-            raise ValueError(f"megatron.tp={tp} must divide model.num_kv_heads={recipe.model.num_kv_heads}")
+            raise RecipeError(f"megatron.tp={tp} must divide model.num_kv_heads={recipe.model.num_kv_heads}")
         if recipe.model.num_layers % pp:
-            raise ValueError(f"megatron.pp={pp} must divide model.num_layers={recipe.model.num_layers}")
-    recipe.cppo.validate()
-    recipe.cppo.keep_for_group(recipe.rollout.group_size)  # k > G is an error now, not mid-run
+            raise RecipeError(f"megatron.pp={pp} must divide model.num_layers={recipe.model.num_layers}")
+    try:
+        recipe.cppo.validate()
+        recipe.cppo.keep_for_group(recipe.rollout.group_size)  # k > G is an error now, not mid-run
+    except ValueError as exc:
+        raise RecipeError(f"recipe key cppo: {exc}") from exc
     return recipe
 
 
 def load_recipe(path: Optional[str | Path], overrides: Sequence[str] = ()) -> Recipe:
-    """Merge a YAML file and ``key=value`` overrides into the schema and validate."""
+    """Merge a YAML file and ``key=value`` overrides into the schema and validate.
+
+    Every mistake (a missing or malformed file, an unknown key, a wrong type, a value out
+    of range) raises ``RecipeError`` with one line naming the file or key."""
+    import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -235,24 +253,45 @@ def load_recipe(path: Optional[str | Path], overrides: Sequence[str] = ()) -> Re
     try:
         if path is not None:
             p = Path(path)
-            if not p.exists():
-                raise FileNotFoundError(f"recipe {p} does not exist")
-            parts.append(OmegaConf.load(p))
+            if not p.is_file():
+                what = "is a directory, not a YAML file" if p.is_dir() else "does not exist"
+                raise RecipeError(f"recipe {p} {what}; pass a recipe YAML file (see recipes/)")
+            try:
+                loaded = OmegaConf.load(p)
+            except yaml.YAMLError as exc:
+                raise RecipeError(f"recipe {p} is not valid YAML ({_yaml_problem(exc)}); fix the file") from exc
+            except UnicodeDecodeError as exc:
+                raise RecipeError(f"recipe {p} is not a UTF-8 text file ({exc.reason}); pass a recipe YAML file") from exc
+            if not OmegaConf.is_dict(loaded):
+                raise RecipeError(f"recipe {p} must be a YAML mapping of keys (model:, task:, ...), "
+                                  f"got a {type(loaded).__name__}; see recipes/tiny_cpu.yaml")
+            parts.append(loaded)
         bad = [o for o in overrides if "=" not in o]
         if bad:
-            raise ValueError(f"overrides must look like key=value, got {bad}")
-        parts.append(OmegaConf.from_dotlist(list(overrides)))
+            raise RecipeError(f"overrides must look like key=value, got {bad}")
+        try:
+            parts.append(OmegaConf.from_dotlist(list(overrides)))
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"an override is not valid YAML ({_yaml_problem(exc)}): {list(overrides)}") from exc
         merged = OmegaConf.merge(*parts)
         recipe = OmegaConf.to_object(merged)
     except ConfigKeyError as exc:
         key = getattr(exc, "full_key", None) or str(exc).splitlines()[0]
-        raise ValueError(f"unknown recipe key {key!r} (check the spelling; docs/trainer.md lists every key)") from exc
+        raise RecipeError(f"unknown recipe key {key!r} (check the spelling; docs/trainer.md lists every key)") from exc
     except ValidationError as exc:
         key = getattr(exc, "full_key", "?")
-        raise ValueError(f"recipe key {key!r}: {str(exc).splitlines()[0]}") from exc
+        raise RecipeError(f"recipe key {key!r}: {str(exc).splitlines()[0]}") from exc
     except OmegaConfBaseException as exc:
-        raise ValueError(f"recipe error: {str(exc).splitlines()[0]}") from exc
-    return validate_recipe(recipe)
+        raise RecipeError(f"recipe error: {str(exc).splitlines()[0]}") from exc
+    return validate_recipe(recipe)  # type: ignore[arg-type]
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """'line L, column C: problem' from a PyYAML error (1-based, as editors count)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + str(problem)
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:
