@@ -27,6 +27,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="processes (torchrun) for backend=megatron; 1 for the single-process backend")
     parser.add_argument("--print-recipe", action="store_true", help="print the merged recipe and exit")
     parser.add_argument("--debug", action="store_true", help="on a recipe error, show the Python traceback")
+    parser.add_argument("--help-recipe", nargs="?", const="", metavar="SECTION", action=_HelpRecipe,
+                        help="list every recipe key (or those under SECTION, e.g. cppo) with its default, "
+                             "choices and meaning, and exit")
+
+
+class _HelpRecipe(argparse.Action):
+    """Prints the recipe reference and exits, like --help (no recipe file needed)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from ..trainer.config import RecipeError, recipe_help
+
+        try:
+            print(recipe_help(values or ""))
+        except RecipeError as exc:
+            parser.exit(2, f"cppo-megatron train: {exc}\n")
+        parser.exit(0)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 from fractions import Fraction
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from ._checks import check_int
+from ._checks import check_config, check_int
 from .selection import DEFAULT_PRUNING_RATE, Selection, keep_count
+
+if TYPE_CHECKING:
+    from ..config import CPPOConfig
 
 __all__ = ["AllocationPlanner", "AllocationTotals", "PromptSampler"]
 
@@ -114,8 +117,9 @@ class AllocationPlanner:
         self.totals = AllocationTotals()
 
     @classmethod
-    def from_config(cls, cfg: Any, capacity: int, group_size: int) -> "AllocationPlanner":
-        """From a ``CPPOConfig`` (or any object with its fields)."""
+    def from_config(cls, cfg: CPPOConfig, capacity: int, group_size: int) -> AllocationPlanner:
+        """From a ``CPPOConfig``: capacity completions per step, groups of group_size."""
+        check_config(cfg)
         return cls(
             capacity,
             group_size,

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .advantage import GroupStats, group_advantages
+from ._checks import check_config
 from .selection import Selection, select_completions
+
+if TYPE_CHECKING:
+    from ..config import CPPOConfig
 
 __all__ = ["PruneResult", "prune"]
 
@@ -33,10 +37,9 @@ class PruneResult:
         return out
 
 
-def prune(rewards: torch.Tensor, group_ids: torch.Tensor, cfg: Any, *, step: int = 0) -> PruneResult:
+def prune(rewards: torch.Tensor, group_ids: torch.Tensor, cfg: CPPOConfig, *, step: int = 0) -> PruneResult:
     """Advantages over the full groups of ``rewards`` [N], then the survivors by ``cfg``
     (a ``CPPOConfig``). ``step`` varies the seeded tie-breaks between steps."""
-    adv, stats = group_advantages(
-        rewards, group_ids, adv_norm=getattr(cfg, "adv_norm", "std"), eps=getattr(cfg, "eps", 1e-6)
-    )
+    check_config(cfg)
+    adv, stats = group_advantages(rewards, group_ids, adv_norm=cfg.adv_norm, eps=cfg.eps)
     return PruneResult(adv, stats, select_completions(adv, group_ids, cfg, step=step, stats=stats))

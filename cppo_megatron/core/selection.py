@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from ._checks import as_1d_float, as_group_ids, check_int
+from ._checks import as_1d_float, as_group_ids, check_config, check_int
 from .advantage import GroupStats
+
+if TYPE_CHECKING:
+    from ..config import CPPOConfig
 
 __all__ = [
     "DEFAULT_PRUNING_RATE",
@@ -156,7 +159,7 @@ def _keep_order(a_cpu: torch.Tensor, metric: str, use_abs: bool, seed: int, step
     return perm[torch.sort(desirability[perm], descending=True, stable=True).indices]
 
 
-def keep_order(advantages: torch.Tensor, cfg: Any, *, step: int = 0) -> torch.Tensor:
+def keep_order(advantages: torch.Tensor, cfg: CPPOConfig, *, step: int = 0) -> torch.Tensor:
     """[N] completion indices from the first to keep to the first to prune, as
     ``select_completions`` ranks them (same metric, same seeded tie-breaks).
 
@@ -168,25 +171,17 @@ def keep_order(advantages: torch.Tensor, cfg: Any, *, step: int = 0) -> torch.Te
     return _keep_order(a.detach().to("cpu", torch.float64), metric, use_abs, seed, step)
 
 
-def _ranking_settings(cfg: Any, step: int) -> tuple[str, bool, int]:
-    """(metric, use_abs, seed) of ``cfg``, validated, and a valid ``step``."""
-    metric = getattr(cfg, "metric", "smallest")
-    use_abs = getattr(cfg, "use_abs", True)
-    seed = getattr(cfg, "seed", 0)
-    if metric not in METRICS:
-        raise ValueError(f"metric must be one of {list(METRICS)}, got {metric!r}")
-    if not isinstance(use_abs, bool):
-        raise ValueError(f"use_abs must be true or false, got {use_abs!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
+def _ranking_settings(cfg: CPPOConfig, step: int) -> tuple[str, bool, int]:
+    """(metric, use_abs, seed) of a validated ``cfg``, and a valid ``step``."""
+    check_config(cfg)
     check_int("step", step, minimum=0)
-    return metric, use_abs, seed
+    return cfg.metric, cfg.use_abs, cfg.seed
 
 
 def select_completions(
     advantages: torch.Tensor,
     group_ids: torch.Tensor,
-    cfg: Any,
+    cfg: CPPOConfig,
     *,
     step: int = 0,
     stats: Optional[GroupStats] = None,
@@ -196,8 +191,8 @@ def select_completions(
     Args:
         advantages: [N] full-group advantages (``group_advantages``).
         group_ids: [N] int64 prompt ids.
-        cfg: a ``CPPOConfig`` (or any object with its fields ``pruning_rate``,
-            ``keep_per_group``, ``metric``, ``use_abs``, ``scope``, ``seed``).
+        cfg: the ``CPPOConfig`` (``pruning_rate`` or ``keep_per_group``, ``metric``,
+            ``use_abs``, ``scope``, ``seed``).
         step: the training step; mixed into the seed so random choices differ per step
             while staying identical across ranks.
         stats: the ``GroupStats`` returned with ``advantages`` for these ``group_ids``;
@@ -211,18 +206,8 @@ def select_completions(
     """
     a = as_1d_float("advantages", advantages)
     g = as_group_ids("group_ids", group_ids, a.numel()).cpu()
-    pruning_rate = getattr(cfg, "pruning_rate", None)
-    keep_per_group = getattr(cfg, "keep_per_group", None)
-    scope = getattr(cfg, "scope", "group")
-    if pruning_rate is not None and keep_per_group is not None:
-        raise ValueError(
-            f"set either pruning_rate ({pruning_rate}) or keep_per_group ({keep_per_group}), not both"
-        )
-    metric, use_abs, seed = _ranking_settings(cfg, step)
-    if scope not in SCOPES:
-        raise ValueError(f"scope must be one of {list(SCOPES)}, got {scope!r}")
-    if keep_per_group is None:
-        _check_rate(DEFAULT_PRUNING_RATE if pruning_rate is None else pruning_rate)
+    metric, use_abs, seed = _ranking_settings(cfg, step)  # validates every field of cfg
+    pruning_rate, keep_per_group, scope = cfg.pruning_rate, cfg.keep_per_group, cfg.scope
 
     n = a.numel()
     a_cpu = a.detach().to("cpu", torch.float64)

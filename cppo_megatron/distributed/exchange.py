@@ -26,13 +26,17 @@ across ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..core import PruneResult, balance_partitions, naive_partition, prune, sequence_workload
+from ..core._checks import check_config
+
+if TYPE_CHECKING:
+    from ..config import CPPOConfig
 
 __all__ = [
     "ExchangeHandle",
@@ -207,7 +211,7 @@ class ExchangePlan:
         }
 
 
-def make_plan(meta: GlobalMetadata, kept, cfg: Any, *, move_tolerance: float = 0.01) -> ExchangePlan:
+def make_plan(meta: GlobalMetadata, kept, cfg: CPPOConfig, *, move_tolerance: float = 0.01) -> ExchangePlan:
     """Assign the survivors ``kept`` (global indices) to ranks with the core balancer.
 
     ``cfg`` supplies ``rebalance``, ``equal_size``, ``workload_linear`` and
@@ -220,6 +224,7 @@ def make_plan(meta: GlobalMetadata, kept, cfg: Any, *, move_tolerance: float = 0
     when its largest load is within ``move_tolerance`` (relative) of the balancer's.
     ``move_tolerance=0`` takes it only when it is as good. Not used with ``equal_size``.
     """
+    check_config(cfg)
     if not (isinstance(move_tolerance, (int, float)) and move_tolerance >= 0):
         raise ValueError(f"move_tolerance must be a number >= 0, got {move_tolerance!r}")
     n = int(sum(meta.counts))
@@ -232,15 +237,14 @@ def make_plan(meta: GlobalMetadata, kept, cfg: Any, *, move_tolerance: float = 0
     world = meta.world_size
     work = sequence_workload(
         meta.lengths.to(torch.float64),
-        linear=getattr(cfg, "workload_linear", 24576.0),
-        quadratic=getattr(cfg, "workload_quadratic", 1.0),
+        linear=cfg.workload_linear,
+        quadratic=cfg.workload_quadratic,
     )
     owner = meta.owner()
     dest = torch.full((n,), -1, dtype=torch.int64)
     unbalanced = np.zeros(world)
     np.add.at(unbalanced, owner[kept].numpy(), work[kept].numpy())
-    rebalance = bool(getattr(cfg, "rebalance", True))
-    equal_size = bool(getattr(cfg, "equal_size", False))
+    rebalance, equal_size = cfg.rebalance, cfg.equal_size
     if rebalance and world > 1 and kept.numel():
         wk, ok = work[kept].numpy(), owner[kept].numpy()
         part = balance_partitions(work[kept], world, equal_size=equal_size)
@@ -582,7 +586,7 @@ def prune_and_exchange(
     rewards,
     group_ids,
     lengths,
-    cfg: Any,
+    cfg: CPPOConfig,
     *,
     step: int = 0,
     group=None,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...config import FIELD_NAMES, CPPOConfig
+from ...config import ESTIMATOR_NAME, FIELD_NAMES, CPPOConfig
 
 __all__ = [
     "ESTIMATOR",
@@ -26,7 +26,7 @@ __all__ = [
     "prepare",
 ]
 
-ESTIMATOR = "cppo"
+ESTIMATOR = ESTIMATOR_NAME  # the name veRL configs select it by (defined in cppo_megatron.config)
 PLUGIN_MODULE = "cppo_megatron.integrations.verl"
 
 
