@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from .core.advantage import ADV_NORMS
 from .core.selection import DEFAULT_PRUNING_RATE, METRICS, SCOPES, keep_count
@@ -25,7 +26,7 @@ __all__ = ["ADV_NORMS", "CPPOConfig", "DEFAULT_PRUNING_RATE", "ESTIMATOR_NAME", 
 # the algorithm.adv_estimator value that selects CPPO in veRL
 ESTIMATOR_NAME = "cppo"
 
-def setting(default: Any, help: str, *, choices: Optional[tuple] = None, check: Optional[str] = None,
+def setting(default: Any, help: str, *, choices: tuple | None = None, check: str | None = None,
             **kwargs: Any) -> Any:
     """A dataclass field whose metadata carries its help text (as TRL's configs do), and
     optionally its allowed values (``choices``) or range (``check``: ``"> 0"``, ``">= 0"``
@@ -82,11 +83,11 @@ class CPPOConfig:
     ``cppo-megatron train --help-recipe cppo``).
     """
 
-    pruning_rate: Optional[float] = setting(None, """P in [0, 1), the fraction of completions dropped before the
+    pruning_rate: float | None = setting(None, """P in [0, 1), the fraction of completions dropped before the
         old-policy / reference / update passes. P = 0 is plain GRPO, through the same code path. Leave unset
         (null) together with keep_per_group to get DEFAULT_PRUNING_RATE = 0.875 (paper: 16 -> 2 completions per
         prompt).""")
-    keep_per_group: Optional[int] = setting(None, """k, an alternative to pruning_rate: keep exactly k completions
+    keep_per_group: int | None = setting(None, """k, an alternative to pruning_rate: keep exactly k completions
         of every group (scope=group) or k * num_groups across the batch (scope=batch). Set either this or
         pruning_rate, not both.""")
     metric: str = setting("smallest", """which completions to prune. smallest (CPPO):
@@ -121,7 +122,7 @@ class CPPOConfig:
         self.validate()
 
     # ------------------------------------------------------------------ validation
-    def validate(self) -> "CPPOConfig":
+    def validate(self) -> CPPOConfig:
         """Check every field; raise ValueError naming the field and the bad value."""
         if self.pruning_rate is not None and self.keep_per_group is not None:
             raise ValueError(
@@ -187,7 +188,7 @@ class CPPOConfig:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "CPPOConfig":
+    def from_dict(cls, values: Mapping[str, Any]) -> CPPOConfig:
         """Build from a mapping; unknown keys are errors (no silent typos)."""
         if not isinstance(values, Mapping):
             raise ValueError(f"CPPOConfig.from_dict expects a mapping, got {type(values).__name__}")
@@ -198,7 +199,7 @@ class CPPOConfig:
         return cls(**dict(values))
 
     @classmethod
-    def from_omegaconf(cls, node: Any) -> "CPPOConfig":
+    def from_omegaconf(cls, node: Any) -> CPPOConfig:
         """Build from an omegaconf node (DictConfig, structured or not)."""
         from omegaconf import OmegaConf  # omegaconf is a core dependency but only needed here
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -73,8 +73,8 @@ class AllocationPlanner:
         capacity: int,
         group_size: int,
         *,
-        pruning_rate: Optional[float] = None,
-        keep_per_group: Optional[int] = None,
+        pruning_rate: float | None = None,
+        keep_per_group: int | None = None,
         scope: str = "group",
         allocation: bool = True,
         dynamic_sampling: bool = False,
@@ -113,7 +113,7 @@ class AllocationPlanner:
             )
 
         self._carry = Fraction(0)
-        self._open: Optional[dict[str, int]] = None
+        self._open: dict[str, int] | None = None
         self.totals = AllocationTotals()
 
     @classmethod
@@ -147,29 +147,27 @@ class AllocationPlanner:
     def record_round(self, prompts: int, completions: int) -> None:
         """Record what a generation round drew (``prompts``) and produced (``completions``,
         G per prompt), both ints >= 0."""
-        self._require_open("record_round")
+        st = self._require_open("record_round")
         check_int("prompts", prompts, minimum=0)
         check_int("completions", completions, minimum=0)
-        self._open["drawn"] += prompts
-        self._open["generated"] += completions
+        st["drawn"] += prompts
+        st["generated"] += completions
 
     def next_refill(self, valid_prompts: int) -> int:
         """Dynamic sampling: prompts (int >= 0) to draw in another round, 0 when done.
 
         ``valid_prompts``: int, the drawn prompts so far whose group has reward variance.
         """
-        self._require_open("next_refill")
+        st = self._require_open("next_refill")
         check_int("valid_prompts", valid_prompts, minimum=0)
-        if valid_prompts > self._open["drawn"]:
-            raise ValueError(
-                f"valid_prompts={valid_prompts} exceeds the {self._open['drawn']} prompts drawn this step"
-            )
-        if not self.dynamic_sampling or self._open["rounds"] >= self.max_refill_rounds:
+        if valid_prompts > st["drawn"]:
+            raise ValueError(f"valid_prompts={valid_prompts} exceeds the {st['drawn']} prompts drawn this step")
+        if not self.dynamic_sampling or st["rounds"] >= self.max_refill_rounds:
             return 0
-        need = self._open["target"] - valid_prompts
+        need = st["target"] - valid_prompts
         if need <= 0:
             return 0
-        self._open["rounds"] += 1
+        st["rounds"] += 1
         return need
 
     def end_step(

@@ -430,7 +430,7 @@ def _best_change(w: np.ndarray, items: list[np.ndarray], loads: np.ndarray, h: i
     hw = w[items[h]]
     if hw.size == 0:
         return None
-    best = None  # (new pair max, a, b, j, delta)
+    best: tuple[float, int, int | None, int, float] | None = None  # (new pair max, a, b or None: a move, j, delta)
     if allow_moves:
         j = int(np.argmin(loads))
         diff = top - loads[j]

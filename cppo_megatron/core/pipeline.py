@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .advantage import GroupStats, group_advantages
 from ._checks import check_config
+from .advantage import GroupStats, group_advantages
 from .selection import Selection, select_completions
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,7 +39,7 @@ SCOPES = ("group", "batch")
 K_TOLERANCE = 1e-6
 
 
-def keep_count(group_size: int, pruning_rate: Optional[float], keep_per_group: Optional[int]) -> int:
+def keep_count(group_size: int, pruning_rate: float | None, keep_per_group: int | None) -> int:
     """k for a group of ``group_size``: floor(G (1 - P)) (at least 1), or ``keep_per_group``.
 
     ``pruning_rate=None`` and ``keep_per_group=None`` means the default rate 0.875.
@@ -198,7 +198,7 @@ def select_completions(
     cfg: CPPOConfig,
     *,
     step: int = 0,
-    stats: Optional[GroupStats] = None,
+    stats: GroupStats | None = None,
 ) -> Selection:
     """Keep the completions whose advantage teaches the most; count the rest as pruned.
 

@@ -25,14 +25,15 @@ across ranks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..core import PruneResult, balance_partitions, naive_partition, prune, sequence_workload
+from ..core import PruneResult, balance_partitions, prune, sequence_workload
 from ..core._checks import check_config
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ __all__ = [
     "global_sum",
 ]
 
-FieldValue = Union[torch.Tensor, list]
+FieldValue = torch.Tensor | list  # dense [n, ...] or ragged: n tensors
 
 
 # ----------------------------------------------------------------------------- metadata
@@ -149,7 +150,7 @@ def gather_metadata(rewards, group_ids, lengths, *, group=None, device=None) -> 
     buf[2, :n] = ln.to(dev, torch.float64)
     bufs = [torch.empty_like(buf) for _ in range(world)]
     dist.all_gather(bufs, buf, group=group)
-    cat = torch.cat([b[:, :c].cpu() for b, c in zip(bufs, counts)], dim=1)
+    cat = torch.cat([b[:, :c].cpu() for b, c in zip(bufs, counts, strict=True)], dim=1)
     return GlobalMetadata(counts, cat[0].clone(), cat[1].to(torch.int64), cat[2].to(torch.int64))
 
 
@@ -323,7 +324,7 @@ def _match_parts_to_owners(parts: list[list[int]], owners: np.ndarray, world: in
     for i, p in enumerate(parts):
         if p:
             np.add.at(overlap[i], owners[p], 1)
-    out: list[Optional[list[int]]] = [None] * world
+    out: list[list[int] | None] = [None] * world
     free_parts = np.ones(len(parts), dtype=bool)
     free_ranks = np.ones(world, dtype=bool)
     # largest overlaps first; ties by part, then rank (deterministic)
@@ -347,7 +348,7 @@ class _Spec:
 
 
 def _local_specs(fields: dict) -> dict:
-    specs = {}
+    specs: dict[str, tuple[bool, str, tuple[int, ...]] | None] = {}
     for name, v in fields.items():
         if isinstance(v, torch.Tensor):
             if v.dim() < 1:
@@ -384,7 +385,9 @@ def _agree_specs(fields: dict, group) -> list[_Spec]:
     out = []
     for r, s in enumerate(all_specs):
         if sorted(s) != names:
-            raise ValueError(f"rank {r} has fields {sorted(s)} but rank 0 has {names}: every rank needs the same fields")
+            raise ValueError(
+                f"rank {r} has fields {sorted(s)} but rank 0 has {names}: every rank needs the same fields"
+            )
     for name in names:
         known = [(r, s[name]) for r, s in enumerate(all_specs) if s[name] is not None]
         if not known:
@@ -427,7 +430,7 @@ def exchange_rows(
     *,
     group=None,
     device=None,
-    specs: Optional[list] = None,
+    specs: list | None = None,
 ) -> dict:
     """Move rows between the ranks of ``group`` point to point (a collective: every rank calls it).
 
@@ -462,8 +465,8 @@ def exchange_rows(
         idx = torch.as_tensor(send_rows[d], dtype=torch.int64)
         if d == rank or not ragged:
             continue
-        lens = [[int(t.shape[0]) for t in rows_of(s, idx)] for s in ragged]
-        send_hdr[d] = torch.tensor(lens, dtype=torch.int64, device=dev).reshape(-1)
+        row_lens = [[int(t.shape[0]) for t in rows_of(s, idx)] for s in ragged]
+        send_hdr[d] = torch.tensor(row_lens, dtype=torch.int64, device=dev).reshape(-1)
     for s in range(world):
         if s != rank and ragged:
             recv_hdr[s] = torch.empty(len(ragged) * int(recv_counts[s]), dtype=torch.int64, device=dev)
@@ -489,7 +492,7 @@ def exchange_rows(
         if s == rank:
             continue
         c = int(recv_counts[s])
-        lens = recv_hdr[s].cpu().reshape(len(ragged), c) if ragged else None
+        lens = recv_hdr[s].cpu().reshape(len(ragged), c) if ragged else torch.empty(0, c, dtype=torch.int64)
         recv_lens[s] = lens
         nbytes = 0
         for sp in specs:
@@ -511,22 +514,23 @@ def exchange_rows(
         for sp in specs:
             isz = torch.empty(0, dtype=sp.dtype).element_size()
             if sp.ragged:
-                lens = recv_lens[src][ragged.index(sp)].tolist()
-                nb = int(sum(lens)) * _numel(sp.trailing) * isz
+                row_counts = recv_lens[src][ragged.index(sp)].tolist()
+                nb = int(sum(row_counts)) * _numel(sp.trailing) * isz
                 # clone first: a byte slice at an unaligned offset cannot be viewed as a wider dtype
                 flat = buf[pos : pos + nb].clone().view(sp.dtype).reshape(-1, *sp.trailing)
-                out[sp.name].append(list(torch.split(flat, lens)) if lens else [])
+                out[sp.name].append(list(torch.split(flat, row_counts)) if row_counts else [])
             else:
                 nb = c * _numel(sp.trailing) * isz
                 out[sp.name].append(buf[pos : pos + nb].clone().view(sp.dtype).reshape(c, *sp.trailing))
             pos += nb
-    result = {}
+    result: dict[str, FieldValue] = {}
     for sp in specs:
         chunks = out[sp.name]
         if sp.ragged:
             result[sp.name] = [t for ch in chunks for t in ch]
         else:
-            result[sp.name] = torch.cat(chunks) if chunks else torch.empty((0, *sp.trailing), dtype=sp.dtype, device=dev)
+            empty = torch.empty((0, *sp.trailing), dtype=sp.dtype, device=dev)
+            result[sp.name] = torch.cat(chunks) if chunks else empty
     return result
 
 

@@ -13,7 +13,8 @@ import os
 import pickle
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,7 +73,7 @@ def run_local(
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-    ctx = mp.get_context(start_method)
+    ctx: Any = mp.get_context(start_method)  # a context of start_method; its stubs lack Process
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [
