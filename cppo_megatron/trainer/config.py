@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 from ..config import CHECKS, CPPOConfig, setting
 from ..core.loss import KL_KINDS, LOSS_AGG_MODES
+from ..rollout.base import ENGINES
 
 
 class RecipeError(ValueError):
@@ -91,7 +92,7 @@ class TaskConfig:
 class RolloutConfig:
     """Generation of the G completions per prompt."""
 
-    engine: str = setting("hf", "hf generate, or vllm (docs/rollout.md)", choices=("hf", "vllm"))
+    engine: str = setting("hf", "hf generate, or vllm (docs/rollout.md)", choices=ENGINES)
     group_size: int = setting(16, "G, completions per prompt", check="> 0")
     temperature: float = setting(1.0, "sampling temperature", check=">= 0")
     top_p: float = setting(1.0, "nucleus sampling mass", check="(0, 1]")
