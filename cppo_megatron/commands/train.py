@@ -5,10 +5,10 @@
   cppo-megatron train recipes/tiny_cpu.yaml --resume        (continue the run in out_dir)
 
 Overrides are omegaconf dotlist `key=value` pairs; an unknown key is an error. Every key
-is documented in docs/trainer.md. Before any work starts the recipe and what it points at
-(model directory, data files, data fitting the model) are checked: a mistake ends in one
-line and exit status 2 (--debug shows the traceback). Ctrl-C saves a checkpoint and exits; --resume continues
-with the same data order and accounting. Outputs in out_dir: metrics.jsonl,
+is documented in docs/trainer.md (and listed by --help-recipe). Before any work starts the
+recipe and what it points at (model directory, data files, data fitting the model) are
+checked: a mistake ends in one line and exit status 2 (--debug shows the traceback).
+Ctrl-C saves a checkpoint and exits; --resume continues with the same data order and accounting. Outputs in out_dir: metrics.jsonl,
 tensorboard/, checkpoints/, report.md, report.png.
 """
 
