@@ -50,7 +50,7 @@ class Trainer:
     summary (``accuracy_before``, ``accuracy_after``, ``steps``, ``rl_wall_s``, ...).
     ``cppo-megatron train`` checks the recipe's inputs first (``trainer.preflight``).
 
-    Example (2 RL steps of a tiny model on the CPU, well under a minute)::
+    Example (2 RL steps of a tiny model on the CPU: about 8 s of CPU time here)::
 
         from cppo_megatron.trainer import Trainer
         from cppo_megatron.trainer.config import load_recipe
