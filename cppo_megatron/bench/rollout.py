@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..rollout.base import ENGINES
 from .report import Report
 
 # the workload of each model: prompts, group size, new tokens, temperature, top-p
@@ -135,7 +136,7 @@ def run(args: argparse.Namespace) -> Report:
     if args.threads:
         torch.set_num_threads(args.threads)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    bad = [e for e in engines if e not in ("hf", "vllm")]
+    bad = [e for e in engines if e not in ENGINES]
     if bad or not engines:
         raise ValueError(f"--engines takes hf and/or vllm, got {args.engines!r}")
     notes = [f"machine: {machine()}"]

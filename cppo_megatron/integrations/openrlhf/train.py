@@ -171,6 +171,8 @@ def _main(argv: list[str]) -> int:
             file=sys.stderr,
         )
     args = parse_openrlhf_args(forwarded)
+    for note in [] if values is None else hook.check_settings(values, args.algo.advantage.estimator):
+        print(f"warning: {note}", file=sys.stderr)
     cfg = None if values is None else CPPOConfig.from_dict(values)
     command = shlex.join(["python", "-m", OPENRLHF_MODULE, *forwarded])
     if cfg is None:

@@ -120,3 +120,30 @@ def test_launch_runs_openrlhfs_own_main_with_the_forwarded_arguments(monkeypatch
     with pytest.raises(SystemExit) as failed:
         launch(["--rollout.no_such_flag", "1"], None)
     assert failed.value.code == 2 and "--rollout.no_such_flag" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cppo.dynamic_sampling", "true"],
+     "error: cppo.dynamic_sampling=true is not supported under OpenRLHF: the hook prunes a finished rollout and "
+     "cannot draw replacement prompts; remove it and use OpenRLHF's own --algo.dynamic_filtering_enable, which "
+     "replaces filtered prompts before the hook sees the rollout"),
+    (["--cppo.equal_size", "false"],
+     "error: cppo.equal_size=false cannot be honoured under OpenRLHF: each actor gets an equal consecutive chunk "
+     "of the survivors, so they are always balanced into equal-size parts; remove it"),
+    (["--cppo.adv_norm", "none"],
+     "error: cppo.adv_norm=none conflicts with --algo.advantage.estimator group_norm, whose advantage "
+     "normalisation (std) the hook follows; remove cppo.adv_norm or use --algo.advantage.estimator dr_grpo"),
+])
+def test_settings_openrlhf_cannot_honour_are_refused(flags, message, capsys):
+    """These were accepted and silently ignored (adv_norm silently replaced by the estimator's)."""
+    from cppo_megatron.integrations.openrlhf.train import main
+
+    recipe = ["--actor.model_name_or_path", "m", "--algo.advantage.estimator", "group_norm",
+              "--rollout.n_samples_per_prompt", "8", "--rollout.batch_size", "4", "--reward.remote_url", "r.py"]
+    assert main([*flags, "--dry-run", *recipe]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == message
+    assert main(["--cppo.max_refill_rounds", "5", "--dry-run", *recipe]) == 0
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "warning: cppo.max_refill_rounds=5 has no effect under OpenRLHF: refill rounds belong to "
+        "cppo.dynamic_sampling, which OpenRLHF runs do not support; remove it")
+    assert main(["--cppo.equal_size", "true", "--cppo.adv_norm", "std", "--dry-run", *recipe]) == 0  # honoured
