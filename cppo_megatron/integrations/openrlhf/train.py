@@ -76,12 +76,17 @@ def parse_openrlhf_args(forwarded: list[str]):
 
     parser = pinned_parser()
     parser.exit_on_error = False
+
+    def refuse(message: str):  # argparse would print its usage and exit; one line instead
+        raise ValueError(f"OpenRLHF {PINNED_VERSION} rejects the arguments: {message}")
+
+    parser.error = refuse
     try:
         flat = parser.parse_args(forwarded)
-    except Exception as exc:  # argparse.ArgumentError, or SystemExit for unknown flags
+    except ValueError:
+        raise
+    except Exception as exc:  # argparse.ArgumentError
         raise ValueError(f"OpenRLHF {PINNED_VERSION} rejects the arguments: {exc}") from exc
-    except SystemExit as exc:
-        raise ValueError(f"OpenRLHF {PINNED_VERSION} rejects the arguments {forwarded} (see the message above)") from exc
     root: dict = {}
     for key, value in vars(flat).items():  # as openrlhf.utils.config.hierarchize
         node = root
@@ -155,13 +160,15 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     try:
-        return _main(argv)
+        return run_argv(argv)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
 
-def _main(argv: list[str]) -> int:
+def run_argv(argv: list[str]) -> int:
+    """The launcher without its error printing: ValueError names a bad flag or value (the
+    `cppo-megatron` CLI prints it on one line, exit 2; `main` does the same here)."""
     values, dry_run, forwarded = split_argv(argv)
     version = installed_version()
     if version != PINNED_VERSION:
