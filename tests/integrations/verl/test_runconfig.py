@@ -102,3 +102,26 @@ def test_multi_output_sessions_rejected():
     _check_single_output_sessions(["u1_0_0", "u1_1_0", "u2_0_0"])
     with pytest.raises(ValueError, match="two outputs of one agent session"):
         _check_single_output_sessions(["u1_0_0", "u1_0_1"])
+
+
+def test_settings_that_prune_nothing_warn(config):
+    assert apply_allocation(copy_of(config)).warning == ""  # G = 8, P = 0.75: keeps 2 of 8
+    with open_dict(config):
+        config.actor_rollout_ref.rollout.n = 1
+    plan = apply_allocation(copy_of(config))
+    assert plan.keep == 1 and "G=1" in plan.warning and plan.describe().endswith(plan.warning)
+    with open_dict(config):
+        config.actor_rollout_ref.rollout.n = 8
+        config.cppo.pruning_rate = None
+        config.cppo.keep_per_group = 8
+    assert "keeps 8 of G=8" in apply_allocation(copy_of(config)).warning
+    with open_dict(config):
+        config.cppo.pruning_rate = 0.0  # plain GRPO through the same path: nothing to warn about
+        config.cppo.keep_per_group = None
+    assert apply_allocation(copy_of(config)).warning == ""
+
+
+def copy_of(config):
+    import copy
+
+    return copy.deepcopy(config)
