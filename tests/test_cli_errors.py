@@ -46,3 +46,16 @@ def test_user_error_is_one_line_and_exit_2(command):
 def test_debug_shows_the_traceback():
     out = _cli("--debug", "study", "recipes/tiny_cpu.yaml", "--seeds", "0")
     assert out.returncode == 1 and "Traceback" in out.stderr and "ValueError: --seeds" in out.stderr
+
+
+def test_top_help_lists_every_command_and_every_benchmark(capsys):
+    from cppo_megatron import cli
+    from cppo_megatron.commands.bench import BENCHMARKS
+
+    assert cli.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for name in cli.COMMANDS:
+        assert f"\n  {name} " in text, name
+    bench_line = next(line for line in text.splitlines() if line.startswith("  bench "))
+    assert all(b in bench_line for b in BENCHMARKS), bench_line
+    assert "--debug" in text
