@@ -183,3 +183,51 @@ def test_megatron_example_runs_under_torchrun(workdir):
     for rank in (0, 1):
         assert f"rank {rank}: 32 rollouts" in out.stdout and "kept 8 of 64" in out.stdout
         assert f"rank {rank}: MegatronActor.step: kept 8" in out.stdout
+
+
+def _help_examples() -> list:
+    """`cppo-megatron ...` example lines of `--help` texts: the top-level epilog and every
+    command's description (its module docstring; study's and bench's own modules too)."""
+    import importlib
+    import re
+
+    from cppo_megatron import cli
+
+    texts = {"cppo-megatron --help": cli.EPILOG}
+    for name, (module, _) in cli.COMMANDS.items():
+        texts[f"cppo-megatron {name} --help"] = importlib.import_module(module).__doc__ or ""
+    texts["cppo_megatron/bench/study.py"] = importlib.import_module("cppo_megatron.bench.study").__doc__ or ""
+    params = []
+    for where, text in texts.items():
+        for line in text.splitlines():
+            line = re.sub(r"\s+\(.*$|\s+#.*$", "", line.strip())  # trailing "(explanation)" / "# comment"
+            if not line.startswith("cppo-megatron "):
+                continue
+            placeholder = "..." in line or "[" in line or re.search(r"\b[A-Z]{4,}\b", line)
+            marks = [pytest.mark.skip(reason=f"{where}: {line!r}: a template")] if placeholder else []
+            params.append(pytest.param(line, id=f"{where}: {line}", marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("line", _help_examples())
+def test_help_example_parses(line, workdir, monkeypatch):
+    """Every example a --help text shows is accepted by its command's parser, and its recipe
+    and overrides load (none of them is run: some train for minutes)."""
+    from cppo_megatron import cli
+
+    monkeypatch.chdir(workdir)
+    argv = shlex.split(line.replace("$PWD", str(workdir)))[1:]
+    _, args = cli.parse_command(argv[0], argv[1:])  # argparse exits 2 on a bad option
+    recipe = getattr(args, "recipe", None)
+    if recipe and argv[0] in ("train", "study", "bench"):
+        from cppo_megatron.trainer.config import load_recipe
+
+        load_recipe(recipe, args.overrides)
+    elif recipe and argv[0] == "openrlhf":
+        from cppo_megatron.integrations.openrlhf.recipe import load_recipe as load_openrlhf_recipe
+
+        load_openrlhf_recipe(recipe)
+    for arg in argv:
+        if arg.startswith("--config-path="):
+            name = next(a.split("=", 1)[1] for a in argv if a.startswith("--config-name="))
+            assert (Path(arg.split("=", 1)[1]) / f"{name}.yaml").is_file(), line

@@ -44,7 +44,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated of smallest,largest,random,signed (default {DEFAULT['metrics']})")
     parser.add_argument("--allocation", choices=["on", "off", "both"], default=None, help="default on")
     parser.add_argument("--full", action="store_true", help=f"the full grid: {FULL}")
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=3,
+                        help="seeds per configuration (default 3); a winner is named only with >= 2 seeds and a "
+                             "difference beyond the combined seed spread")
     parser.add_argument("--budget", type=float, default=100.0, help="RL seconds per run (default 100)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     parser.add_argument("--evals", type=int, default=5, help="evaluations spread over the budget (default 5)")
