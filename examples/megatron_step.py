@@ -80,10 +80,9 @@ assert metrics["cppo/num_kept"] == metrics["cppo/num_completions"] * (1 - 0.875)
 # --- the same step, composed (docs/integrations/megatron.md) ---
 actor = cm.MegatronActor(hf_model.config, hf_model.state_dict(),
                          cm.ActorConfig(tp=args.tp, pp=1, lr=1e-6, mu=2, loss=loss_cfg))
-metrics = actor.step(token_lists, loss_masks, rewards, group_ids, cppo, step=step)
+result = actor.step(token_lists, loss_masks, rewards, group_ids, cppo, step=step)  # metrics of the step
 rollout_model.load_state_dict(actor.hf_state_dict(), strict=False)  # weight sync (tied head omitted)
 # --- end ---
-print(f"rank {dist.get_rank()}: MegatronActor.step: kept {metrics['cppo/num_kept']:.0f}, "
-      f"loss {metrics['actor/loss']:.4f}", flush=True)
+print(f"rank {dist.get_rank()}: MegatronActor.step done, rollout model synced", flush=True)
 cm.destroy_parallel()
 dist.destroy_process_group()

@@ -84,9 +84,8 @@ def classify(s: Snippet) -> tuple[str, str, list[str]]:
             ["verl", "--cppo-dry-run", *cli[1:]]
     if name in ("openrlhf", "openrlhf-launcher"):
         return "check", "with --dry-run: every flag checked by OpenRLHF's parser, the plan printed", cli + ["--dry-run"]
-    if name in ("bench", "study", "megatron-check"):
-        return "check", "arguments parsed by the command's parser, the recipe and overrides loaded" + env_note, cli
-    raise AssertionError(f"{s.id}: no rule for the command {s.text!r}")
+    # bench, study, megatron-check, and any other command: parsed, its recipe loaded
+    return "check", "arguments parsed by the command's parser, a recipe and its overrides loaded" + env_note, cli
 
 
 def _shell_params():
@@ -119,7 +118,7 @@ def test_shell_command(snippet, mode, argv, workdir, monkeypatch, capsys):
     if argv[0] in ("openrlhf", "openrlhf-launcher") or argv[:2] == ["patch", "openrlhf"]:
         if importlib.util.find_spec("openrlhf") is None:
             pytest.skip("OpenRLHF is not installed here")
-    if mode == "check" and argv[0] in ("bench", "study", "megatron-check"):
+    if mode == "check" and argv[0] not in ("train", "verl", "openrlhf", "openrlhf-launcher"):
         _, args = cli.parse_command(argv[0], argv[1:])  # argparse exits 2 on a bad option
         if getattr(args, "recipe", None):
             from cppo_megatron.trainer.config import load_recipe
@@ -182,7 +181,7 @@ def test_megatron_example_runs_under_torchrun(workdir):
     assert out.returncode == 0, out.stderr[-4000:]
     for rank in (0, 1):
         assert f"rank {rank}: 32 rollouts" in out.stdout and "kept 8 of 64" in out.stdout
-        assert f"rank {rank}: MegatronActor.step: kept 8" in out.stdout
+        assert f"rank {rank}: MegatronActor.step done" in out.stdout
 
 
 def _help_examples() -> list:
