@@ -186,6 +186,24 @@ class CPPOConfig:
         """The effective pruning rate 1 - k/G for groups of ``group_size`` completions."""
         return 1.0 - self.keep_for_group(group_size) / group_size
 
+    def noop_reason(self, group_size: int) -> Optional[str]:
+        """Why this config, which asks for pruning (P > 0 or keep_per_group), cannot prune
+        anything useful in groups of ``group_size`` completions; None when it can (or P = 0).
+
+        G = 1: a lone completion's advantage is 0, nothing tells survivors apart. k >= G
+        (group scope): every completion is kept. Launchers print it as a warning.
+        """
+        if self.is_grpo:
+            return None
+        what = f"keep_per_group={self.keep_per_group}" if self.keep_per_group is not None else f"P={self.rate:g}"
+        if group_size == 1:
+            return (f"{what} with G=1 completion per prompt: every advantage is 0, so pruning has no signal "
+                    "and keeps 1 of G=1 in group scope")
+        k = self.keep_for_group(group_size)
+        if self.scope == "group" and k >= group_size:
+            return f"{what} keeps {k} of G={group_size} completions per prompt: nothing is pruned"
+        return None
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> CPPOConfig:

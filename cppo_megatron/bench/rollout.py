@@ -1,8 +1,7 @@
 """Rollout throughput: HF ``generate`` vs vLLM, side by side, on the same prompts.
 
-  .venv-vllm/bin/python -m cppo_megatron.bench.rollout                 # tiny + smollm2
-  .venv-vllm/bin/python -m cppo_megatron.bench.rollout --models tiny --repeats 5
-  .venv-vllm/bin/python -m cppo_megatron.bench.rollout --json bench_rollout.json
+  .venv-vllm/bin/cppo-megatron bench rollout                              # tiny + smollm2
+  .venv-vllm/bin/cppo-megatron bench rollout --models tiny --repeats 5 --out runs/bench
 
 For each model, both engines sample the same workload (P prompts x G completions, up to
 N new tokens, the recipe's temperature/top-p) after one warm-up call; the table reports the

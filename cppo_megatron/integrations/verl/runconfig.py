@@ -22,6 +22,7 @@ __all__ = [
     "PREPARED_ENV",
     "AllocationPlan",
     "apply_allocation",
+    "noop_warning",
     "cppo_config_from",
     "is_cppo",
     "check_compatible",
@@ -70,14 +71,27 @@ class AllocationPlan:
     actor_mini_batch: int
     kept_per_step: int
     allocation: bool
+    warning: str = ""  # set when the settings ask for pruning that cannot happen (G = 1, k = G)
 
     def describe(self) -> str:
-        return (
+        line = (
             f"CPPO allocation={self.allocation}: keep {self.keep} of G={self.group_size}; "
             f"data.train_batch_size {self.train_batch_size_before} -> {self.train_batch_size} prompts; "
             f"actor.ppo_mini_batch_size {self.actor_mini_batch_before} -> {self.actor_mini_batch}; "
             f"{self.kept_per_step} completions kept per step"
         )
+        return f"{line}\n{self.warning}" if self.warning else line
+
+
+def noop_warning(cfg: CPPOConfig, group_size: int) -> str:
+    """The warning line for settings that prune nothing (empty when they do prune)."""
+    reason = cfg.noop_reason(group_size)
+    if reason is None:
+        return ""
+    return (
+        f"warning: cppo {reason}. Set actor_rollout_ref.rollout.n (G) > 1 and cppo.pruning_rate >= 1/G, "
+        "or run plain GRPO (algorithm.adv_estimator=grpo)"
+    )
 
 
 def check_compatible(config: Any) -> None:
@@ -203,7 +217,8 @@ def apply_allocation(config: Any) -> AllocationPlan:
                     raise ValueError(f"allocation=false: critic.ppo_mini_batch_size={cm} x {keep} / {group_size}")
                 config.critic.ppo_mini_batch_size = cm * keep // group_size
             kept = b * keep
-    return AllocationPlan(group_size, keep, b, new_b, mini, new_mini, kept, cfg.allocation)
+    return AllocationPlan(group_size, keep, b, new_b, mini, new_mini, kept, cfg.allocation,
+                          noop_warning(cfg, group_size))
 
 
 def export_plugin_to_workers(config: Any, extra_env: dict[str, str] | None = None) -> None:

@@ -138,3 +138,26 @@ def test_refill_rounds_without_dynamic_sampling_warn_and_prepare_marks_the_worke
     assert [str(w.message) for w in caught] == [
         "cppo.max_refill_rounds=5 has no effect under veRL: refill rounds belong to cppo.dynamic_sampling, which "
         "veRL runs do not support; remove it"]
+
+
+def test_settings_that_prune_nothing_warn(config):
+    assert apply_allocation(copy_of(config)).warning == ""  # G = 8, P = 0.75: keeps 2 of 8
+    with open_dict(config):
+        config.actor_rollout_ref.rollout.n = 1
+    plan = apply_allocation(copy_of(config))
+    assert plan.keep == 1 and "G=1" in plan.warning and plan.describe().endswith(plan.warning)
+    with open_dict(config):
+        config.actor_rollout_ref.rollout.n = 8
+        config.cppo.pruning_rate = None
+        config.cppo.keep_per_group = 8
+    assert "keeps 8 of G=8" in apply_allocation(copy_of(config)).warning
+    with open_dict(config):
+        config.cppo.pruning_rate = 0.0  # plain GRPO through the same path: nothing to warn about
+        config.cppo.keep_per_group = None
+    assert apply_allocation(copy_of(config)).warning == ""
+
+
+def copy_of(config):
+    import copy
+
+    return copy.deepcopy(config)
