@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verl": ("cppo_megatron.commands.verl", "train with veRL 0.9.1 + CPPO (= python -m cppo_megatron.integrations.verl.main; veRL hydra overrides)"),
     "bench": ("cppo_megatron.commands.bench", "benchmarks (overhead, balance): JSON + markdown + PNG into --out"),
     "simulate": ("cppo_megatron.commands.simulate", "cost model of GRPO/CPPO steps on GPU clusters; --check-paper"),
+    "gpu-check": ("cppo_megatron.commands.gpu_check", "prove the GPU path in minutes: env, core, megatron-core, trainer on the device (--device cpu --quick in CI)"),
 }
 
 EPILOG = """\
@@ -36,6 +37,7 @@ examples:
   cppo-megatron verl --config-path=$PWD/recipes/verl --config-name=qwen2.5-1.5b-gsm8k-cppo
   cppo-megatron bench balance --out runs/bench
   cppo-megatron simulate --model 7B --gpu H100-SXM --dp 8
+  cppo-megatron gpu-check --out runs/gpu_check          (on a GPU machine; --device cpu --quick anywhere)
   cppo-megatron COMMAND --help      (options of one command)
 """
 
