@@ -547,6 +547,8 @@ def check_megatron(s: GpuCheckSettings, ctx: dict) -> tuple[dict, list[str]]:
             failures.append(err)
         for name, r in runs.items():
             failures += judge_megatron(r, name)
+        mems = [r["peak_memory_mib"] for r in runs.values() if _finite(r.get("peak_memory_mib"))]
+        nums["parallel_peak_memory_mib"] = max(mems) if mems else None
     else:
         nums["parallel"] = "not run (needs 2 GPUs, or --parallel 2)"
     return nums, failures
