@@ -541,6 +541,11 @@ def check_megatron(s: GpuCheckSettings, ctx: dict) -> tuple[dict, list[str]]:
                             "tolerances": dict(TOLERANCES)}
     failures = judge_megatron(one, "world size 1")
     if s.parallel >= 2:
+        if s.device == "cuda":
+            import gc as _gc
+
+            _gc.collect()
+            torch.cuda.empty_cache()  # GPU 0 is shared with the two ranks
         runs, err = _megatron_torchrun(s, ctx)
         nums["parallel"] = runs
         if err:
@@ -620,7 +625,7 @@ def trainer_overrides(device: str, quick: bool, seed: int) -> list[str]:
     dtype = "bfloat16" if device == "cuda" else "float32"
     return common + [f"model.dtype={dtype}", "model.hidden_size=1024", "model.num_layers=12", "model.num_heads=16",
                      "model.num_kv_heads=16", "model.intermediate_size=4096", "rollout.group_size=16",
-                     "train.capacity=512", "train.micro_batch_tokens=65536", "train.lr=1e-5",
+                     "train.capacity=512", "train.lr=1e-5",
                      "warmup.max_steps=30", "warmup.batch_size=64", "warmup.lr=3e-4"]
 
 
