@@ -638,7 +638,7 @@ def check_trainer(s: GpuCheckSettings, ctx: dict) -> tuple[dict, list[str]]:
 
     require("transformers", "the trainer check")
     P = 0.875
-    steps, repeats, warm_steps = (1, 2, 0) if s.quick else (3, 2, 1)
+    steps, repeats, warm_steps = (1, 2, 1) if s.quick else (3, 2, 1)
     out = Path(s.out) / "trainer"
     recipe = load_recipe(None, [*trainer_overrides(s.device, s.quick, s.seed), f"out_dir={out}"])
     t0 = time.perf_counter()
