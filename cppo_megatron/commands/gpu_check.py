@@ -14,7 +14,7 @@ check, its tolerance, and how to run it offline (scripts/gpu_wheels.sh, scripts/
                  time per prompt, speedup, bound, fraction of bound, rollout time per prompt
 
 examples:
-  cppo-megatron gpu-check                          (the GPU: full sizes, ~5 minutes)
+  cppo-megatron gpu-check                          (the GPU: full sizes, budgets sum to < 8 minutes)
   cppo-megatron gpu-check --device cpu --quick     (scaled down, CPU, under 3 minutes)
   bash scripts/gpu_check.sh --wheels wheels/       (offline: install from a wheel folder, then run)
 """
