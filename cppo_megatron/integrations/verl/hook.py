@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.abc
-import importlib.machinery
 import math
 import sys
 from typing import Any
@@ -32,6 +30,8 @@ import numpy as np
 import torch
 
 from ...core import balance_partitions, prune, sequence_workload
+from . import audit, importhook
+from .importhook import after_import
 from .runconfig import cppo_config_from, is_cppo
 from .stats import GroupRecord, record_groups
 
@@ -126,6 +126,8 @@ def prune_kv_batch(trainer, batch, metrics: dict):
     result, records = decide(uids, rewards, cfg, getattr(trainer, "global_steps", 0))
     kept = [real[j] for j in result.selection.kept.tolist()] + pads
     pruned_keys = [batch.keys[real[j]] for j in result.selection.pruned.tolist()]
+    audit.record("prune", step=int(getattr(trainer, "global_steps", 0)), loop="v1", rows=[str(k) for k in keys],
+                 uids=uids, rewards=rewards.tolist(), kept=result.selection.kept.tolist())
     if pruned_keys:
         tq.kv_clear(keys=pruned_keys, partition_id=batch.partition_id)
     record_groups(records)
@@ -191,6 +193,8 @@ def pad_dataproto_loss_free(batch, multiple: int, step: int) -> int:
             rows.batch[key] = torch.zeros_like(rows.batch[key])
     rows.non_tensor_batch["uid"] = np.array([f"cppo-pad-{step}-{i}" for i in range(pad)], dtype=object)
     rows.non_tensor_batch["cppo_is_padding"] = np.ones(pad, dtype=bool)
+    if "cppo_row" in rows.non_tensor_batch:
+        rows.non_tensor_batch["cppo_row"] = np.full(pad, -1, dtype=np.int64)
     merged = DataProto.concat([batch, rows])
     batch.batch, batch.non_tensor_batch = merged.batch, merged.non_tensor_batch
     return pad
@@ -206,7 +210,13 @@ def prune_dataproto(trainer, batch, metrics: dict):
         )
     cfg = cppo_config_from(trainer.config)
     uids = [str(u) for u in batch.non_tensor_batch["uid"]]
-    result, records = decide(uids, _row_rewards(batch.batch["rm_scores"]), cfg, getattr(trainer, "global_steps", 0))
+    rewards = _row_rewards(batch.batch["rm_scores"])
+    result, records = decide(uids, rewards, cfg, getattr(trainer, "global_steps", 0))
+    if audit.enabled():  # row identities for the audit records of the later passes
+        batch.non_tensor_batch["cppo_row"] = np.arange(len(uids), dtype=np.int64)
+        audit.record("prune", step=int(getattr(trainer, "global_steps", 0)), loop="legacy",
+                     rows=list(range(len(uids))), uids=uids, rewards=rewards.tolist(),
+                     kept=result.selection.kept.tolist())
     kept = batch.select_idxs(result.selection.kept.to(torch.int64))
     batch.batch, batch.non_tensor_batch = kept.batch, kept.non_tensor_batch
     dp_size = trainer._get_dp_size(trainer.actor_rollout_wg, "actor")
@@ -294,49 +304,14 @@ def _patch_module(module) -> bool:
     return True
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Wraps the loaders of the hooked veRL modules so the hook goes in as they are imported:
-    processes that never import a trainer (Ray workers) pay nothing."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in HOOK_TARGETS:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _PatchingLoader(spec.loader)
-                return spec
-        return None
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, inner):
-        self.inner = inner
-
-    def create_module(self, spec):
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module):
-        self.inner.exec_module(module)
-        _patch_module(module)
-
-
-_FINDER = _PatchOnImport()
-
-
 def install() -> list[str]:
-    """Hook both loops: patch the modules already imported, patch the others on import.
+    """Hook both loops: patch the modules already imported, patch the others as they are
+    imported (``importhook``: Ray workers that never import a trainer pay nothing).
     Idempotent. Returns the modules patched now."""
-    patched = []
+    already = [name for name in HOOK_TARGETS if name in sys.modules and not is_installed(name)]
     for name in HOOK_TARGETS:
-        module = sys.modules.get(name)
-        if module is not None and _patch_module(module):
-            patched.append(name)
-    if _FINDER not in sys.meta_path:
-        sys.meta_path.insert(0, _FINDER)
-    return patched
+        after_import(name, _patch_module)
+    return already
 
 
 def is_installed(module_name: str) -> bool:
@@ -348,8 +323,7 @@ def is_installed(module_name: str) -> bool:
 
 def uninstall() -> None:
     """Remove the hook (tests)."""
-    if _FINDER in sys.meta_path:
-        sys.meta_path.remove(_FINDER)
+    importhook.remove(_patch_module)
     for name, clsname in HOOK_TARGETS.items():
         module = sys.modules.get(name)
         if module is None:
