@@ -12,15 +12,14 @@
 # Then copy DIR and this repository's scripts/gpu_check.sh to the GPU machine and run
 #   bash scripts/gpu_check.sh --wheels DIR
 # DIR must be new or empty, or a folder this script filled before (it is refilled).
+# PYTHON picks the interpreter whose pip downloads and builds (default .venv/bin/python, else python3).
 set -euo pipefail
-cd "$(dirname "$0")/.."
 DIR=${1:?usage: bash scripts/gpu_wheels.sh DIR}
 PYVER=${PYTHON_VERSION:-3.12}
 LIMIT_MIB=${LIMIT_MIB:-60}
 MEGATRON_CORE=0.16.1   # the version the megatron path is tested with (tests/megatron)
 OMEGACONF=2.3.1
 ANTLR=4.9.3            # omegaconf pins antlr4-python3-runtime==4.9.*; PyPI has only its sdist
-if [[ -x .venv/bin/python ]]; then PY=${PYTHON:-.venv/bin/python}; else PY=${PYTHON:-python3}; fi
 MARK=.cppo-gpu-wheels
 
 if [[ -d $DIR && -n "$(ls -A "$DIR")" && ! -f $DIR/$MARK ]]; then
@@ -28,8 +27,10 @@ if [[ -d $DIR && -n "$(ls -A "$DIR")" && ! -f $DIR/$MARK ]]; then
   exit 2
 fi
 mkdir -p "$DIR"
+DIR=$(cd "$DIR" && pwd)   # absolute, relative to where the script was started
 rm -f "$DIR"/*.whl
-DIR=$(cd "$DIR" && pwd)
+cd "$(dirname "$0")/.."   # the repository: its package is built below
+if [[ -x .venv/bin/python ]]; then PY=${PYTHON:-.venv/bin/python}; else PY=${PYTHON:-python3}; fi
 abi=cp${PYVER/./}
 echo "gpu_wheels.sh: wheels for CPython $PYVER manylinux x86-64 -> $DIR"
 
