@@ -38,6 +38,9 @@ NOT_RUN_SCRIPTS = {
     "test.sh": "runs the whole test suite and builds .venv-vllm",
     "setup.sh": "builds .venv (installs from PyPI)",
     "setup_vllm.sh": "builds .venv-vllm (a 2.5 GB install from PyPI)",
+    "gpu_wheels.sh": "downloads wheels from PyPI",
+    "gpu_check.sh": "installs into a GPU machine's environment and runs the device checks (needs a GPU)",
+    "verl_gpu_smoke.sh": "needs a GPU",
 }
 
 
