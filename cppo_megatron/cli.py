@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "megatron-check": ("cppo_megatron.commands.megatron_check", "HF -> megatron TP/PP/DP on local processes: log-probs vs HF, weight round trip, one pruned rebalanced update"),
     "study": ("cppo_megatron.commands.study", "sweep P x metric x allocation x seeds at equal time budgets, with a supervised control"),
     "verl": ("cppo_megatron.commands.verl", "train with veRL 0.9.1 + CPPO (= python -m cppo_megatron.integrations.verl.main; veRL hydra overrides)"),
+    "export-hf": ("cppo_megatron.commands.export_hf", "export an embedded-trainer model (warm-up, checkpoint) as an HF model directory with a real tokenizer"),
     "bench": ("cppo_megatron.commands.bench", "benchmarks (overhead, balance): JSON + markdown + PNG into --out"),
     "simulate": ("cppo_megatron.commands.simulate", "cost model of GRPO/CPPO steps on GPU clusters; --check-paper"),
 }
@@ -34,6 +35,8 @@ examples:
   cppo-megatron patch openrlhf --check
   cppo-megatron megatron-check --tp 2 --pp 1 --dp 2
   cppo-megatron verl --config-path=$PWD/recipes/verl --config-name=qwen2.5-1.5b-gsm8k-cppo
+  cppo-megatron verl recipes/verl/tiny_cpu_cppo.yaml trainer.total_training_steps=40   (veRL on CPU)
+  cppo-megatron export-hf runs/tiny_cpu/warmup.pt runs/verl_tiny/model
   cppo-megatron bench balance --out runs/bench
   cppo-megatron simulate --model 7B --gpu H100-SXM --dp 8
   cppo-megatron COMMAND --help      (options of one command)

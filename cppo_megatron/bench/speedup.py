@@ -20,12 +20,13 @@ import argparse
 import time
 from pathlib import Path
 
+from ..trainer.metrics import GEN_PHASES, PASS_PHASES, PHASES
 from .bound import fraction_of_bound, speedup, speedup_bound
 from .report import Report, median
 
-GEN_PHASES = ("rollout", "reward")
-REST_PHASES = ("old_logprob", "ref_logprob", "update")
-ALL_PHASES = ("rollout", "reward", "cppo", "old_logprob", "ref_logprob", "update", "sync")
+# the trainer's one phase list (cppo_megatron/trainer/metrics.py), for both backends
+REST_PHASES = PASS_PHASES
+ALL_PHASES = PHASES
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -8,7 +8,9 @@ Overrides are omegaconf dotlist `key=value` pairs; an unknown key is an error. E
 is documented in docs/trainer.md (and listed by --help-recipe). Before any work starts the
 recipe and what it points at (model directory, data files, data fitting the model) are
 checked: a mistake ends in one line and exit status 2 (--debug shows the traceback).
-Ctrl-C saves a checkpoint and exits; --resume continues with the same data order and accounting. Outputs in out_dir: metrics.jsonl,
+Ctrl-C / SIGTERM finishes the running step, saves a checkpoint and exits with status 130;
+--resume continues with the same data order and accounting. backend=megatron recipes run
+under torchrun (--nproc N). Outputs in out_dir: metrics.jsonl,
 tensorboard/, checkpoints/, report.md, report.png.
 """
 
@@ -66,16 +68,18 @@ def run(args: argparse.Namespace) -> int:
     for note in inputs.warnings:
         print(f"cppo-megatron train: {note}", file=sys.stderr)
     if recipe.backend == "megatron" or args.nproc > 1:
-        try:
-            from ..megatron.launch import launch  # provided with the megatron backend
-        except ImportError as exc:
-            print(f"cppo-megatron train: backend=megatron is not available here ({exc})", file=sys.stderr)
-            return 2
-        return launch(args)
+        from ..trainer.launch import launch
+
+        return launch(args)  # torchrun; every rank runs the same Trainer
 
     from ..trainer import Trainer
 
-    summary = Trainer(recipe, resume=args.resume, task=inputs.task).run()
+    try:
+        trainer = Trainer(recipe, resume=args.resume, task=inputs.task)
+    except FileNotFoundError as exc:  # --resume without a (readable) checkpoint
+        print(f"cppo-megatron train: {exc}", file=sys.stderr)
+        return 2
+    summary = trainer.run()
     if summary.get("interrupted"):
         return 130
     print(

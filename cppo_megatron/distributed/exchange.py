@@ -47,6 +47,7 @@ __all__ = [
     "gather_metadata",
     "make_plan",
     "prune_and_exchange",
+    "exchange_kept",
     "exchange_rows",
     "global_sum",
 ]
@@ -665,12 +666,9 @@ def prune_and_exchange(
             raise ValueError(f"field {name!r} has {len(v)} rows but there are {n} rewards")
     meta = gather_metadata(rewards, group_ids, lengths, group=group, device=device)
     result = prune(meta.rewards, meta.group_ids, cfg, step=step)
-    plan = make_plan(meta, result.selection.kept, cfg, move_tolerance=move_tolerance)
-    rank, world = _group_ctx(group)
-    send_rows = [plan.sent(rank, d) for d in range(world)]
-    recv_counts = [int(plan.sent(s, rank).numel()) for s in range(world)]
-    moved = exchange_rows(fields, send_rows, recv_counts, group=group, device=device)
-    gidx = plan.received(rank)
+    moved, plan, gidx = exchange_kept(fields, meta, result.selection.kept, cfg, group=group, device=device,
+                                      move_tolerance=move_tolerance)
+    rank, _ = _group_ctx(group)
     metrics = {**result.metrics(), **plan.metrics()}
     return ExchangeResult(
         fields=moved,
@@ -683,6 +681,32 @@ def prune_and_exchange(
         meta=meta,
         metrics=metrics,
     )
+
+
+def exchange_kept(fields: dict, meta: GlobalMetadata, kept, cfg: Any, *, group=None, device=None,
+                  move_tolerance: float = 0.01) -> tuple[dict, ExchangePlan, torch.Tensor]:
+    """Move survivors decided elsewhere (the same ``kept`` on every rank) so every rank of
+    ``group`` carries an equal workload.
+
+    Args:
+        fields: this rank's sequences (``meta.counts[rank]`` rows each), as in ``prune_and_exchange``.
+        meta: every rank's metadata in global (rank-major) order, identical on all ranks.
+        kept: [K] int64 global indices (``meta`` order) of the survivors.
+        cfg: ``rebalance``, ``equal_size``, ``workload_*`` (a ``CPPOConfig``).
+
+    Returns (received fields, the plan, [m] ascending global indices of the received rows).
+    """
+    rank, world = _group_ctx(group)
+    if meta.world_size != world:
+        raise ValueError(f"metadata describes {meta.world_size} ranks but the group has {world}")
+    for name, v in fields.items():
+        if len(v) != meta.counts[rank]:
+            raise ValueError(f"field {name!r} has {len(v)} rows but rank {rank} holds {meta.counts[rank]}")
+    plan = make_plan(meta, kept, cfg, move_tolerance=move_tolerance)
+    send_rows = [plan.sent(rank, d) for d in range(world)]
+    recv_counts = [int(plan.sent(s, rank).numel()) for s in range(world)]
+    moved = exchange_rows(fields, send_rows, recv_counts, group=group, device=device)
+    return moved, plan, plan.received(rank)
 
 
 def global_sum(value: float | int | torch.Tensor, *, group=None, device=None) -> float:

@@ -171,6 +171,8 @@ class MegatronConfig:
     tp: int = setting(1, "tensor-parallel size (must divide model.num_kv_heads); dp = processes / (tp x pp)",
                       check="> 0")
     pp: int = setting(1, "pipeline-parallel size (must divide model.num_layers)", check="> 0")
+    collective_timeout_s: int = setting(
+        600, "a collective waiting longer than this (a rank died or hangs) fails the whole job", check="> 0")
 
 
 @dataclass

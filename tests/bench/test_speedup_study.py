@@ -9,7 +9,7 @@ import pytest
 
 from cppo_megatron.bench import speedup, study
 from cppo_megatron.cli import main
-from tests.trainer.conftest import MICRO
+from tests.recipes import MICRO, recipe_path
 
 FAST = [o for o in MICRO if not o.startswith(("warmup.enabled", "train.steps", "cppo.pruning_rate"))] + [
     "warmup.max_steps=3",
@@ -25,7 +25,7 @@ def _args(module, argv):
 
 def test_speedup_bench_interleaves_runs_and_reports_the_bound(tmp_path):
     out = tmp_path / "sp"
-    assert main(["bench", "speedup", "recipes/tiny_cpu.yaml", *FAST, "--rates", "0.5", "--steps", "1",
+    assert main(["bench", "speedup", recipe_path("tiny_cpu"), *FAST, "--rates", "0.5", "--steps", "1",
                  "--repeats", "2", "--out", str(out)]) == 0
     data = json.loads((out / "speedup.json").read_text())
     rows = data["rows"]
@@ -45,7 +45,7 @@ def test_speedup_bench_interleaves_runs_and_reports_the_bound(tmp_path):
 
 def test_study_writes_csv_rows_for_every_run_and_a_control(tmp_path):
     out = tmp_path / "st"
-    assert main(["study", "recipes/tiny_cpu.yaml", *FAST, "--rates", "0,0.5", "--metrics", "smallest,largest",
+    assert main(["study", recipe_path("tiny_cpu"), *FAST, "--rates", "0,0.5", "--metrics", "smallest,largest",
                  "--seeds", "2", "--budget", "0.5", "--evals", "2", "--out", str(out)]) == 0
     with (out / "study.csv").open() as fh:
         rows = list(csv.DictReader(fh))

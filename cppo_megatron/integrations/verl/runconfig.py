@@ -247,6 +247,10 @@ def prepare(config: Any) -> AllocationPlan | None:
     return plan
 
 
+# mappings veRL hands on verbatim (to ray.init, to the HF model config): any key is valid there
+FREE_FORM = ("ray_kwargs.ray_init.", "actor_rollout_ref.model.override_config.")
+
+
 def overlay_mismatches(overlay: Any, base: Any, prefix: str = "") -> list[str]:
     """Keys of ``overlay`` (a recipe) that ``base`` (veRL's composed config) lacks, or whose
     value type differs from veRL's. Hydra composition accepts new keys silently, so a typo in
@@ -255,9 +259,11 @@ def overlay_mismatches(overlay: Any, base: Any, prefix: str = "") -> list[str]:
 
     problems = []
     for key in overlay:
-        if not prefix and key in ("hydra", "defaults", "cppo"):
+        if not prefix and key in ("hydra", "defaults", "cppo", "cppo_cpu"):
             continue
         path = f"{prefix}{key}"
+        if path.startswith(FREE_FORM):
+            continue
         if key not in base.keys():  # `in` is False for veRL's mandatory "???" values
             problems.append(f"{path}: not a key of veRL's config")
             continue
