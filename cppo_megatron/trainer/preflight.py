@@ -74,10 +74,10 @@ def check_inputs(recipe: Recipe, *, resume: bool = False) -> CheckedInputs:
     if recipe.init_checkpoint and not Path(recipe.init_checkpoint).is_file():
         raise RecipeError(f"init_checkpoint {recipe.init_checkpoint} does not exist; give a .pt file written by a "
                           "run (out_dir/warmup.pt or out_dir/checkpoints/step_*.pt) or remove the key")
-    if resume and recipe.backend == "hf":
-        from .checkpoint import latest_checkpoint
+    if resume:
+        from .checkpoint import checkpoints
 
-        if latest_checkpoint(Path(recipe.out_dir)) is None:
+        if not checkpoints(Path(recipe.out_dir)):
             raise RecipeError(f"--resume: no checkpoint under {Path(recipe.out_dir) / 'checkpoints'}; "
                               "check out_dir, or drop --resume to start a new run")
     task = _build_task(recipe)
