@@ -160,16 +160,18 @@ def test_run_without_our_entry_point_warns_that_allocation_was_skipped(plugin, c
     batch = make_dataproto(rewards_table(seed=2, prompts=B, group=G), seed=2)
     with pytest.warns(UserWarning) as caught:
         bare_trainer(config, dp_size=2)._balance_batch(batch, metrics={})
-    assert [str(w.message) for w in caught] == [
+    # (a first import of veRL's trainer may warn about other things: keep ours)
+    assert [str(w.message) for w in caught if str(w.message).startswith("cppo:")] == [
         "cppo: this veRL run did not start through `cppo-megatron verl` (python -m "
         "cppo_megatron.integrations.verl.main), so allocation was not applied: data.train_batch_size=4 prompts "
         "keep 2 of G=8 completions each, 8 per step instead of 32 (the paper's setting draws "
         "data.train_batch_size=16); run it through that entry point with the same overrides, or set the sizes "
         f"yourself and export {PREPARED_ENV}=1 to silence this"]
-    with warnings.catch_warnings():  # once per process
-        warnings.simplefilter("error")
+    with warnings.catch_warnings(record=True) as again:  # once per process
+        warnings.simplefilter("always")
         bare_trainer(config, dp_size=2)._balance_batch(make_dataproto(rewards_table(seed=2, prompts=B, group=G),
                                                                       seed=2), metrics={})
+    assert not [w for w in again if str(w.message).startswith("cppo:")]
     # a run prepared by our entry point carries the variable into every Ray worker: silent
     monkeypatch.setattr(hook, "_UNPREPARED_WARNED", False)
     monkeypatch.setenv(PREPARED_ENV, "1")
