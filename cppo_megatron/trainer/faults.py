@@ -4,13 +4,15 @@
 phase PHASE (one of ``metrics.PHASES``) of RL step STEP (1-based): ``sigint`` / ``sigterm``
 (signal this process), ``kill`` (SIGKILL: the process dies without a word) or ``raise`` (a
 RuntimeError on this rank only). Unset (the default) it does nothing. Several faults:
-separate them with commas.
+separate them with commas. With ``CPPO_MEGATRON_FAULT_LOG=FILE`` each fault appends
+``RANK PHASE STEP ACTION UNIX_TIME`` to FILE as it fires (tests time the job's reaction).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 from .metrics import PHASES
 
@@ -39,6 +41,10 @@ def maybe_inject(phase: str, step: int, rank: int) -> None:
     for f_phase, f_step, f_rank, action in parse(text):
         if (f_phase, f_step, f_rank) != (phase, step, rank):
             continue
+        log = os.environ.get(ENV + "_LOG")
+        if log:
+            with open(log, "a") as fh:
+                fh.write(f"{rank} {phase} {step} {action} {time.time():.3f}\n")
         if action == "raise":
             raise RuntimeError(f"injected fault ({ENV}) on rank {rank} in the {phase} of step {step}")
         sig = {"sigint": signal.SIGINT, "sigterm": signal.SIGTERM, "kill": signal.SIGKILL}[action]

@@ -144,8 +144,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         summary = trainer.run()  # interrupted: exit 0 (torchrun would call 130 a failure); the launcher says 130
     except BaseException as exc:  # noqa: BLE001 - every failure names the rank and what it was doing
         where = "setup" if trainer is None else f"step {trainer.step + 1}, phase {trainer.phase}"
-        print(f"cppo-megatron train: rank {rank} failed at {where}: {type(exc).__name__}: {exc}",
-              file=sys.stderr, flush=True)
+        first = (str(exc).splitlines() or [""])[0][:300]
+        sys.stderr.write(f"cppo-megatron train: rank {rank} failed at {where}: {type(exc).__name__}: {first}\n")
+        sys.stderr.flush()
         if os.environ.get("CPPO_MEGATRON_DEBUG"):
             import traceback
 

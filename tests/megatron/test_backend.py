@@ -147,8 +147,8 @@ def test_recipe_validates_megatron_keys():
 
 def test_a_rank_killed_mid_step_ends_the_job_quickly_naming_it(tmp_path):
     """SIGKILL rank 3 of 4 as it enters the update of step 1: no hang on a collective; the
-    job exits non-zero within the stated bound (launch included), naming the rank, and a
-    surviving rank names the phase it was in."""
+    job exits non-zero within 60 s of the death (the bound docs/trainer.md states; seconds
+    in practice), torchrun names the dead rank and a surviving rank names its phase."""
     import os
     import subprocess
     import sys
@@ -156,13 +156,14 @@ def test_a_rank_killed_mid_step_ends_the_job_quickly_naming_it(tmp_path):
 
     cmd = [sys.executable, "-m", "cppo_megatron.cli", "train", RECIPE, *MICRO, f"out_dir={tmp_path / 'run'}",
            "--nproc", "4"]
-    env = {**os.environ, "CPPO_MEGATRON_FAULT": "update:1:3:kill"}
-    t0 = time.monotonic()
+    log = tmp_path / "faults.log"
+    env = {**os.environ, "CPPO_MEGATRON_FAULT": "update:1:3:kill", "CPPO_MEGATRON_FAULT_LOG": str(log)}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    elapsed = time.monotonic() - t0
+    ended = time.time()
     err = proc.stderr
     assert proc.returncode not in (0, 130), err[-3000:]
-    assert elapsed < 120, f"took {elapsed:.0f} s"
+    fired = float(log.read_text().split()[-1])  # when rank 3 was killed
+    assert ended - fired < 60, f"the job took {ended - fired:.0f} s to end after rank 3 died"
     assert "rank: 3" in err or "rank 3" in err, err[-3000:]  # torchrun's summary names the dead rank
     assert "phase update" in err, err[-3000:]  # its peers say where they were
     assert "the job failed" in err
