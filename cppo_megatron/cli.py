@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export-hf": ("cppo_megatron.commands.export_hf", "export an embedded-trainer model (warm-up, checkpoint) as an HF model directory with a real tokenizer"),
     "bench": ("cppo_megatron.commands.bench", "benchmarks (speedup, rollout, overhead, balance, verl): JSON + markdown + PNG into --out"),
     "simulate": ("cppo_megatron.commands.simulate", "cost model of GRPO/CPPO steps on GPU clusters; --check-paper"),
+    "example-data": ("cppo_megatron.commands.example_data", "write a small GSM8K-format train/test pair (word problems, offline) to try bring-your-own data"),
     "gpu-check": ("cppo_megatron.commands.gpu_check", "prove the GPU path in minutes: env, core, megatron-core, trainer on the device (--device cpu --quick in CI)"),
 }
 
@@ -40,6 +41,7 @@ examples:
   cppo-megatron export-hf runs/tiny_cpu/warmup.pt runs/verl_tiny/model
   cppo-megatron bench balance --out runs/bench
   cppo-megatron study recipes/tiny_cpu.yaml --seeds 3 --budget 75
+  cppo-megatron example-data runs/byod_data          (GSM8K-format files for recipes/byod_gsm8k_cpu.yaml)
   cppo-megatron simulate --model 7B --gpu H100-SXM --dp 8
   cppo-megatron gpu-check --out runs/gpu_check          (on a GPU machine; --device cpu --quick anywhere)
   cppo-megatron COMMAND --help      (options of one command)

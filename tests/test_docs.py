@@ -4,8 +4,8 @@
   be lines of PATH, in order, and PATH itself runs (test_megatron_example_runs_under_torchrun).
 - Shell command lines: cheap ones run as written, in a scratch directory that links the
   repository's recipes and scripts (``--help``, ``--dry-run``, ``--cppo-dry-run``,
-  ``--check``, ``--print-recipe``, ``demo``, ``doctor``, ``simulate``). Commands that train or
-  benchmark for minutes are checked up to the expensive part: ``train`` with
+  ``--check``, ``--print-recipe``, ``demo``, ``doctor``, ``simulate``, ``example-data``).
+  Commands that train or benchmark for minutes are checked up to the expensive part: ``train`` with
   ``--print-recipe`` (recipe and every override validated), ``verl`` / ``openrlhf`` with their
   dry run, ``bench`` / ``study`` / ``megatron-check`` through the real argument parser and
   recipe loader. Installs, environment builds and the test suite itself are listed as not
@@ -30,7 +30,7 @@ from tests.doc_snippets import ROOT, Snippet, snippets
 
 ALL = snippets()
 CHEAP_FLAGS = {"--help", "-h", "--dry-run", "--cppo-dry-run", "--check", "--print-recipe"}
-RUN_COMMANDS = {"demo", "doctor", "simulate"}
+RUN_COMMANDS = {"demo", "doctor", "simulate", "example-data"}
 LINKED = ("recipes", "scripts", "examples", "patches", "requirements", "constraints")
 CLI_PREFIXES = ("cppo-megatron", ".venv/bin/cppo-megatron", ".venv-vllm/bin/cppo-megatron")
 NOT_RUN_SCRIPTS = {
