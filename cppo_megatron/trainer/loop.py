@@ -77,7 +77,7 @@ class Trainer:
     def __init__(self, recipe: Recipe, *, resume: bool = False, task: Optional[Task] = None) -> None:
         import torch.distributed as dist
 
-        r = self.r = recipe
+        self.r = recipe
         self.out = Path(recipe.out_dir)
         self.distributed = recipe.backend == "megatron"
         if self.distributed and not dist.is_initialized():
