@@ -16,6 +16,8 @@ __all__ = ["rank_wait_metrics", "wait_stats"]
 def rank_wait_metrics(compute_seconds: float, *, group=None, device=None, prefix: str = "cppo/") -> dict[str, float]:
     """Gather every rank's compute time of a step and derive the barrier waits.
 
+    ``compute_seconds``: this rank's busy seconds (float >= 0); a collective over ``group``.
+
     Returns (identical on all ranks): ``rank_time_max``, ``rank_time_mean``,
     ``rank_time_imbalance`` (max / mean), ``rank_wait_mean`` and ``rank_wait_max``
     (seconds the ranks idle while the slowest finishes), ``rank_wait_fraction`` (idle

@@ -61,17 +61,35 @@ REPEAT_WINDOW_S = 3.0  # signals this close to the first are one request (torchr
 
 
 class Trainer:
-    """One process (``backend: hf``) or one rank (``backend: megatron``) of a GRPO/CPPO run.
+    """One process (``backend: hf``) or one torchrun rank (``backend: megatron``) of a GRPO/CPPO
+    run: a recipe in, a trained policy, ``metrics.jsonl``, checkpoints and a report in
+    ``recipe.out_dir`` out.
 
-    >>> from cppo_megatron.trainer import Trainer, load_recipe
-    >>> recipe = load_recipe("recipes/tiny_cpu.yaml", ["train.steps=2", "warmup.enabled=false",
-    ...                      "eval.num_problems=20", "out_dir=/tmp/cppo_doc", "log.progress=false"])
-    >>> summary = Trainer(recipe).run()        # metrics.jsonl, checkpoints/, report.md in out_dir
-    >>> summary["steps"]
-    2
+    ``run()`` = ``prepare()`` (warm-up or ``init_checkpoint``, first evaluation, reference
+    model), then ``step_once()`` until ``train.steps`` or ``train.max_time_s``, evaluations
+    every ``eval.every`` steps, checkpoints every ``log.checkpoint_every``; returns the
+    summary (``accuracy_before``, ``accuracy_after``, ``steps``, ``rl_wall_s``, ...).
+    ``cppo-megatron train`` checks the recipe's inputs first (``trainer.preflight``).
 
-    ``task`` replaces the recipe's task (bring your own problems and scorer). ``resume``
-    continues from the newest readable checkpoint in ``out_dir``.
+    Example (2 RL steps of a tiny model on the CPU: about 8 s of CPU time here)::
+
+        from cppo_megatron.trainer import Trainer
+        from cppo_megatron.trainer.config import load_recipe
+
+        recipe = load_recipe(None, [  # the schema's defaults, shrunk to a 2-step run
+            "out_dir=/tmp/cppo-trainer-example", "model.hidden_size=32", "model.num_layers=2",
+            "model.num_heads=2", "model.num_kv_heads=2", "model.intermediate_size=64",
+            "task.train_size=400", "task.test_size=50", "rollout.group_size=4", "train.capacity=16",
+            "train.steps=2", "eval.num_problems=20", "warmup.enabled=false", "log.progress=false",
+        ])
+        summary = Trainer(recipe).run()
+        print(summary["steps"], summary["accuracy_before"], summary["accuracy_after"])
+
+    Args:
+        recipe: a validated ``Recipe`` (``load_recipe``).
+        resume: continue from the newest readable checkpoint in ``out_dir`` (same data order,
+            RNG and prompt accounting).
+        task: replaces the recipe's task (bring your own problems and scorer).
     """
 
     def __init__(self, recipe: Recipe, *, resume: bool = False, task: Optional[Task] = None) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from cppo_megatron.bench import speedup, study
 from cppo_megatron.cli import main
+from tests.doc_keys import missing_keys
 from tests.recipes import MICRO, recipe_path
 
 FAST = [o for o in MICRO if not o.startswith(("warmup.enabled", "train.steps", "cppo.pruning_rate"))] + [
@@ -41,6 +42,8 @@ def test_speedup_bench_interleaves_runs_and_reports_the_bound(tmp_path):
     assert alloc[0.5]["prompts/step"] == 2 * alloc[0.0]["prompts/step"]  # allocation doubles prompts at P=0.5
     assert noalloc[0.5]["trained/step"] == alloc[0.0]["trained/step"] / 2
     assert (out / "speedup.md").exists() and (out / "speedup.png").exists()
+    assert missing_keys(data, "speedup.json") == []  # every key docs/benchmarks.md documents
+    assert "step_seconds" not in data  # the docs say it comes from train's summary.json instead
 
 
 def test_study_writes_csv_rows_for_every_run_and_a_control(tmp_path):
@@ -59,6 +62,8 @@ def test_study_writes_csv_rows_for_every_run_and_a_control(tmp_path):
             assert float(r["completions_generated"]) >= float(r["completions_trained"]) > 0
     summary = json.loads((out / "study.json").read_text())
     assert any("GRPO at equal time" in n for n in summary["notes"])
+    assert missing_keys(summary, "study.json") == []  # every key docs/benchmarks.md documents
+    assert set(rows[0]) == set(summary["runs"][0])  # study.csv: the keys of runs[]
     assert any("control" in n for n in summary["notes"])
 
 
@@ -67,3 +72,33 @@ def test_bad_rates_are_errors():
         speedup._rates("0.5,1.0")
     with pytest.raises(ValueError, match="--metrics: unknown"):
         study.grid(_args(study, ["r.yaml", "--metrics", "median"]))
+
+
+def _summary_row(p, metric, mean, sd, seeds):
+    return {"P": p, "metric": metric, "allocation": True if p else None, "seeds": seeds,
+            "final acc (mean)": mean, "seed spread (sd)": sd}
+
+
+def test_study_names_a_winner_only_beyond_the_seed_spread_of_two_or_more_seeds():
+    grpo = _summary_row(0.0, "grpo", 0.458, 0.078, 3)
+    # the documented study: +0.139 against a combined sd of 0.082 -> a winner
+    verdict, diff, noise = study.compare(_summary_row(0.875, "smallest", 0.597, 0.025, 3), grpo)
+    assert verdict == "beats" and diff == pytest.approx(0.139) and noise == pytest.approx((0.078**2 + 0.025**2) ** 0.5)
+    assert study.compare(grpo, _summary_row(0.875, "smallest", 0.597, 0.025, 3))[0] == "trails"
+    # within the combined spread: no winner, either way round
+    close = _summary_row(0.5, "smallest", 0.530, 0.05, 3)
+    assert study.compare(close, grpo)[0].startswith("no winner: the difference is within")
+    # one seed: sd unknown (nan), so no winner however large the difference
+    one = [_summary_row(0.0, "grpo", 0.30, float("nan"), 1), _summary_row(0.875, "smallest", 0.60, float("nan"), 1)]
+    notes = study._findings(one)
+    assert notes == ["CPPO P=0.875 with allocation vs GRPO at equal time: no winner: 1 seed(s), the seed spread is "
+                     "unknown (run --seeds 2 or more): 0.600 vs 0.300 (difference +0.300, combined seed sd unknown)"]
+
+
+def test_study_ordering_finding_distinguishes_means_from_spread():
+    rows = lambda sd, seeds: [_summary_row(0.875, m, a, sd, seeds)  # noqa: E731
+                              for m, a in (("smallest", 0.597), ("random", 0.535), ("largest", 0.440))]
+    assert study._findings(rows(0.01, 3))[0].endswith("holds, each gap beyond the combined seed spread")
+    assert study._findings(rows(0.05, 3))[0].endswith("holds in the means only: a gap is within the combined seed spread")
+    assert study._findings(rows(float("nan"), 1))[0].endswith("is not tested: 1 seed, the seed spread is unknown "
+                                                              "(run --seeds 2 or more)")

@@ -23,7 +23,9 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import os
 import sys
+import warnings
 from typing import Any
 
 import numpy as np
@@ -32,7 +34,7 @@ import torch
 from ...core import balance_partitions, prune, sequence_workload
 from . import audit, importhook
 from .importhook import after_import
-from .runconfig import cppo_config_from, is_cppo
+from .runconfig import PREPARED_ENV, cppo_config_from, is_cppo, unprepared_message
 from .stats import GroupRecord, record_groups
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "prune_dataproto",
     "prune_kv_batch",
     "uninstall",
+    "warn_if_unprepared",
 ]
 
 # module -> class whose ``_balance_batch`` is wrapped (the V1 base serves sync and async modes)
@@ -259,6 +262,7 @@ def _wrap(original, prune_fn, v1: bool):
     def _balance_batch(self, batch, metrics, *args, **kwargs):
         if not is_cppo(self.config):
             return original(self, batch, metrics, *args, **kwargs)
+        warn_if_unprepared(self.config)
         before = len(batch)
         batch = prune_fn(self, batch, metrics)
         kept = len(batch)
@@ -288,6 +292,21 @@ def _wrap(original, prune_fn, v1: bool):
 
     setattr(_balance_batch, _MARK, original)
     return _balance_batch
+
+
+_UNPREPARED_WARNED = False
+
+
+def warn_if_unprepared(config) -> bool:
+    """Warn once per process when the run skipped ``runconfig.prepare`` (veRL's own
+    ``main_ppo`` with the plugin loaded): allocation was not applied. True when it warned."""
+    global _UNPREPARED_WARNED
+    if _UNPREPARED_WARNED or os.environ.get(PREPARED_ENV):
+        return False
+    _UNPREPARED_WARNED = True
+    # a Ray worker's stderr (where warnings go) reaches the driver's console
+    warnings.warn(unprepared_message(config), stacklevel=3)
+    return True
 
 
 def _patch_module(module) -> bool:
