@@ -16,6 +16,7 @@ import torch
 
 from ._checks import as_1d_float, as_group_ids, check_int
 from .advantage import GroupStats
+from .sampling import grouped_layout, inclusion_probabilities, mass_keep_counts, systematic_sample
 
 __all__ = [
     "DEFAULT_PRUNING_RATE",
@@ -29,7 +30,14 @@ __all__ = [
 ]
 
 DEFAULT_PRUNING_RATE = 0.875
-METRICS = ("smallest", "largest", "random")
+METRICS = ("smallest", "largest", "random", "importance")
+# metrics that take |A| as a magnitude: use_abs=False (signed A) makes no sense for them
+MAGNITUDE_METRICS = ("importance",)
+# metrics keep_mass can decide the count for: the kept set is the top of |A| (smallest) or a
+# PPS sample of that size (importance); largest / random would not reach the mass
+KEEP_MASS_METRICS = ("smallest", "importance")
+# stream of seeded_generator used by the importance design (stream 0 is the tie-break order)
+IMPORTANCE_STREAM = 1
 SCOPES = ("group", "batch")
 
 # floor(G * (1 - P)) with this slack, so that 16 * (1 - 0.875) -> 2 even if it is 1.999...
@@ -87,6 +95,12 @@ class Selection:
         kept_per_group: [M] survivors per group.
         advantages: [N] the advantages the decision was made on.
         scope, metric, use_abs: the settings used (logged with the run).
+        weights: [K] float32, aligned with ``kept``: the factor each survivor's loss is
+            multiplied by. 1.0 for the deterministic metrics; 1 / pi_i (Horvitz-Thompson)
+            for ``importance``, so that sum_kept w_i l_i is an unbiased estimate of
+            sum_all l_i for any per-completion l whose A_i != 0 (and of the whole sum when
+            every pi_i > 0). None at construction means all ones.
+        keep_mass: the ``keep_mass`` fraction that decided the counts (None: fixed k).
     """
 
     kept: torch.Tensor
@@ -98,6 +112,21 @@ class Selection:
     scope: str
     metric: str
     use_abs: bool
+    weights: Optional[torch.Tensor] = None
+    keep_mass: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.weights is None:
+            object.__setattr__(self, "weights", torch.ones(self.kept.numel(), dtype=torch.float32))
+        elif self.weights.shape != self.kept.shape:
+            raise ValueError(
+                f"Selection.weights {tuple(self.weights.shape)} must align with kept {tuple(self.kept.shape)}"
+            )
+
+    @property
+    def weighted(self) -> bool:
+        """True when the survivors carry importance weights (the loss must use them)."""
+        return self.metric == "importance"
 
     @property
     def num_kept(self) -> int:
@@ -125,7 +154,9 @@ class Selection:
         pruned_abs = absa[self.pruned]
         n = max(self.num_total, 1)
         kpg = self.kept_per_group.to(torch.float64)
-        return {
+        sq_total = float(a.square().sum())
+        w = self.weights.to(torch.float64)
+        out = {
             f"{prefix}num_completions": float(self.num_total),
             f"{prefix}num_kept": float(self.num_kept),
             f"{prefix}num_pruned": float(self.num_pruned),
@@ -139,7 +170,17 @@ class Selection:
             f"{prefix}kept_per_group_mean": float(kpg.mean()) if kpg.numel() else 0.0,
             f"{prefix}kept_per_group_min": float(kpg.min()) if kpg.numel() else 0.0,
             f"{prefix}kept_per_group_max": float(kpg.max()) if kpg.numel() else 0.0,
+            # the distribution of k per group (adaptive with keep_mass, fixed otherwise)
+            f"{prefix}kept_per_group_std": float(kpg.std(unbiased=False)) if kpg.numel() else 0.0,
+            f"{prefix}kept_per_group_p10": float(torch.quantile(kpg, 0.1)) if kpg.numel() else 0.0,
+            f"{prefix}kept_per_group_p50": float(torch.quantile(kpg, 0.5)) if kpg.numel() else 0.0,
+            f"{prefix}kept_per_group_p90": float(torch.quantile(kpg, 0.9)) if kpg.numel() else 0.0,
+            # share of the batch's A^2 (the gradient energy proxy keep_mass targets) that survives
+            f"{prefix}kept_sq_adv_fraction": float(a[self.kept].square().sum()) / sq_total if sq_total > 0 else 1.0,
+            f"{prefix}weight_mean": float(w.mean()) if w.numel() else 0.0,
+            f"{prefix}weight_max": float(w.max()) if w.numel() else 0.0,
         }
+        return out
 
 
 def _keep_order(a_cpu: torch.Tensor, metric: str, use_abs: bool, seed: int, step: int) -> torch.Tensor:
@@ -149,8 +190,9 @@ def _keep_order(a_cpu: torch.Tensor, metric: str, use_abs: bool, seed: int, step
     if metric == "random":
         desirability = torch.zeros(n, dtype=torch.float64)
     else:
+        # importance: an order is only asked for by hosts that top a kept set up; take |A|
         score = a_cpu.abs() if use_abs else a_cpu
-        desirability = score if metric == "smallest" else -score
+        desirability = -score if metric == "largest" else score
     # Order by desirability (descending), ties by a seeded random permutation.
     perm = torch.randperm(n, generator=seeded_generator(seed, step))
     return perm[torch.sort(desirability[perm], descending=True, stable=True).indices]
@@ -177,10 +219,32 @@ def _ranking_settings(cfg: Any, step: int) -> tuple[str, bool, int]:
         raise ValueError(f"metric must be one of {list(METRICS)}, got {metric!r}")
     if not isinstance(use_abs, bool):
         raise ValueError(f"use_abs must be true or false, got {use_abs!r}")
+    if metric in MAGNITUDE_METRICS and not use_abs:
+        raise ValueError(
+            f"metric={metric!r} samples in proportion to |A|: it needs use_abs=true (got use_abs=false)"
+        )
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an integer, got {seed!r}")
     check_int("step", step, minimum=0)
     return metric, use_abs, seed
+
+
+def _check_keep_mass(keep_mass: Any, pruning_rate: Any, keep_per_group: Any, metric: str) -> Optional[float]:
+    if keep_mass is None:
+        return None
+    if isinstance(keep_mass, bool) or not isinstance(keep_mass, (int, float)) or not 0.0 < keep_mass <= 1.0:
+        raise ValueError(f"keep_mass must be a number in (0, 1], got {keep_mass!r}")
+    if pruning_rate is not None or keep_per_group is not None:
+        raise ValueError(
+            f"keep_mass={keep_mass} decides the count per group itself: unset pruning_rate ({pruning_rate}) "
+            f"and keep_per_group ({keep_per_group})"
+        )
+    if metric not in KEEP_MASS_METRICS:
+        raise ValueError(
+            f"keep_mass works with metric in {list(KEEP_MASS_METRICS)}, got metric={metric!r} "
+            "(a largest/random pick of that size would not reach the mass)"
+        )
+    return float(keep_mass)
 
 
 def select_completions(
@@ -197,17 +261,23 @@ def select_completions(
         advantages: [N] full-group advantages (``group_advantages``).
         group_ids: [N] int64 prompt ids.
         cfg: a ``CPPOConfig`` (or any object with its fields ``pruning_rate``,
-            ``keep_per_group``, ``metric``, ``use_abs``, ``scope``, ``seed``).
+            ``keep_per_group``, ``keep_mass``, ``metric``, ``use_abs``, ``scope``, ``seed``).
         step: the training step; mixed into the seed so random choices differ per step
             while staying identical across ranks.
         stats: the ``GroupStats`` returned with ``advantages`` for these ``group_ids``;
             saves recomputing the grouping (``prune`` passes it).
 
-    Group scope keeps k_g = floor(G_g (1 - P)) (at least 1) per group with the highest
-    score; batch scope keeps floor(N (1 - P)) (at least 1) across the batch (or
-    k * num_groups with ``keep_per_group``). Score = |A| (or A when ``use_abs`` is
-    False); ``smallest`` prunes the lowest scores, ``largest`` the highest, ``random``
-    ignores the score.
+    How many: group scope keeps k_g = floor(G_g (1 - P)) (at least 1) per group; batch
+    scope keeps floor(N (1 - P)) (at least 1) across the batch (or k * num_groups with
+    ``keep_per_group``). With ``keep_mass = f`` the count is the fewest completions whose
+    A^2 reaches f of the group's (batch scope: the batch's) A^2 total; zero-variance groups
+    keep none.
+
+    Which: score = |A| (or A when ``use_abs`` is False); ``smallest`` prunes the lowest
+    scores, ``largest`` the highest, ``random`` ignores the score; ``importance`` draws the
+    k by randomised systematic sampling with inclusion probabilities pi proportional to |A|
+    (capped at 1) within each group (batch scope: across the batch) and sets
+    ``weights = 1 / pi`` (``core.sampling``).
     """
     a = as_1d_float("advantages", advantages)
     g = as_group_ids("group_ids", group_ids, a.numel()).cpu()
@@ -219,9 +289,10 @@ def select_completions(
             f"set either pruning_rate ({pruning_rate}) or keep_per_group ({keep_per_group}), not both"
         )
     metric, use_abs, seed = _ranking_settings(cfg, step)
+    keep_mass = _check_keep_mass(getattr(cfg, "keep_mass", None), pruning_rate, keep_per_group, metric)
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {list(SCOPES)}, got {scope!r}")
-    if keep_per_group is None:
+    if keep_per_group is None and keep_mass is None:
         _check_rate(DEFAULT_PRUNING_RATE if pruning_rate is None else pruning_rate)
 
     n = a.numel()
@@ -233,9 +304,16 @@ def select_completions(
     else:
         uniq, inverse, size = torch.unique(g, sorted=True, return_inverse=True, return_counts=True)
 
-    order = _keep_order(a_cpu, metric, use_abs, seed, step)
-
+    # "pools": the sets a count applies to - each group (group scope) or the whole batch
     if scope == "batch":
+        pool_of, pool_size = torch.zeros(n, dtype=torch.int64), torch.tensor([n], dtype=torch.int64)
+    else:
+        pool_of, pool_size = inverse, size
+
+    if keep_mass is not None:
+        index, valid = grouped_layout(pool_of, pool_size)
+        k_pool = mass_keep_counts(a_cpu.square()[index], valid, keep_mass)
+    elif scope == "batch":
         if keep_per_group is not None:
             too_small = size < keep_per_group
             if bool(too_small.any()):
@@ -248,19 +326,31 @@ def select_completions(
         else:
             p = DEFAULT_PRUNING_RATE if pruning_rate is None else float(pruning_rate)
             n_keep = max(1, math.floor(n * (1.0 - p) + K_TOLERANCE))
-        kept = order[:n_keep]
+        k_pool = torch.tensor([n_keep], dtype=torch.int64)
     else:
-        # k per group; group members ranked by a stable sort of the global order on group.
         distinct_sizes, size_inv = torch.unique(size, return_inverse=True)
         k_distinct = torch.tensor(
             [keep_count(int(v), pruning_rate, keep_per_group) for v in distinct_sizes.tolist()],
             dtype=torch.int64,
         )
-        k_of_group = k_distinct[size_inv]
-        grouped = order[torch.sort(inverse[order], stable=True).indices]
-        starts = torch.cumsum(size, 0) - size
-        rank_in_group = torch.arange(n) - starts[inverse[grouped]]
-        kept = grouped[rank_in_group < k_of_group[inverse[grouped]]]
+        k_pool = k_distinct[size_inv]
+
+    weight_full = torch.ones(n, dtype=torch.float64)
+    if metric == "importance":
+        gen = seeded_generator(seed, step, stream=IMPORTANCE_STREAM)
+        # a seeded random order within each pool makes the systematic design "randomised"
+        index, valid = grouped_layout(pool_of, pool_size, torch.randperm(n, generator=gen))
+        pi = inclusion_probabilities(a_cpu.abs()[index], valid, k_pool)
+        chosen, pi_exact = systematic_sample(pi, valid, k_pool, gen)
+        kept = index[chosen]
+        weight_full[kept] = 1.0 / pi_exact[chosen]
+    else:
+        # k per pool; members ranked by a stable sort of the global order on pool
+        order = _keep_order(a_cpu, metric, use_abs, seed, step)
+        grouped = order[torch.sort(pool_of[order], stable=True).indices]
+        starts = torch.cumsum(pool_size, 0) - pool_size
+        rank_in_pool = torch.arange(n) - starts[pool_of[grouped]]
+        kept = grouped[rank_in_pool < k_pool[pool_of[grouped]]]
 
     mask = torch.zeros(n, dtype=torch.bool)
     mask[kept] = True
@@ -279,5 +369,6 @@ def select_completions(
         scope=scope,
         metric=metric,
         use_abs=use_abs,
+        weights=weight_full[kept].to(torch.float32),
+        keep_mass=keep_mass,
     )
-
