@@ -221,7 +221,8 @@ def validate_recipe(recipe: Recipe) -> Recipe:
         if recipe.model.num_layers % pp:
             raise ValueError(f"megatron.pp={pp} must divide model.num_layers={recipe.model.num_layers}")
     recipe.cppo.validate()
-    recipe.cppo.keep_for_group(recipe.rollout.group_size)  # k > G is an error now, not mid-run
+    if recipe.cppo.keep_mass is None:  # keep_mass decides k per group at run time
+        recipe.cppo.keep_for_group(recipe.rollout.group_size)  # k > G is an error now, not mid-run
     return recipe
 
 

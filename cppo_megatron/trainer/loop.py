@@ -215,6 +215,9 @@ class Trainer:
                     else:
                         valid_groups.append(base + g)
                 to_draw = self.planner.next_refill(len(valid_groups))
+                if to_draw == 0 and self.planner.adaptive and valid_groups:
+                    # keep_mass: survivors per prompt vary; draw until they fill the capacity
+                    to_draw = self.planner.next_fill(self._num_kept(rewards, valid_groups, G))
 
         with _timed(times, "cppo", self.device):
             rows = torch.tensor([g * G + j for g in valid_groups for j in range(G)], dtype=torch.long)
@@ -229,9 +232,19 @@ class Trainer:
             alloc = self.planner.end_step(res.selection, dropped_prompts=dropped_prompts,
                                           dropped_completions=dropped_prompts * G)
             kept_rows = rows[res.selection.kept].tolist()
+            if not kept_rows:  # keep_mass: every group had equal rewards
+                raise RuntimeError(
+                    "no completion survived (every group had equal rewards under cppo.keep_mass); enable "
+                    "cppo.allocation so the planner draws more prompts, or cppo.dynamic_sampling"
+                )
             batch = KeptBatch([prompts[i] for i in kept_rows], [completions[i] for i in kept_rows])
             mbs = micro_batches(batch, r.train.micro_batch_tokens)
             advantages = res.kept_advantages
+            weighting = {}
+            if res.selection.weighted:
+                # importance: 1/pi weights and the full batch's denominators (unbiased HT loss)
+                weighting = dict(weights=res.selection.weights, num_seqs=float(rows.numel()),
+                                 num_tokens=float(sum(len(completions[i]) for i in rows.tolist())))
 
         old = ref = None
         if r.train.mu > 1:
@@ -242,7 +255,7 @@ class Trainer:
                 ref = self.policy.logprobs(batch, mbs, counter="ref_logprob", model=self.ref_model)
         with _timed(times, "update", self.device):
             train_metrics = self.policy.update(batch, mbs, advantages, old, ref,
-                                               norm_constant=float(r.rollout.max_new_tokens))
+                                               norm_constant=float(r.rollout.max_new_tokens), **weighting)
         with _timed(times, "sync", self.device):
             self._sync_engine()
 
@@ -265,6 +278,12 @@ class Trainer:
         rec["data/epoch"] = self.sampler.epochs_float
         rec["sys/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return rec
+
+    def _num_kept(self, rewards: list[float], valid_groups: list[int], G: int) -> int:
+        """Survivors of a selection over the valid groups drawn so far (keep_mass fill rounds)."""
+        rows = torch.tensor([g * G + j for g in valid_groups for j in range(G)], dtype=torch.long)
+        reward_t = torch.tensor(rewards, dtype=torch.float32)[rows]
+        return prune(reward_t, rows // G, self.r.cppo, step=self.step).selection.num_kept
 
     def _round_params(self, params: SamplingParams, round_: int) -> SamplingParams:
         """vLLM samples from a seed per (run seed, step, refill round): a resumed run draws

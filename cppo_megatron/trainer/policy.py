@@ -142,17 +142,26 @@ class HFPolicy:
         ref_logprobs: Optional[torch.Tensor],
         *,
         norm_constant: float,
+        weights: Optional[torch.Tensor] = None,
+        num_tokens: Optional[float] = None,
+        num_seqs: Optional[float] = None,
     ) -> dict[str, float]:
         """mu optimizer steps on the kept batch. Denominators cover the whole kept set, so
-        the micro-batch gradients add up to the gradient of the full-batch loss."""
+        the micro-batch gradients add up to the gradient of the full-batch loss.
+
+        ``weights``: [N] per-sequence loss weights (``Selection.weights``, 1/pi for
+        ``metric=importance``); ``num_tokens`` / ``num_seqs`` replace the kept set's
+        denominators (importance passes the full batch's, for the unbiased HT loss)."""
         cfg = self.cfg
         if cfg.mu > 1 and old_logprobs is None:
             raise ValueError("mu > 1 needs the old-policy log-probs")
         if cfg.beta > 0 and ref_logprobs is None:
             raise ValueError("beta > 0 needs the reference log-probs")
         mask = batch.completion_mask()
-        num_tokens = float(mask.sum())
-        num_seqs = float(len(batch))
+        if weights is not None and weights.shape != (len(batch),):
+            raise ValueError(f"weights {tuple(weights.shape)} must be [{len(batch)}], one per kept completion")
+        num_tokens = float(mask.sum()) if num_tokens is None else float(num_tokens)
+        num_seqs = float(len(batch)) if num_seqs is None else float(num_seqs)
         self.model.train()
         totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipfrac": 0.0, "ratio_max": 0.0}
         grad_norm = 0.0
@@ -174,6 +183,8 @@ class HFPolicy:
                     per_token = pg + cfg.beta * kl
                     totals["kl"] += float((kl.detach() * m).sum()) / num_tokens / cfg.mu
                 agg = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs, norm_constant=norm_constant)
+                if weights is not None:
+                    agg["weights"] = weights[rows].to(self.device)
                 loss = aggregate_loss(per_token, m, cfg.loss_agg, **agg)
                 loss.backward()
                 self.rows_seen["update"] += len(rows)
