@@ -129,6 +129,14 @@ class MegatronActor:
                                    temperature=self.cfg.loss.temperature, counter=counter)
         t_ref = time.perf_counter()
         batch = UpdateBatch(toks, masks, res.advantages, old, ref)
+        if res.weighted:
+            # importance: 1/pi weights and the full generated batch's denominators (HT loss)
+            from ..distributed import global_sum
+
+            full_tokens = global_sum(sum(float(torch.as_tensor(m).float().sum()) for m in loss_masks),
+                                     group=self.dp_group)
+            batch = UpdateBatch(toks, masks, res.advantages, old, ref, weights=res.weights,
+                                full_denominators=(full_tokens, float(res.num_total)))
         metrics: dict = {}
         for _ in range(self.cfg.mu):
             upd = policy_update(self.model, self.optimizer, batch, self.cfg.loss,
