@@ -8,6 +8,9 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 
+LOGPROBS_MODES = ("raw", "processed")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1  # completions per prompt (G)
@@ -15,6 +18,12 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 8
     logprobs: bool = False  # also return the sampler's log-prob of each generated token
+    top_k: int = 0  # 0 = off (veRL and vLLM say -1)
+    repetition_penalty: float = 1.0
+    # "raw": log-softmax of the model's logits (the policy's own log-probs, what the trainer
+    # computes); "processed": after temperature/top-k/top-p, the distribution actually
+    # sampled from (vLLM's and veRL's default, `processed_logprobs`)
+    logprobs_mode: str = "raw"
     # None: the engine's own random stream (the global torch RNG for HF, vLLM's engine
     # seed); an int: the same prompts with the same seed give the same samples, across
     # restarts too, without any engine state to save
@@ -27,6 +36,12 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k must be >= -1 (0 or -1: off), got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"SamplingParams.logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.seed is not None and not 0 <= self.seed < 1 << 63:

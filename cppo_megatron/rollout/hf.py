@@ -77,18 +77,22 @@ class HFEngine(RolloutEngine):
             do_sample=not greedy,
             temperature=None if greedy else params.temperature,
             top_p=None if greedy else params.top_p,
-            top_k=None if greedy else 0,
+            top_k=None if greedy else max(params.top_k, 0),
+            repetition_penalty=None if params.repetition_penalty == 1.0 else params.repetition_penalty,
             max_new_tokens=params.max_new_tokens,
             num_return_sequences=params.n,
             eos_token_id=self.eos_id,
             pad_token_id=self.pad_id,
             return_dict_in_generate=True,
-            output_logits=want_logits,
+            output_logits=want_logits and params.logprobs_mode == "raw",
+            output_scores=want_logits and params.logprobs_mode == "processed",
         )
         gen = out.sequences[:, width:].cpu()
         if want_logits:
-            # raw (untempered) logits: the policy's own log-probs, as the trainer computes them
-            step_logp = torch.stack([torch.log_softmax(l.float(), -1) for l in out.logits], 1).cpu()
+            # raw: untempered logits, the policy's own log-probs as the trainer computes them;
+            # processed: the scores after temperature/top-k/top-p, the distribution sampled from
+            steps = out.logits if params.logprobs_mode == "raw" else out.scores
+            step_logp = torch.stack([torch.log_softmax(l.float(), -1) for l in steps], 1).cpu()
         for row in range(gen.shape[0]):
             seq = gen[row].tolist()
             if self.eos_id in seq:

@@ -37,9 +37,13 @@ __all__ = [
 
 
 def load() -> None:
-    """Register the estimator and install the hook (idempotent)."""
+    """Register the estimator, install the hook and, with ``VERL_PLATFORM=cpu``, the CPU mode
+    (idempotent)."""
+    from . import cpu
+
     register_estimator()
     install()
+    cpu.enable()
 
 
 load()

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.abc
-import importlib.machinery
 import math
 import sys
 from typing import Any
@@ -32,6 +30,8 @@ import numpy as np
 import torch
 
 from ...core import balance_partitions, prune, sequence_workload
+from . import importhook
+from .importhook import after_import
 from .runconfig import cppo_config_from, is_cppo
 from .stats import GroupRecord, record_groups
 
@@ -294,49 +294,14 @@ def _patch_module(module) -> bool:
     return True
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Wraps the loaders of the hooked veRL modules so the hook goes in as they are imported:
-    processes that never import a trainer (Ray workers) pay nothing."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in HOOK_TARGETS:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _PatchingLoader(spec.loader)
-                return spec
-        return None
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, inner):
-        self.inner = inner
-
-    def create_module(self, spec):
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module):
-        self.inner.exec_module(module)
-        _patch_module(module)
-
-
-_FINDER = _PatchOnImport()
-
-
 def install() -> list[str]:
-    """Hook both loops: patch the modules already imported, patch the others on import.
+    """Hook both loops: patch the modules already imported, patch the others as they are
+    imported (``importhook``: Ray workers that never import a trainer pay nothing).
     Idempotent. Returns the modules patched now."""
-    patched = []
+    already = [name for name in HOOK_TARGETS if name in sys.modules and not is_installed(name)]
     for name in HOOK_TARGETS:
-        module = sys.modules.get(name)
-        if module is not None and _patch_module(module):
-            patched.append(name)
-    if _FINDER not in sys.meta_path:
-        sys.meta_path.insert(0, _FINDER)
-    return patched
+        after_import(name, _patch_module)
+    return already
 
 
 def is_installed(module_name: str) -> bool:
@@ -348,8 +313,7 @@ def is_installed(module_name: str) -> bool:
 
 def uninstall() -> None:
     """Remove the hook (tests)."""
-    if _FINDER in sys.meta_path:
-        sys.meta_path.remove(_FINDER)
+    importhook.remove(_patch_module)
     for name, clsname in HOOK_TARGETS.items():
         module = sys.modules.get(name)
         if module is None:

@@ -14,8 +14,13 @@ plugin to the Ray processes and hands the config to veRL's own ``main_ppo`` body
         --config-name=qwen2.5-1.5b-gsm8k-cppo data.train_files=...
     python -m cppo_megatron.integrations.verl.main --config-name=cppo_megatron_trainer ...
 
+A recipe file may come first instead of ``--config-path``/``--config-name``:
+
+    python -m cppo_megatron.integrations.verl.main recipes/verl/tiny_cpu_cppo.yaml trainer.total_training_steps=4
+
 ``--cppo-dry-run`` (before the hydra arguments) prints the composed config after the CPPO
-changes and exits without starting Ray.
+changes and exits without starting Ray. With ``trainer.device=cpu`` the run is prepared for
+the CPU mode first (``cpu.prepare``: start model, data, environment).
 """
 
 from __future__ import annotations
@@ -32,9 +37,14 @@ def run(config, *, dry_run: bool = False):
     from omegaconf import OmegaConf
 
     from . import load
+    from .cpu.prepare import prepare_cpu_run
     from .runconfig import prepare
 
     load()
+    cpu_run = None if dry_run else prepare_cpu_run(config)
+    if cpu_run is not None:
+        print(cpu_run.describe())
+        load()  # VERL_PLATFORM=cpu is set now: install the CPU mode in this process too
     plan = prepare(config)
     print(plan.describe() if plan is not None else "cppo: algorithm.adv_estimator is not cppo; plain veRL run")
     if dry_run:
@@ -47,12 +57,23 @@ def run(config, *, dry_run: bool = False):
     return plan
 
 
+def recipe_args(argv: list[str]) -> list[str]:
+    """``RECIPE.yaml [overrides]`` -> hydra's ``--config-path=DIR --config-name=STEM [overrides]``."""
+    if argv and argv[0].endswith((".yaml", ".yml")) and not argv[0].startswith("-"):
+        path = os.path.abspath(argv[0])
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"veRL recipe {argv[0]!r} not found")
+        stem = os.path.splitext(os.path.basename(path))[0]
+        return [f"--config-path={os.path.dirname(path)}", f"--config-name={stem}", *argv[1:]]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> None:
     import hydra
 
     argv = list(sys.argv[1:] if argv is None else argv)
     dry_run = DRY_RUN_FLAG in argv
-    argv = [a for a in argv if a != DRY_RUN_FLAG]
+    argv = recipe_args([a for a in argv if a != DRY_RUN_FLAG])
     sys.argv = [sys.argv[0]] + argv
 
     @hydra.main(config_path=CONFIG_DIR, config_name="cppo_trainer", version_base=None)

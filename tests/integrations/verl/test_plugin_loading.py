@@ -15,10 +15,12 @@ import json, sys
 import verl
 from verl.trainer.ppo import core_algos
 hook = sys.modules.get("cppo_megatron.integrations.verl.hook")
+importhook = sys.modules.get("cppo_megatron.integrations.verl.importhook")
 print(json.dumps({
     "loaded": "cppo_megatron.integrations.verl" in sys.modules,
     "estimator": getattr(core_algos.ADV_ESTIMATOR_REGISTRY.get("cppo"), "__module__", None),
-    "finder": hook is not None and hook._FINDER in sys.meta_path,
+    "finder": hook is not None and importhook._FINDER in sys.meta_path
+              and "verl.trainer.ppo.v1.trainer_base" in importhook.pending(hook._patch_module),
     "trainer_imported": "verl.trainer.ppo.v1.trainer_base" in sys.modules,
 }))
 """

@@ -1,0 +1,61 @@
+"""CPU mode for veRL 0.9.1: the unmodified veRL loop (V1 ``main_ppo`` and the legacy
+``RayPPOTrainer``) on a machine without a GPU.
+
+Switched on explicitly, never by auto-detection: ``trainer.device=cpu`` in a run of
+``cppo-megatron verl`` (which then sets ``VERL_PLATFORM=cpu`` for the driver and every Ray
+process), or ``VERL_PLATFORM=cpu`` with veRL's own entry point. Then, in every process that
+imports veRL (the plugin is loaded by ``import verl``):
+
+- ``platform``: a ``cpu`` device platform (gloo, no-op device memory calls, logical Ray GPUs);
+- ``seams``: veRL's FSDP engines registered for device ``cpu``, the gloo process group, and
+  the reference engine's offload policy without pinned memory;
+- ``rollout``: an HF-``generate`` rollout (``actor_rollout_ref.rollout.name=hf``) — replica,
+  server actor and worker adapter. It is registered on every platform (a rollout name that
+  nobody selects changes nothing); the rest only with ``VERL_PLATFORM=cpu``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..importhook import after_import
+
+__all__ = ["ENV", "enable", "enabled", "register_rollout"]
+
+ENV = "VERL_PLATFORM"
+
+
+def enabled() -> bool:
+    """True when this process runs veRL on the CPU platform (``VERL_PLATFORM=cpu``)."""
+    return os.environ.get(ENV, "").strip().lower() == "cpu"
+
+
+def _register_replica(module) -> None:
+    from .rollout import ROLLOUT_NAME, load_replica_class
+
+    module.RolloutReplicaRegistry.register(ROLLOUT_NAME, load_replica_class)
+
+
+def _register_adapter(module) -> None:
+    from .rollout import ADAPTER_PATH, ROLLOUT_NAME
+
+    module._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = ADAPTER_PATH
+
+
+def register_rollout() -> None:
+    """Register the ``hf`` rollout with veRL's trainer-side and worker-side registries."""
+    after_import("verl.workers.rollout.replica", _register_replica)
+    after_import("verl.workers.rollout.base", _register_adapter)
+
+
+def enable() -> bool:
+    """Install the CPU mode in this process when ``VERL_PLATFORM=cpu``; returns whether it did.
+    The ``hf`` rollout is registered either way."""
+    register_rollout()
+    if not enabled():
+        return False
+    from . import platform, seams
+
+    platform.register()
+    seams.install()
+    return True
