@@ -76,11 +76,15 @@ def test_trainer_passes_selection_weights_and_full_denominators(micro_recipe, mo
 
 
 def test_keep_mass_trains_with_fill_rounds(micro_recipe):
-    t = Trainer(micro_recipe("cppo.pruning_rate=null", "cppo.keep_mass=0.9", "rollout.group_size=4",
+    # f = 0.3 keeps about one completion per group with signal, none of the flat groups: the
+    # first round (planned at G/2 = 2 survivors per prompt) cannot fill the capacity of 16
+    t = Trainer(micro_recipe("cppo.pruning_rate=null", "cppo.keep_mass=0.3", "rollout.group_size=4",
                              "train.steps=2"))
     t.prepare(initial_eval=False)
-    for _ in range(2):
-        rec = t.step_once()
+    first = t.step_once()
+    assert first["alloc/prompts_planned"] == 8 and first["alloc/fill_rounds"] >= 1
+    assert first["alloc/prompts_drawn"] > 8
+    for rec in (first, t.step_once()):
         # the fill rounds stop when the survivors fill the capacity (16) or after max_refill_rounds
         assert rec["cppo/num_kept"] >= 16 or rec["alloc/fill_rounds"] == t.r.cppo.max_refill_rounds
         assert rec["alloc/prompts_drawn"] * 4 == rec["cppo/num_completions"]
