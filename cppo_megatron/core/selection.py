@@ -335,7 +335,7 @@ def select_completions(
         )
         k_pool = k_distinct[size_inv]
 
-    weight_full = torch.ones(n, dtype=torch.float64)
+    weight_full = None  # [N] 1/pi, importance only (the deterministic metrics weigh 1.0)
     if metric == "importance":
         gen = seeded_generator(seed, step, stream=IMPORTANCE_STREAM)
         # a seeded random order within each pool makes the systematic design "randomised"
@@ -343,6 +343,7 @@ def select_completions(
         pi = inclusion_probabilities(a_cpu.abs()[index], valid, k_pool)
         chosen, pi_exact = systematic_sample(pi, valid, k_pool, gen)
         kept = index[chosen]
+        weight_full = torch.ones(n, dtype=torch.float64)
         weight_full[kept] = 1.0 / pi_exact[chosen]
     else:
         # k per pool; members ranked by a stable sort of the global order on pool
@@ -369,6 +370,6 @@ def select_completions(
         scope=scope,
         metric=metric,
         use_abs=use_abs,
-        weights=weight_full[kept].to(torch.float32),
+        weights=None if weight_full is None else weight_full[kept].to(torch.float32),
         keep_mass=keep_mass,
     )
