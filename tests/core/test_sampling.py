@@ -89,7 +89,7 @@ def test_batch_scope_importance_is_unbiased():
     x = torch.randn(12, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     cfg = CPPOConfig(metric="importance", pruning_rate=0.75, scope="batch", seed=2)
     est = []
-    for step in range(1500):
+    for step in range(800):
         res = prune(rewards, g, cfg, step=step)
         s = res.selection
         assert s.num_kept == 3
@@ -123,7 +123,7 @@ def _pad(rows):
     return scores, valid
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(pools())
 def test_inclusion_probabilities_sum_to_k_capped_and_proportional(case):
     rows, ks = case
@@ -168,7 +168,7 @@ def _brute_min_count(energy, f):
     raise AssertionError("unreachable")
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]), min_size=1, max_size=8), min_size=1,
                 max_size=5),
        st.sampled_from([0.1, 0.5, 0.7, 0.9, 0.95, 1.0]))
