@@ -153,6 +153,11 @@ def systematic_sample(
         pi_exact: [M, W] float64, the inclusion probabilities the design realises
             (pi rounded to multiples of 2^-40); survivors' weights are 1 / pi_exact.
     """
+    if k.numel() and int(k.max()) >= (1 << 62) // PI_SCALE:
+        raise ValueError(
+            f"sample size k={int(k.max())} is too large for the int64 design (at most {(1 << 62) // PI_SCALE - 1} "
+            "per pool); use scope=group"
+        )
     pint = _integer_probabilities(pi, valid, k)
     upper = torch.cumsum(pint, dim=1)
     lower = upper - pint
