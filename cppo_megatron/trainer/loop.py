@@ -26,6 +26,7 @@ no checkpoint is written (resume continues from the previous one).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
@@ -337,10 +338,14 @@ class Trainer:
         timer = PhaseTimer(self.device, on_enter=self._enter_phase)
         t_step = time.perf_counter()
         batch = collect_groups(self.rollout, self.planner, self.sampler, group_size=r.rollout.group_size,
-                               dynamic_sampling=r.cppo.dynamic_sampling, step=self.step, timer=timer)
+                               dynamic_sampling=r.cppo.dynamic_sampling, step=self.step, timer=timer,
+                               cppo_cfg=r.cppo)
         with timer.phase("cppo"):
             surv = select_survivors(batch, r.cppo, self.planner, step=self.step)
             rows = self.policy.place(batch, surv.kept, surv.advantages)
+            if surv.full_denominators is not None:  # importance: the weights travel with the placed rows
+                rows = dataclasses.replace(rows, weights=surv.weights[rows.rows],
+                                           full_denominators=surv.full_denominators)
         old = ref = None
         if self.policy.needs_old_logprobs(r.train.mu):
             with timer.phase("old_logprob"):

@@ -107,6 +107,19 @@ def check_compatible(config: Any) -> None:
             "(actor_rollout_ref.actor.use_kl_loss=True), as the paper does."
         )
     cfg = cppo_config_from(config)
+    if cfg.metric == "importance":
+        raise ValueError(
+            "cppo.metric=importance is not supported under veRL: its 1/pi weights would have to reach "
+            "veRL's policy loss per row, through _balance_batch's reordering and the V1 loop's fixed field "
+            "list, and veRL's loss divides by the kept set's tokens, not the full batch's. Use the embedded "
+            "trainer or the Megatron backend (`cppo-megatron train`), or metric=smallest."
+        )
+    if cfg.keep_mass is not None:
+        raise ValueError(
+            f"cppo.keep_mass={cfg.keep_mass} is not supported under veRL: veRL's batch and mini-batch "
+            "sizes are fixed per step and sized from a fixed k per prompt. Set cppo.pruning_rate or "
+            "cppo.keep_per_group (keep_mass runs in the embedded trainer)."
+        )
     if not bool(algorithm.get("norm_adv_by_std_in_grpo", True)) and cfg.adv_norm == "std":
         raise ValueError(
             "algorithm.norm_adv_by_std_in_grpo=False (Dr. GRPO) but cppo.adv_norm=std: the cppo "

@@ -81,11 +81,20 @@ def test_allocation_errors_name_the_value(config):
         ("algorithm.use_kl_in_reward", True, "use_kl_in_reward"),
         ("algorithm.filter_groups.enable", True, "filter_groups"),
         ("algorithm.norm_adv_by_std_in_grpo", False, "cppo.adv_norm=none"),
+        ("cppo.metric", "importance", "metric=importance is not supported under veRL"),
     ],
 )
 def test_incompatible_settings(config, key, value, match):
     OmegaConf.update(config, key, value, force_add=True)
     with pytest.raises(ValueError, match=match):
+        check_compatible(config)
+
+
+def test_keep_mass_is_refused(config):
+    with open_dict(config):
+        config.cppo.pruning_rate = None
+        config.cppo.keep_mass = 0.9
+    with pytest.raises(ValueError, match="keep_mass=0.9 is not supported under veRL"):
         check_compatible(config)
 
 
