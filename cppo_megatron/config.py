@@ -19,7 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from .core.advantage import ADV_NORMS
-from .core.selection import DEFAULT_PRUNING_RATE, METRICS, SCOPES, keep_count
+from .core.selection import (
+    DEFAULT_PRUNING_RATE,
+    KEEP_MASS_METRICS,
+    MAGNITUDE_METRICS,
+    METRICS,
+    SCOPES,
+    keep_count,
+)
 
 __all__ = ["ADV_NORMS", "CPPOConfig", "DEFAULT_PRUNING_RATE", "ESTIMATOR_NAME", "METRICS", "SCOPES", "setting"]
 
@@ -90,9 +97,21 @@ class CPPOConfig:
     keep_per_group: int | None = setting(None, """k, an alternative to pruning_rate: keep exactly k completions
         of every group (scope=group) or k * num_groups across the batch (scope=batch). Set either this or
         pruning_rate, not both.""")
+    keep_mass: float | None = setting(None, """f in (0, 1], an adaptive alternative to pruning_rate /
+        keep_per_group (beyond the paper): per group keep the fewest completions whose A^2 reaches f of the group's
+        A^2 total (scope=batch: of the batch's); zero-variance groups keep none. A^2, not |A|: if the completions'
+        score-function gradients are roughly orthogonal and of similar norm, the squared norm of a group's policy
+        gradient is proportional to sum A_i^2, so f is the share of gradient energy kept (relative norm error
+        about sqrt(1 - f)); |A| mass would make a 1-of-16 group need 8 completions to reach f = 0.5 although its
+        single correct answer carries 94% of the A^2. With allocation the planner draws prompts in fill rounds
+        until the survivors fill the update capacity. Works with metric smallest (top-k_g by |A|) or importance
+        (a PPS sample of k_g).""")
     metric: str = setting("smallest", """which completions to prune. smallest (CPPO):
         prune the smallest score, keep the completions whose advantage teaches the most. largest: prune the
-        largest score (the paper's worst ablation). random: prune uniformly at random (seeded).""", choices=METRICS)
+        largest score (the paper's worst ablation). random: prune uniformly at random (seeded). importance
+        (beyond the paper): keep exactly k by randomised systematic sampling with inclusion probabilities pi
+        proportional to |A| (capped at 1) and weight each survivor's loss by 1/pi, an unbiased
+        (Horvitz-Thompson) estimate of the full-group loss (core.sampling).""", choices=METRICS)
     use_abs: bool = setting(True, """score = |A| when true (CPPO). false scores by the signed advantage A, the
         paper's "raw advantage" ablation (keeps the best completions, drops the worst).""")
     scope: str = setting("group", """group keeps k = floor(G (1 - P)) per prompt, as
@@ -143,6 +162,24 @@ class CPPOConfig:
             if isinstance(k, bool) or not isinstance(k, int) or k < 1:
                 raise ValueError(f"CPPOConfig.keep_per_group must be an integer >= 1, got {k!r}")
         _check_choice("metric", self.metric, METRICS)
+        if self.keep_mass is not None:
+            f = self.keep_mass
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0:
+                raise ValueError(f"CPPOConfig.keep_mass must be a number in (0, 1], got {f!r}")
+            if self.pruning_rate is not None or self.keep_per_group is not None:
+                raise ValueError(
+                    f"CPPOConfig: keep_mass={f} decides the count per group itself; unset pruning_rate "
+                    f"({self.pruning_rate}) and keep_per_group ({self.keep_per_group})"
+                )
+            if self.metric not in KEEP_MASS_METRICS:
+                raise ValueError(
+                    f"CPPOConfig: keep_mass works with metric in {list(KEEP_MASS_METRICS)}, got "
+                    f"metric={self.metric!r}"
+                )
+        if self.metric in MAGNITUDE_METRICS and self.use_abs is False:
+            raise ValueError(
+                f"CPPOConfig: metric={self.metric!r} samples in proportion to |A|; set use_abs=true"
+            )
         _check_choice("scope", self.scope, SCOPES)
         _check_choice("adv_norm", self.adv_norm, ADV_NORMS)
         for name in ("use_abs", "allocation", "dynamic_sampling", "rebalance", "equal_size"):
@@ -173,13 +210,19 @@ class CPPOConfig:
     @property
     def is_grpo(self) -> bool:
         """True when nothing is pruned (P = 0): the run is plain GRPO."""
-        return self.keep_per_group is None and self.rate == 0.0
+        return self.keep_per_group is None and self.keep_mass is None and self.rate == 0.0
 
     def keep_for_group(self, group_size: int) -> int:
         """k for a group of ``group_size`` completions: floor(G (1 - P)), at least 1.
 
-        With ``keep_per_group`` set, that k; a group smaller than k is an error.
+        With ``keep_per_group`` set, that k; a group smaller than k is an error. With
+        ``keep_mass`` there is no fixed k (it is decided per group from the advantages).
         """
+        if self.keep_mass is not None:
+            raise ValueError(
+                f"keep_mass={self.keep_mass} has no fixed k per group: the count is decided per group "
+                "from the advantages (this host needs pruning_rate or keep_per_group)"
+            )
         return keep_count(group_size, self.pruning_rate, self.keep_per_group)
 
     def rate_for_group(self, group_size: int) -> float:
@@ -193,7 +236,7 @@ class CPPOConfig:
         G = 1: a lone completion's advantage is 0, nothing tells survivors apart. k >= G
         (group scope): every completion is kept. Launchers print it as a warning.
         """
-        if self.is_grpo:
+        if self.is_grpo or self.keep_mass is not None:  # keep_mass: k is decided per group at run time
             return None
         what = f"keep_per_group={self.keep_per_group}" if self.keep_per_group is not None else f"P={self.rate:g}"
         if group_size == 1:
@@ -230,11 +273,12 @@ class CPPOConfig:
 
     def describe(self) -> str:
         """One line for logs: the settings a reader needs to interpret a run."""
-        what = (
-            f"keep_per_group={self.keep_per_group}"
-            if self.keep_per_group is not None
-            else f"pruning_rate={self.rate:g}"
-        )
+        if self.keep_mass is not None:
+            what = f"keep_mass={self.keep_mass:g}"
+        elif self.keep_per_group is not None:
+            what = f"keep_per_group={self.keep_per_group}"
+        else:
+            what = f"pruning_rate={self.rate:g}"
         return (
             f"CPPO {what} metric={self.metric} use_abs={self.use_abs} scope={self.scope} "
             f"adv_norm={self.adv_norm} eps={self.eps:g} allocation={self.allocation} "

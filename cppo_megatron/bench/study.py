@@ -1,6 +1,11 @@
 """study: pruning rates x metrics x allocation x seeds at equal time budgets, plus a
 supervised control, on one recipe. Answers: does CPPO with allocation beat GRPO at equal
-time, and does the paper's ordering smallest > random > largest hold at this scale?
+time, does the paper's ordering smallest > random > largest hold at this scale, and do
+the beyond-the-paper selections (``importance``, ``keep_mass``) beat CPPO?
+
+Every run is also read at equal prompts drawn (the paper's comparison: accuracy after the
+same training data): each pruned run is evaluated once more when its prompts drawn reach
+the final count of the same seed's GRPO run (``accuracy_at_grpo_prompts``).
 
 Every run starts from the same warm-up weights and gets the same RL time budget
 (``--budget`` seconds on ``--clock``: ``wall``, or ``cpu`` = this process's CPU time,
@@ -22,6 +27,7 @@ import math
 import statistics
 import time
 from pathlib import Path
+from typing import Optional
 
 from .report import Report, publish
 from .speedup import _override, warm_start
@@ -33,6 +39,8 @@ METRIC_SETTINGS = {  # name -> (cppo.metric, cppo.use_abs)
     "largest": ("largest", True),
     "random": ("random", True),
     "signed": ("smallest", False),
+    "importance": ("importance", True),  # 1/pi-weighted PPS sample (core.sampling)
+    "keep_mass": ("smallest", True),  # adaptive k: one run per seed, --keep-mass f instead of P
 }
 
 
@@ -41,7 +49,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="recipe overrides key=value (applied to every run)")
     parser.add_argument("--rates", default=None, help=f"comma-separated P (default {DEFAULT['rates']})")
     parser.add_argument("--metrics", default=None,
-                        help=f"comma-separated of smallest,largest,random,signed (default {DEFAULT['metrics']})")
+                        help=f"comma-separated of {','.join(METRIC_SETTINGS)} (default {DEFAULT['metrics']}); "
+                             "keep_mass runs once per seed with --keep-mass, not per P")
+    parser.add_argument("--keep-mass", type=float, default=0.9, help="f of the keep_mass runs (default 0.9)")
     parser.add_argument("--allocation", choices=["on", "off", "both"], default=None, help="default on")
     parser.add_argument("--full", action="store_true", help=f"the full grid: {FULL}")
     parser.add_argument("--seeds", type=int, default=3,
@@ -67,17 +77,27 @@ def grid(args) -> list[dict]:
     if unknown:
         raise ValueError(f"--metrics: unknown {unknown}; choose from {list(METRIC_SETTINGS)}")
     allocs = {"on": [True], "off": [False], "both": [True, False]}[spec["allocation"]]
+    f = getattr(args, "keep_mass", 0.9)
+    if "keep_mass" in metrics and not (0 < f <= 1):
+        raise ValueError(f"--keep-mass must be in (0, 1], got {f}")
+    per_p = [m for m in metrics if m != "keep_mass"] or ["smallest"]
     runs = []
     for seed in range(args.seeds):
         for p in rates:
             for a in allocs:
                 # at P = 0 nothing is pruned: metric and allocation change nothing
-                for m in ([metrics[0]] if p == 0 else metrics):
+                for m in ([per_p[0]] if p == 0 else [m for m in metrics if m != "keep_mass"]):
                     if p == 0 and a != allocs[0]:
                         continue
-                    runs.append({"kind": "rl", "P": p, "metric": "grpo" if p == 0 else m, "allocation": a, "seed": seed})
+                    runs.append({"kind": "rl", "P": p, "metric": "grpo" if p == 0 else m, "allocation": a, "seed": seed,
+                                 "keep_mass": None})
+        if "keep_mass" in metrics:
+            for a in allocs:
+                runs.append({"kind": "rl", "P": None, "metric": "keep_mass", "allocation": a, "seed": seed,
+                             "keep_mass": f})
         if not args.no_control:
-            runs.append({"kind": "control", "P": None, "metric": "sft", "allocation": None, "seed": seed})
+            runs.append({"kind": "control", "P": None, "metric": "sft", "allocation": None, "seed": seed,
+                         "keep_mass": None})
     return runs
 
 
@@ -85,17 +105,22 @@ def _clock(name: str):
     return time.process_time if name == "cpu" else time.perf_counter
 
 
-def run_rl(recipe, warm: Path, spec: dict, budget: float, clock_name: str, evals: int, out: Path) -> dict:
+def run_rl(recipe, warm: Path, spec: dict, budget: float, clock_name: str, evals: int, out: Path,
+           eval_at_prompts: Optional[float] = None) -> dict:
+    """One RL run for ``budget`` seconds; ``eval_at_prompts``: evaluate once more when the
+    prompts drawn first reach this count (the equal-prompts reading)."""
     from ..trainer import Trainer
 
-    metric, use_abs = METRIC_SETTINGS[spec["metric"]] if spec["P"] else ("smallest", True)
+    metric, use_abs = METRIC_SETTINGS[spec["metric"]] if spec["metric"] != "grpo" else ("smallest", True)
+    keep_mass = spec.get("keep_mass") if spec["metric"] == "keep_mass" else None
     r = _override(
         recipe,
         seed=spec["seed"],
         out_dir=str(out / "runs" / _run_id(spec)),
         init_checkpoint=str(warm),
         **{
-            "cppo.pruning_rate": spec["P"], "cppo.keep_per_group": None, "cppo.metric": metric,
+            "cppo.pruning_rate": spec["P"], "cppo.keep_per_group": None, "cppo.keep_mass": keep_mass,
+            "cppo.metric": metric,
             "cppo.use_abs": use_abs, "cppo.allocation": spec["allocation"], "cppo.seed": spec["seed"],
             "warmup.enabled": False, "eval.every": 0, "log.progress": False, "log.tensorboard": False,
             "log.plots": False, "log.checkpoint_every": 0, "train.steps": 10**9, "train.max_time_s": 0.0,
@@ -104,19 +129,27 @@ def run_rl(recipe, warm: Path, spec: dict, budget: float, clock_name: str, evals
     t = Trainer(r)
     t.prepare(initial_eval=False)
     clock = _clock(clock_name)
-    curve = [(0.0, t._evaluate(r.eval.num_problems))]
+    curve = [(0.0, t._evaluate(r.eval.num_problems), 0.0)]
     used, next_eval = 0.0, budget / evals
     last = {}
+    at_prompts = None
     while used < budget:
         c0 = clock()
         last = t.step_once()
         t.logger.log(last, t.step)
         used += clock() - c0
+        drawn = float(last["alloc/total_prompts_drawn"])
+        if at_prompts is None and eval_at_prompts is not None and drawn >= eval_at_prompts:
+            at_prompts = (drawn, t._evaluate(r.eval.num_problems))
         if used >= next_eval or used >= budget:
-            curve.append((used, t._evaluate(r.eval.num_problems)))
+            curve.append((used, t._evaluate(r.eval.num_problems), drawn))
             next_eval += budget / evals
     t.logger.close()
-    return _row(spec, curve, t.step, last)
+    row = _row(spec, curve, t.step, last)
+    if at_prompts is not None:
+        row["prompts_at_grpo_prompts"] = at_prompts[0]
+        row["accuracy_at_grpo_prompts"] = at_prompts[1]["eval/accuracy"]
+    return row
 
 
 def run_control(recipe, warm: Path, spec: dict, budget: float, clock_name: str, out: Path) -> dict:
@@ -139,13 +172,14 @@ def run_control(recipe, warm: Path, spec: dict, budget: float, clock_name: str, 
                       log_fn=lambda rec: None, progress=False, max_time_s=budget, clock=_clock(clock_name))
     after = t._evaluate(r.eval.num_problems)
     t.logger.close()
-    return _row(spec, [(0.0, before), (budget, after)], int(info.get("warmup/steps", 0)), {})
+    return _row(spec, [(0.0, before, None), (budget, after, None)], int(info.get("warmup/steps", 0)), {})
 
 
 def _run_id(spec: dict) -> str:
     if spec["kind"] == "control":
         return f"control_s{spec['seed']}"
-    return f"p{spec['P']:g}_{spec['metric']}_{'alloc' if spec['allocation'] else 'noalloc'}_s{spec['seed']}"
+    what = f"keepmass{spec['keep_mass']:g}" if spec["metric"] == "keep_mass" else f"p{spec['P']:g}_{spec['metric']}"
+    return f"{what}_{'alloc' if spec['allocation'] else 'noalloc'}_s{spec['seed']}"
 
 
 def _row(spec: dict, curve: list, steps: int, last: dict) -> dict:
@@ -160,7 +194,10 @@ def _row(spec: dict, curve: list, steps: int, last: dict) -> dict:
         "prompts_drawn": last.get("alloc/total_prompts_drawn"),
         "completions_generated": last.get("alloc/total_completions_generated"),
         "completions_trained": last.get("alloc/total_completions_kept"),
-        "curve": [[round(tm, 3), ev["eval/accuracy"]] for tm, ev in curve],
+        "accuracy_at_grpo_prompts": None,
+        "prompts_at_grpo_prompts": None,
+        # [time, accuracy, prompts drawn] per evaluation
+        "curve": [[round(tm, 3), ev["eval/accuracy"], pr] for tm, ev, pr in curve],
     }
 
 
@@ -171,8 +208,18 @@ def summarize(rows: list[dict]) -> tuple[list[dict], list[str]]:
     table = []
     for (kind, p, metric, alloc), rs in groups.items():
         accs = [r["accuracy_final"] for r in rs]
+        at_prompts = [r["accuracy_at_grpo_prompts"] for r in rs if r.get("accuracy_at_grpo_prompts") is not None]
+        if p == 0:
+            at_prompts = accs  # GRPO's final evaluation is the equal-prompts point
+        if kind == "control":
+            label = "SFT control"
+        elif metric == "keep_mass":
+            label = f"keep_mass f={rs[0]['keep_mass']:g}{'' if alloc else ' no-alloc'}"
+        else:
+            label = f"P={p:g} {metric}{'' if alloc else ' no-alloc'}"
         table.append({
-            "config": "SFT control" if kind == "control" else f"P={p:g} {metric}{'' if alloc else ' no-alloc'}",
+            "config": label,
+            "acc @ GRPO's prompts": statistics.mean(at_prompts) if at_prompts else None,
             "P": p, "metric": metric, "allocation": alloc, "seeds": len(rs),
             "final acc (mean)": statistics.mean(accs),
             "seed spread (sd)": statistics.stdev(accs) if len(accs) > 1 else float("nan"),
@@ -231,6 +278,20 @@ def _findings(table: list[dict]) -> list[str]:
             else:
                 text += "does not hold in the means"
             out.append(text)
+    cppo = next((t for t in table if t["metric"] == "smallest" and t["P"] and t["allocation"]), None)
+    for t in table:
+        if cppo and t["metric"] in ("importance", "keep_mass") and t["allocation"]:
+            verdict, diff, noise = compare(t, cppo)
+            sd = f"combined seed sd {noise:.3f}" if math.isfinite(noise) else "combined seed sd unknown"
+            head = (f"{t['config']} {verdict} CPPO {cppo['config']} at equal time" if verdict in ("beats", "trails")
+                    else f"{t['config']} vs CPPO {cppo['config']} at equal time: {verdict}")
+            out.append(f"{head}: {t['final acc (mean)']:.3f} vs {cppo['final acc (mean)']:.3f} "
+                       f"(difference {diff:+.3f}, {sd})")
+    if grpo:
+        key = "acc @ GRPO's prompts"
+        eq = [f"{t['config']} {t[key]:.3f}" for t in table if t.get(key) is not None and t["metric"] != "sft"]
+        if len(eq) > 1:  # GRPO and at least one pruned run were read at GRPO's prompts
+            out.append("at equal prompts drawn (GRPO's final count, the paper's comparison): " + ", ".join(eq))
     ctrl = next((t for t in table if t["metric"] == "sft"), None)
     if ctrl:
         out.append(f"supervised control for the same time: {ctrl['final acc (mean)']:.3f}")
@@ -255,11 +316,15 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     csv_path = out / "study.csv"
     t0 = time.perf_counter()
+    grpo_prompts: dict[int, float] = {}  # seed -> prompts drawn by that seed's GRPO run
     for i, spec in enumerate(runs):
         if spec["kind"] == "control":
             row = run_control(recipe, warm, spec, args.budget, args.clock, out)
         else:
-            row = run_rl(recipe, warm, spec, args.budget, args.clock, args.evals, out)
+            row = run_rl(recipe, warm, spec, args.budget, args.clock, args.evals, out,
+                         eval_at_prompts=grpo_prompts.get(spec["seed"]) if spec["P"] != 0 else None)
+            if spec["P"] == 0 and row["prompts_drawn"]:
+                grpo_prompts[spec["seed"]] = float(row["prompts_drawn"])
         rows.append(row)
         _write_csv(csv_path, rows)
         print(f"[{i + 1}/{len(runs)}] {row['run']}: accuracy {row['accuracy_start']:.3f} -> {row['accuracy_final']:.3f} "
@@ -269,7 +334,8 @@ def run(args: argparse.Namespace) -> int:
         name="study",
         title=f"study on {Path(args.recipe).name}: {args.budget:g} s ({args.clock}) per run, {args.seeds} seed(s)",
         params={k: v for k, v in vars(args).items() if k != "func"},
-        columns=["config", "seeds", "final acc (mean)", "seed spread (sd)", "eval stderr", "steps", "prompts", "trained"],
+        columns=["config", "seeds", "final acc (mean)", "seed spread (sd)", "eval stderr", "acc @ GRPO's prompts",
+                 "steps", "prompts", "trained"],
         rows=table,
         notes=findings + [f"total study time {time.perf_counter() - t0:.0f} s"],
         extras={"runs": rows},
@@ -281,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
-    fields = [k for k in rows[0] if k != "curve"] + ["curve"]
+    fields = list(dict.fromkeys(k for r in rows for k in r if k != "curve")) + ["curve"]  # union: keep_mass rows
     with path.open("w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=fields)
         w.writeheader()

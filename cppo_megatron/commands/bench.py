@@ -4,6 +4,7 @@
   cppo-megatron bench verl recipes/verl/tiny_cpu_grpo.yaml [--rate 0.875] [--allocation both] [--steps 6]
   cppo-megatron bench overhead [--sizes 1000,10000,100000,1000000] [--step-seconds S|RUN.json]
   cppo-megatron bench balance  [--ranks 2,8,64,256] [--items-per-rank 16]
+  cppo-megatron bench gradient recipes/tiny_cpu.yaml [--points 0,20,60] [--batches 4]
   cppo-megatron bench BENCHMARK --help
 """
 
@@ -20,6 +21,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "rollout": ("cppo_megatron.bench.rollout", "tokens/s of the HF and vLLM rollout engines (tiny model, SmolLM2-135M)"),
     "overhead": ("cppo_megatron.bench.overhead", "time of advantages + selection + allocation + balancing per step"),
     "balance": ("cppo_megatron.bench.balancing", "our balancer vs veRL's get_seqlen_balanced_partitions vs contiguous split"),
+    "gradient": ("cppo_megatron.bench.gradient",
+                 "cosine / norm error of each kept set's policy gradient vs the full-batch gradient"),
 }
 
 

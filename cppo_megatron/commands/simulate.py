@@ -1,7 +1,8 @@
 """Predict GRPO / CPPO step times on a GPU cluster with a documented cost model.
 
 Per pruning rate: seconds per phase (rollout, reward, sync, overhead, old-policy and
-reference log-probs, update), time per prompt, speedup vs GRPO, the bound S_max from
+reference log-probs, update), time per prompt, speedup vs GRPO split into the batching gain
+(a GRPO generating as many completions per call) x the pruning gain, the bound S_max from
 the GRPO phase split, and the straggler cost of DP imbalance with and without
 rebalancing. The model and its defaults are described in docs/benchmarks.md.
 

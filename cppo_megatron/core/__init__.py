@@ -4,6 +4,7 @@ builds only on the core's choice lists: the two form the innermost layer).
 
 - ``advantage``: full-group GRPO / Dr. GRPO advantages and statistics
 - ``selection``: which completions survive (metric, scope, seeded tie-breaks)
+- ``sampling``: importance sampling (unbiased pruning) and keep_mass counts, vectorised
 - ``allocation``: prompts per step so survivors fill the capacity; prompt accounting
 - ``balance``: sequences -> data-parallel ranks and micro-batches
 - ``loss``: clipped surrogate, KL estimators, loss aggregation over the kept set
@@ -29,6 +30,7 @@ from .loss import (
     token_logprobs,
 )
 from .pipeline import PruneResult, prune
+from .sampling import inclusion_probabilities, mass_keep_counts, systematic_sample
 from .selection import (
     DEFAULT_PRUNING_RATE,
     METRICS,
@@ -59,6 +61,9 @@ __all__ = [
     "balance_partitions",
     "clipped_surrogate",
     "group_advantages",
+    "inclusion_probabilities",
+    "mass_keep_counts",
+    "systematic_sample",
     "keep_count",
     "keep_order",
     "kl_penalty",

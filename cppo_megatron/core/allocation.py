@@ -14,6 +14,7 @@ nothing is lost silently, and ``state_dict`` carries it across restarts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,12 @@ class AllocationPlanner:
         allocation: False draws capacity / G prompts per step (fewer completions train).
         dynamic_sampling: drop zero-variance groups and draw replacements, up to
             ``max_refill_rounds`` extra rounds per step.
+        keep_mass: adaptive counts (``CPPOConfig.keep_mass``): survivors per prompt are not
+            known in advance. The first round draws capacity / (running mean of survivors
+            per drawn prompt; G / 2 before any step) prompts; ``next_fill`` then asks for
+            more until the survivors reach the capacity (up to ``max_refill_rounds`` fill
+            rounds). The last round may overshoot the capacity: trimming survivors would
+            change which completions the rule keeps.
 
     Use per step::
 
@@ -65,6 +72,8 @@ class AllocationPlanner:
         planner.record_round(n, n * G)
         while (extra := planner.next_refill(valid_prompts)) > 0:   # dynamic sampling only
             ...; planner.record_round(extra, extra * G)
+        while (extra := planner.next_fill(num_kept)) > 0:          # keep_mass only
+            ...; planner.record_round(extra, extra * G)                 # and re-select
         stats = planner.end_step(selection, dropped_prompts=d, dropped_completions=d * G)
     """
 
@@ -79,6 +88,7 @@ class AllocationPlanner:
         allocation: bool = True,
         dynamic_sampling: bool = False,
         max_refill_rounds: int = 3,
+        keep_mass: Optional[float] = None,
     ) -> None:
         self.capacity = check_int("capacity", capacity, minimum=1)
         self.group_size = check_int("group_size", group_size, minimum=1)
@@ -88,7 +98,18 @@ class AllocationPlanner:
             raise ValueError(
                 f"set either pruning_rate ({pruning_rate}) or keep_per_group ({keep_per_group}), not both"
             )
-        self.keep = keep_count(group_size, pruning_rate, keep_per_group)
+        if keep_mass is not None:
+            if isinstance(keep_mass, bool) or not isinstance(keep_mass, (int, float)) or not 0 < keep_mass <= 1:
+                raise ValueError(f"keep_mass must be a number in (0, 1], got {keep_mass!r}")
+            if pruning_rate is not None or keep_per_group is not None:
+                raise ValueError(
+                    f"keep_mass={keep_mass} decides the counts itself: unset pruning_rate ({pruning_rate}) "
+                    f"and keep_per_group ({keep_per_group})"
+                )
+        self.keep_mass = keep_mass
+        # keep_mass: a placeholder k (G / 2) for the first plan; the running mean replaces it
+        self.keep = max(1, group_size // 2) if keep_mass is not None else keep_count(
+            group_size, pruning_rate, keep_per_group)
         if not isinstance(allocation, bool) or not isinstance(dynamic_sampling, bool):
             raise ValueError(
                 f"allocation and dynamic_sampling must be booleans, got {allocation!r}, {dynamic_sampling!r}"
@@ -97,7 +118,9 @@ class AllocationPlanner:
         self.dynamic_sampling = dynamic_sampling
         self.max_refill_rounds = check_int("max_refill_rounds", max_refill_rounds, minimum=0)
 
-        if scope == "batch" and keep_per_group is None:
+        if keep_mass is not None:
+            survivors = Fraction(group_size, 2)
+        elif scope == "batch" and keep_per_group is None:
             p = DEFAULT_PRUNING_RATE if pruning_rate is None else pruning_rate
             # limit_denominator turns binary floats like 0.6 into the 3/5 the user meant
             survivors = Fraction(group_size) * (1 - Fraction(p).limit_denominator(1_000_000))
@@ -129,7 +152,22 @@ class AllocationPlanner:
             allocation=cfg.allocation,
             dynamic_sampling=cfg.dynamic_sampling,
             max_refill_rounds=cfg.max_refill_rounds,
+            keep_mass=getattr(cfg, "keep_mass", None),
         )
+
+    @property
+    def adaptive(self) -> bool:
+        """True when survivors per prompt vary (keep_mass) and ``next_fill`` tops steps up."""
+        return self.keep_mass is not None and self.allocation
+
+    def survivors_estimate(self, kept_so_far: int = 0) -> float:
+        """Mean survivors per drawn prompt so far in the run (this step's ``kept_so_far``
+        included); the configured survivors per prompt before anything was drawn."""
+        drawn = self.totals.prompts_drawn + (self._open["drawn"] if self._open is not None else 0)
+        kept = self.totals.completions_kept + kept_so_far
+        if drawn == 0 or kept == 0:
+            return float(self.survivors_per_prompt)
+        return kept / drawn
 
     # ------------------------------------------------------------------ per step
     def begin_step(self) -> int:
@@ -137,11 +175,15 @@ class AllocationPlanner:
         floor(carry + capacity / survivors-per-prompt), the remainder carried to the next step."""
         if self._open is not None:
             raise RuntimeError("begin_step called twice without end_step")
-        self._carry += self.prompts_per_step
-        target = int(self._carry)  # floor: Fraction >= 0
-        self._carry -= target
+        if self.adaptive:
+            # plan from the running mean (fill rounds top up); at most `capacity` prompts
+            target = max(1, min(self.capacity, int(self.capacity / self.survivors_estimate())))
+        else:
+            self._carry += self.prompts_per_step
+            target = int(self._carry)  # floor: Fraction >= 0
+            self._carry -= target
         self.totals.prompts_planned += target
-        self._open = {"target": target, "drawn": 0, "generated": 0, "rounds": 0}
+        self._open = {"target": target, "drawn": 0, "generated": 0, "rounds": 0, "fill_rounds": 0}
         return target
 
     def record_round(self, prompts: int, completions: int) -> None:
@@ -169,6 +211,19 @@ class AllocationPlanner:
             return 0
         st["rounds"] += 1
         return need
+
+    def next_fill(self, num_kept: int) -> int:
+        """keep_mass with allocation: prompts to draw in another round so that the survivors
+        (``num_kept``, the selection over everything drawn so far this step) reach the
+        capacity; 0 when full, when counts are fixed, or after ``max_refill_rounds`` fills."""
+        st = self._require_open("next_fill")
+        check_int("num_kept", num_kept, minimum=0)
+        if not self.adaptive or num_kept >= self.capacity or st["fill_rounds"] >= self.max_refill_rounds:
+            return 0
+        st["fill_rounds"] += 1
+        need = self.capacity - num_kept
+        # ceil(need / mean survivors per prompt), at least 1, at most `need` prompts
+        return max(1, min(need, math.ceil(need / max(self.survivors_estimate(num_kept), 1e-9))))
 
     def end_step(
         self,
@@ -213,7 +268,7 @@ class AllocationPlanner:
         t.completions_kept += selection.num_kept
         t.completions_pruned += selection.num_pruned
         t.completions_dropped += dropped_completions
-        t.refill_rounds += st["rounds"]
+        t.refill_rounds += st["rounds"] + st["fill_rounds"]
         self._open = None
         return {
             "alloc/prompts_planned": float(st["target"]),
@@ -224,6 +279,7 @@ class AllocationPlanner:
             "alloc/completions_trained": float(selection.num_kept),
             "alloc/capacity_fill": selection.num_kept / self.capacity,
             "alloc/refill_rounds": float(st["rounds"]),
+            "alloc/fill_rounds": float(st["fill_rounds"]),
         }
 
     def _require_open(self, what: str) -> dict[str, int]:

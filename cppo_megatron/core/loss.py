@@ -40,6 +40,7 @@ def aggregate_loss(
     global_num_tokens: float | None = None,
     global_num_seqs: float | None = None,
     norm_constant: float | None = None,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss to a scalar.
 
@@ -52,12 +53,25 @@ def aggregate_loss(
         global_num_tokens: token denominator over the kept set on all ranks (token-mean).
         global_num_seqs: sequence denominator over the kept set on all ranks (seq-* modes).
         norm_constant: Dr. GRPO's constant (default T, the generation budget).
+        weights: [N] optional per-sequence weights (``Selection.weights``: 1 / pi_i for
+            ``metric=importance``), multiplying every token of their sequence.
 
     Returns:
         [] scalar in the dtype of ``loss``, differentiable.
 
     Without the global denominators the local batch's own are used. Sequences with no
     counted token do not count as sequences.
+
+    With ``weights`` each mode's numerator becomes a Horvitz-Thompson estimate of the
+    full (unpruned) batch's numerator: ``token-mean`` sums w_i l_it, the ``seq-*`` modes
+    sum w_i times each sequence's token mean / token sum. The denominators are constants
+    of the full-batch loss, so for an unbiased estimate pass the FULL batch's counts
+    (every generated completion, kept or pruned, on all ranks) as ``global_num_tokens`` /
+    ``global_num_seqs``; the three ``seq-*`` modes are then exactly unbiased. Without them
+    the local defaults become the HT estimates sum_i w_i T_i (tokens) and sum_i w_i
+    (sequences): a ratio estimator, consistent but not unbiased. ``token-mean`` with
+    weights means "weighted tokens over the full batch's tokens": the estimate of the mean
+    per-token loss over every generated token. All-ones weights give the unweighted result.
     """
     _check_pair("loss", loss, "mask", mask)
     if loss.dim() != 2:
@@ -69,15 +83,32 @@ def aggregate_loss(
         if v is not None and not (float(v) > 0):
             raise ValueError(f"{name} must be > 0, got {v!r}")
     m = mask.to(loss.dtype)
+    if weights is not None:
+        if not isinstance(weights, torch.Tensor) or weights.shape != loss.shape[:1]:
+            raise ValueError(
+                f"weights must be a [N] tensor for {loss.shape[0]} sequences, got "
+                f"{tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__}"
+            )
+        if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
+            raise ValueError("weights must be finite and >= 0 (Selection.weights are 1 / pi_i)")
+        w = weights.to(device=loss.device, dtype=loss.dtype)
+    else:
+        w = None
     masked = loss * m
     if mode == "token-mean":
-        denom = float(global_num_tokens) if global_num_tokens is not None else m.sum().clamp_min(1.0)
-        return masked.sum() / denom
+        if w is None:
+            denom = float(global_num_tokens) if global_num_tokens is not None else m.sum().clamp_min(1.0)
+            return masked.sum() / denom
+        denom = float(global_num_tokens) if global_num_tokens is not None else (m.sum(1) * w).sum().clamp_min(1e-12)
+        return (masked.sum(1) * w).sum() / denom
     tokens_per_seq = m.sum(dim=1)
     seq_sum = masked.sum(dim=1)
-    num_seqs = (
-        float(global_num_seqs) if global_num_seqs is not None else (tokens_per_seq > 0).sum().clamp_min(1)
-    )
+    counted = (tokens_per_seq > 0).to(loss.dtype)
+    if w is not None:
+        seq_sum = seq_sum * w
+        counted = counted * w
+    num_seqs = float(global_num_seqs) if global_num_seqs is not None else counted.sum().clamp_min(
+        1.0 if w is None else 1e-12)
     if mode == "seq-mean-token-mean":
         return (seq_sum / tokens_per_seq.clamp_min(1.0)).sum() / num_seqs
     if mode == "seq-mean-token-sum":

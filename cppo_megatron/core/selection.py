@@ -16,6 +16,7 @@ import torch
 
 from ._checks import as_1d_float, as_group_ids, check_config, check_int
 from .advantage import GroupStats
+from .sampling import grouped_layout, inclusion_probabilities, mass_keep_counts, systematic_sample
 
 if TYPE_CHECKING:
     from ..config import CPPOConfig
@@ -32,7 +33,14 @@ __all__ = [
 ]
 
 DEFAULT_PRUNING_RATE = 0.875
-METRICS = ("smallest", "largest", "random")
+METRICS = ("smallest", "largest", "random", "importance")
+# metrics that take |A| as a magnitude: use_abs=False (signed A) makes no sense for them
+MAGNITUDE_METRICS = ("importance",)
+# metrics keep_mass can decide the count for: the kept set is the top of |A| (smallest) or a
+# PPS sample of that size (importance); largest / random would not reach the mass
+KEEP_MASS_METRICS = ("smallest", "importance")
+# stream of seeded_generator used by the importance design (stream 0 is the tie-break order)
+IMPORTANCE_STREAM = 1
 SCOPES = ("group", "batch")
 
 # floor(G * (1 - P)) with this slack, so that 16 * (1 - 0.875) -> 2 even if it is 1.999...
@@ -93,6 +101,12 @@ class Selection:
         kept_per_group: [M] int64 survivors per group.
         advantages: [N] float, the advantages the decision was made on.
         scope, metric, use_abs: the settings used (logged with the run).
+        weights: [K] float32, aligned with ``kept``: the factor each survivor's loss is
+            multiplied by. 1.0 for the deterministic metrics; 1 / pi_i (Horvitz-Thompson)
+            for ``importance``, so that sum_kept w_i l_i is an unbiased estimate of
+            sum_all l_i for any per-completion l whose A_i != 0 (and of the whole sum when
+            every pi_i > 0). None at construction means all ones.
+        keep_mass: the ``keep_mass`` fraction that decided the counts (None: fixed k).
     """
 
     kept: torch.Tensor
@@ -104,6 +118,21 @@ class Selection:
     scope: str
     metric: str
     use_abs: bool
+    weights: torch.Tensor | None = None
+    keep_mass: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.weights is None:
+            object.__setattr__(self, "weights", torch.ones(self.kept.numel(), dtype=torch.float32))
+        elif self.weights.shape != self.kept.shape:
+            raise ValueError(
+                f"Selection.weights {tuple(self.weights.shape)} must align with kept {tuple(self.kept.shape)}"
+            )
+
+    @property
+    def weighted(self) -> bool:
+        """True when the survivors carry importance weights (the loss must use them)."""
+        return self.metric == "importance"
 
     @property
     def num_kept(self) -> int:
@@ -134,7 +163,9 @@ class Selection:
         pruned_abs = absa[self.pruned]
         n = max(self.num_total, 1)
         kpg = self.kept_per_group.to(torch.float64)
-        return {
+        sq_total = float(a.square().sum())
+        w = self.weights.to(torch.float64)
+        out = {
             f"{prefix}num_completions": float(self.num_total),
             f"{prefix}num_kept": float(self.num_kept),
             f"{prefix}num_pruned": float(self.num_pruned),
@@ -148,7 +179,17 @@ class Selection:
             f"{prefix}kept_per_group_mean": float(kpg.mean()) if kpg.numel() else 0.0,
             f"{prefix}kept_per_group_min": float(kpg.min()) if kpg.numel() else 0.0,
             f"{prefix}kept_per_group_max": float(kpg.max()) if kpg.numel() else 0.0,
+            # the distribution of k per group (adaptive with keep_mass, fixed otherwise)
+            f"{prefix}kept_per_group_std": float(kpg.std(unbiased=False)) if kpg.numel() else 0.0,
+            f"{prefix}kept_per_group_p10": float(torch.quantile(kpg, 0.1)) if kpg.numel() else 0.0,
+            f"{prefix}kept_per_group_p50": float(torch.quantile(kpg, 0.5)) if kpg.numel() else 0.0,
+            f"{prefix}kept_per_group_p90": float(torch.quantile(kpg, 0.9)) if kpg.numel() else 0.0,
+            # share of the batch's A^2 (the gradient energy proxy keep_mass targets) that survives
+            f"{prefix}kept_sq_adv_fraction": float(a[self.kept].square().sum()) / sq_total if sq_total > 0 else 1.0,
+            f"{prefix}weight_mean": float(w.mean()) if w.numel() else 0.0,
+            f"{prefix}weight_max": float(w.max()) if w.numel() else 0.0,
         }
+        return out
 
 
 def _keep_order(a_cpu: torch.Tensor, metric: str, use_abs: bool, seed: int, step: int) -> torch.Tensor:
@@ -158,8 +199,9 @@ def _keep_order(a_cpu: torch.Tensor, metric: str, use_abs: bool, seed: int, step
     if metric == "random":
         desirability = torch.zeros(n, dtype=torch.float64)
     else:
+        # importance: an order is only asked for by hosts that top a kept set up; take |A|
         score = a_cpu.abs() if use_abs else a_cpu
-        desirability = score if metric == "smallest" else -score
+        desirability = -score if metric == "largest" else score
     # Order by desirability (descending), ties by a seeded random permutation.
     perm = torch.randperm(n, generator=seeded_generator(seed, step))
     return perm[torch.sort(desirability[perm], descending=True, stable=True).indices]
@@ -205,8 +247,8 @@ def select_completions(
     Args:
         advantages: [N] float full-group advantages (``group_advantages``).
         group_ids: [N] int64 prompt ids.
-        cfg: the ``CPPOConfig`` (``pruning_rate`` or ``keep_per_group``, ``metric``,
-            ``use_abs``, ``scope``, ``seed``).
+        cfg: the ``CPPOConfig`` (``pruning_rate``, ``keep_per_group`` or ``keep_mass``,
+            ``metric``, ``use_abs``, ``scope``, ``seed``).
         step: int >= 0, the training step; mixed into the seed so random choices differ
             per step while staying identical across ranks.
         stats: the ``GroupStats`` returned with ``advantages`` for these ``group_ids``;
@@ -214,18 +256,26 @@ def select_completions(
 
     Returns:
         a ``Selection``: ``kept`` [K] int64 and ``pruned`` [N - K] int64 indices into the
-        N rows, both ascending, together covering range(N) once; per-group counts [M].
+        N rows, both ascending, together covering range(N) once; per-group counts [M];
+        ``weights`` [K] float32 (1/pi for ``importance``, else 1.0).
 
-    Group scope keeps k_g = floor(G_g (1 - P)) (at least 1) per group with the highest
-    score; batch scope keeps floor(N (1 - P)) (at least 1) across the batch (or
-    k * num_groups with ``keep_per_group``). Score = |A| (or A when ``use_abs`` is
-    False); ``smallest`` prunes the lowest scores, ``largest`` the highest, ``random``
-    ignores the score.
+    How many: group scope keeps k_g = floor(G_g (1 - P)) (at least 1) per group; batch
+    scope keeps floor(N (1 - P)) (at least 1) across the batch (or k * num_groups with
+    ``keep_per_group``). With ``keep_mass = f`` the count is the fewest completions whose
+    A^2 reaches f of the group's (batch scope: the batch's) A^2 total; zero-variance groups
+    keep none.
+
+    Which: score = |A| (or A when ``use_abs`` is False); ``smallest`` prunes the lowest
+    scores, ``largest`` the highest, ``random`` ignores the score; ``importance`` draws the
+    k by randomised systematic sampling with inclusion probabilities pi proportional to |A|
+    (capped at 1) within each group (batch scope: across the batch) and sets
+    ``weights = 1 / pi`` (``core.sampling``).
     """
     a = as_1d_float("advantages", advantages)
     g = as_group_ids("group_ids", group_ids, a.numel()).cpu()
     metric, use_abs, seed = _ranking_settings(cfg, step)  # validates every field of cfg
     pruning_rate, keep_per_group, scope = cfg.pruning_rate, cfg.keep_per_group, cfg.scope
+    keep_mass = cfg.keep_mass
 
     n = a.numel()
     a_cpu = a.detach().to("cpu", torch.float64)
@@ -236,9 +286,16 @@ def select_completions(
     else:
         uniq, inverse, size = torch.unique(g, sorted=True, return_inverse=True, return_counts=True)
 
-    order = _keep_order(a_cpu, metric, use_abs, seed, step)
-
+    # "pools": the sets a count applies to - each group (group scope) or the whole batch
     if scope == "batch":
+        pool_of, pool_size = torch.zeros(n, dtype=torch.int64), torch.tensor([n], dtype=torch.int64)
+    else:
+        pool_of, pool_size = inverse, size
+
+    if keep_mass is not None:
+        index, valid = grouped_layout(pool_of, pool_size)
+        k_pool = mass_keep_counts(a_cpu.square()[index], valid, keep_mass)
+    elif scope == "batch":
         if keep_per_group is not None:
             too_small = size < keep_per_group
             if bool(too_small.any()):
@@ -251,19 +308,32 @@ def select_completions(
         else:
             p = DEFAULT_PRUNING_RATE if pruning_rate is None else float(pruning_rate)
             n_keep = max(1, math.floor(n * (1.0 - p) + K_TOLERANCE))
-        kept = order[:n_keep]
+        k_pool = torch.tensor([n_keep], dtype=torch.int64)
     else:
-        # k per group; group members ranked by a stable sort of the global order on group.
         distinct_sizes, size_inv = torch.unique(size, return_inverse=True)
         k_distinct = torch.tensor(
             [keep_count(int(v), pruning_rate, keep_per_group) for v in distinct_sizes.tolist()],
             dtype=torch.int64,
         )
-        k_of_group = k_distinct[size_inv]
-        grouped = order[torch.sort(inverse[order], stable=True).indices]
-        starts = torch.cumsum(size, 0) - size
-        rank_in_group = torch.arange(n) - starts[inverse[grouped]]
-        kept = grouped[rank_in_group < k_of_group[inverse[grouped]]]
+        k_pool = k_distinct[size_inv]
+
+    weight_full = None  # [N] 1/pi, importance only (the deterministic metrics weigh 1.0)
+    if metric == "importance":
+        gen = seeded_generator(seed, step, stream=IMPORTANCE_STREAM)
+        # a seeded random order within each pool makes the systematic design "randomised"
+        index, valid = grouped_layout(pool_of, pool_size, torch.randperm(n, generator=gen))
+        pi = inclusion_probabilities(a_cpu.abs()[index], valid, k_pool)
+        chosen, pi_exact = systematic_sample(pi, valid, k_pool, gen)
+        kept = index[chosen]
+        weight_full = torch.ones(n, dtype=torch.float64)
+        weight_full[kept] = 1.0 / pi_exact[chosen]
+    else:
+        # k per pool; members ranked by a stable sort of the global order on pool
+        order = _keep_order(a_cpu, metric, use_abs, seed, step)
+        grouped = order[torch.sort(pool_of[order], stable=True).indices]
+        starts = torch.cumsum(pool_size, 0) - pool_size
+        rank_in_pool = torch.arange(n) - starts[pool_of[grouped]]
+        kept = grouped[rank_in_pool < k_pool[pool_of[grouped]]]
 
     mask = torch.zeros(n, dtype=torch.bool)
     mask[kept] = True
@@ -282,5 +352,6 @@ def select_completions(
         scope=scope,
         metric=metric,
         use_abs=use_abs,
+        weights=None if weight_full is None else weight_full[kept].to(torch.float32),
+        keep_mass=keep_mass,
     )
-

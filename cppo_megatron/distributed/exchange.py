@@ -603,6 +603,9 @@ class ExchangeResult:
         fields: the received rows of every field, in global order.
         global_index: [m] int64 global index of each received row (``meta`` order), ascending.
         advantages: [m] float32 full-group advantages of the received rows.
+        weights: [m] float32 loss weights of the received rows: ``Selection.weights`` (1/pi
+            for ``metric=importance``, 1.0 otherwise). They need no transfer: every rank made
+            the same global decision, so each indexes it by ``global_index``.
         group_ids: [m] int64 and rewards: [m] float64 of the received rows.
         handle: ``return_to_owners`` sends results back.
         prune: the global ``PruneResult`` (same on every rank).
@@ -614,6 +617,7 @@ class ExchangeResult:
     fields: dict
     global_index: torch.Tensor
     advantages: torch.Tensor
+    weights: torch.Tensor
     group_ids: torch.Tensor
     rewards: torch.Tensor
     handle: ExchangeHandle
@@ -625,6 +629,17 @@ class ExchangeResult:
     def num_kept(self) -> int:
         """K, sequences kept over all ranks."""
         return int(self.prune.selection.num_kept)
+
+    @property
+    def num_total(self) -> int:
+        """N, sequences generated on all ranks before pruning (the full batch's sequence
+        denominator an importance-weighted loss divides by)."""
+        return int(self.prune.selection.num_total)
+
+    @property
+    def weighted(self) -> bool:
+        """True when ``weights`` must reach the loss (``metric=importance``)."""
+        return self.prune.selection.weighted
 
 
 def prune_and_exchange(
@@ -670,10 +685,14 @@ def prune_and_exchange(
                                       move_tolerance=move_tolerance)
     rank, _ = _group_ctx(group)
     metrics = {**result.metrics(), **plan.metrics()}
+    sel = result.selection
+    weight_full = torch.ones(sel.num_total, dtype=torch.float32)
+    weight_full[sel.kept] = sel.weights
     return ExchangeResult(
         fields=moved,
         global_index=gidx,
         advantages=result.advantages[gidx].to(torch.float32),
+        weights=weight_full[gidx],
         group_ids=meta.group_ids[gidx],
         rewards=meta.rewards[gidx],
         handle=ExchangeHandle(plan, rank, group, device),

@@ -116,7 +116,8 @@ class MegatronActor:
 
     def update(self, sequences: list, loss_masks: list, advantages, old_logprobs: list,
                ref_logprobs: Optional[list] = None, *, lrs: Optional[Sequence[float]] = None,
-               counter: Optional[ForwardCounter] = None) -> list[dict]:
+               counter: Optional[ForwardCounter] = None, weights=None,
+               full_denominators: Optional[tuple] = None) -> list[dict]:
         """``cfg.mu`` optimizer steps on this rank's survivors (a collective over DP).
 
         Args:
@@ -124,12 +125,16 @@ class MegatronActor:
             advantages: [m] float full-group advantages; old_logprobs / ref_logprobs: m
                 tensors [L_i - 1] (ref needed when ``loss.kl_coef > 0``).
             lrs: the learning rate of each of the mu steps (default: unchanged).
+            weights: [m] optional per-sequence loss weights (``ExchangeResult.weights``, 1/pi
+                for ``metric=importance``); full_denominators: (response tokens, sequences)
+                of the full generated batch on all DP ranks, replacing the kept set's.
 
         Returns one metrics dict per optimizer step (``policy_update``'s global metrics).
         """
         if lrs is not None and len(lrs) != self.cfg.mu:
             raise ValueError(f"lrs has {len(lrs)} entries for mu={self.cfg.mu} optimizer steps")
-        batch = UpdateBatch(sequences, loss_masks, advantages, old_logprobs, ref_logprobs)
+        batch = UpdateBatch(sequences, loss_masks, advantages, old_logprobs, ref_logprobs, weights=weights,
+                            full_denominators=full_denominators)
         out = []
         for it in range(self.cfg.mu):
             if lrs is not None:
@@ -202,7 +207,15 @@ class MegatronActor:
         t_old = time.perf_counter()
         ref = self.logprobs(toks, counter, reference=True) if self.ref is not None else None
         t_ref = time.perf_counter()
-        upd = self.update(toks, masks, res.advantages, old, ref, counter=counter)[-1]
+        weighting = {}
+        if res.weighted:
+            # importance: 1/pi weights and the full generated batch's denominators (HT loss)
+            from ..distributed import global_sum
+
+            full_tokens = global_sum(sum(float(torch.as_tensor(m).float().sum()) for m in loss_masks),
+                                     group=self.dp_group)
+            weighting = dict(weights=res.weights, full_denominators=(full_tokens, float(res.num_total)))
+        upd = self.update(toks, masks, res.advantages, old, ref, counter=counter, **weighting)[-1]
         t2 = time.perf_counter()
         metrics: dict = {f"train/{k}": float(v) for k, v in upd.items()}
         metrics.update(res.metrics)

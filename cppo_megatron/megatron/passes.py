@@ -297,6 +297,11 @@ class UpdateBatch:
         advantages: [m] full-group advantages (``ExchangeResult.advantages``).
         old_logprobs: m tensors [L_i - 1] from ``compute_logprobs`` with the behaviour policy.
         ref_logprobs: m tensors [L_i - 1] from the reference model (needed when kl_coef > 0).
+        weights: [m] optional per-sequence loss weights (``ExchangeResult.weights``: 1/pi
+            for ``metric=importance``).
+        full_denominators: optional (response tokens, sequences) of the FULL generated
+            batch on all DP ranks; replaces the kept set's denominators (importance: the
+            unbiased Horvitz-Thompson loss, ``core.aggregate_loss``).
     """
 
     sequences: list
@@ -304,12 +309,16 @@ class UpdateBatch:
     advantages: torch.Tensor
     old_logprobs: list
     ref_logprobs: Optional[list] = None
+    weights: Optional[torch.Tensor] = None
+    full_denominators: Optional[tuple] = None
 
     def validate(self, need_ref: bool) -> None:
         m = len(self.sequences)
         adv = torch.as_tensor(self.advantages)
         if adv.shape != (m,):
             raise ValueError(f"advantages must be [m] = [{m}], got shape {tuple(adv.shape)}")
+        if self.weights is not None and torch.as_tensor(self.weights).shape != (m,):
+            raise ValueError(f"weights must be [m] = [{m}], got shape {tuple(torch.as_tensor(self.weights).shape)}")
         named = [("loss_mask", self.loss_mask), ("old_logprobs", self.old_logprobs)]
         if need_ref:
             if self.ref_logprobs is None:
@@ -352,6 +361,8 @@ def policy_loss(model, batch: UpdateBatch, cfg: PolicyLossConfig, *, max_tokens_
     if isinstance(model, torch.nn.Module) and not forward_only and not hasattr(model, "zero_grad_buffer"):
         raise ValueError("policy_loss with backward needs the Megatron DDP model from build_ddp_and_optimizer")
     n_tok, n_seq = _global_denominators(batch)
+    if batch.full_denominators is not None:
+        n_tok, n_seq = (max(float(v), 1.0) for v in batch.full_denominators)
     order = _micro_batches(seqs, max_tokens_per_micro_batch, ps.get_pipeline_model_parallel_world_size())
     adv = torch.as_tensor(batch.advantages, dtype=torch.float32)
     extra = {
@@ -359,6 +370,8 @@ def policy_loss(model, batch: UpdateBatch, cfg: PolicyLossConfig, *, max_tokens_
         "old": [torch.as_tensor(x).float() for x in batch.old_logprobs],
         "ref": [torch.as_tensor(x).float() for x in batch.ref_logprobs] if need_ref else None,
         "adv": [adv[i] for i in range(len(seqs))],
+        "w": ([w_i for w_i in torch.as_tensor(batch.weights, dtype=torch.float32)]
+              if batch.weights is not None else None),
     }
     if counter is not None:
         for mb in order:
@@ -368,7 +381,8 @@ def policy_loss(model, batch: UpdateBatch, cfg: PolicyLossConfig, *, max_tokens_
         # schedule: one 2-token row whose loss mask is 0 contributes exactly nothing.
         seqs, order = [torch.zeros(2, dtype=torch.int64)], [[0]]
         zero = torch.zeros(1)
-        extra = {"mask": [zero], "old": [zero], "ref": [zero] if need_ref else None, "adv": [torch.zeros(())]}
+        extra = {"mask": [zero], "old": [zero], "ref": [zero] if need_ref else None, "adv": [torch.zeros(())],
+                 "w": [torch.ones(())] if batch.weights is not None else None}
     batches = _prepare(seqs, order, extra)
     agg = partial(aggregate_loss, mode=cfg.loss_agg_mode, global_num_tokens=n_tok, global_num_seqs=n_seq)
 
@@ -381,11 +395,12 @@ def policy_loss(model, batch: UpdateBatch, cfg: PolicyLossConfig, *, max_tokens_
         if need_ref:
             kl = kl_penalty(logp, b["ref"], cfg.kl_kind)
             per_token = pg + cfg.kl_coef * kl
-        loss = agg(per_token, mask)
+        w = b.get("w")
+        loss = agg(per_token, mask, weights=w)
         stats = torch.stack([
             loss.detach(),
-            agg(pg.detach(), mask),
-            agg(kl.detach(), mask),
+            agg(pg.detach(), mask, weights=w),
+            agg(kl.detach(), mask, weights=w),
             (clipped.float() * mask).sum() / n_tok,
         ])
         ratio_max = (torch.exp(logp.detach() - b["old"]) * mask).max()

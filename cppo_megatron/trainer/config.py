@@ -330,7 +330,8 @@ def validate_recipe(recipe: Recipe) -> Recipe:
             raise RecipeError(f"megatron.pp={pp} must divide model.num_layers={recipe.model.num_layers}")
     try:
         recipe.cppo.validate()
-        recipe.cppo.keep_for_group(recipe.rollout.group_size)  # k > G is an error now, not mid-run
+        if recipe.cppo.keep_mass is None:  # keep_mass decides k per group at run time
+            recipe.cppo.keep_for_group(recipe.rollout.group_size)  # k > G is an error now, not mid-run
     except ValueError as exc:
         raise RecipeError(f"recipe key cppo: {exc}") from exc
     return recipe

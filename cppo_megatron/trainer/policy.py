@@ -153,11 +153,17 @@ class HFPolicy:
         ref_logprobs: Optional[torch.Tensor],
         *,
         norm_constant: float,
+        weights: Optional[torch.Tensor] = None,
+        num_tokens: Optional[float] = None,
+        num_seqs: Optional[float] = None,
     ) -> HFUpdate:
         """mu optimizer steps on the kept batch. Denominators cover the whole kept set, so
         the micro-batch gradients add up to the gradient of the full-batch loss.
 
         advantages: [N] float; old_logprobs / ref_logprobs: [N, T] (T = longest completion).
+        weights: [N] float per-sequence loss weights (``Selection.weights``, 1/pi for
+        ``metric=importance``); num_tokens / num_seqs replace the kept set's denominators
+        (importance passes the full batch's, for the unbiased HT loss).
         """
         cfg = self.cfg
         if cfg.mu > 1 and old_logprobs is None:
@@ -167,8 +173,10 @@ class HFPolicy:
         if advantages.shape != (len(batch),):
             raise ValueError(f"advantages must be [N] = [{len(batch)}], got shape {tuple(advantages.shape)}")
         mask = batch.completion_mask()
-        num_tokens = float(mask.sum())
-        num_seqs = float(len(batch))
+        if weights is not None and weights.shape != (len(batch),):
+            raise ValueError(f"weights {tuple(weights.shape)} must be [{len(batch)}], one per kept completion")
+        num_tokens = float(mask.sum()) if num_tokens is None else float(num_tokens)
+        num_seqs = float(len(batch)) if num_seqs is None else float(num_seqs)
         self.model.train()
         agg = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs, norm_constant=norm_constant)
         iterations = []
@@ -178,6 +186,7 @@ class HFPolicy:
             self.optimizer.zero_grad(set_to_none=True)
             stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipfrac": 0.0, "ratio_max": 0.0}
             for rows in mbs:
+                mb_agg = agg if weights is None else dict(agg, weights=weights[rows].to(self.device))
                 lp = forward_logprobs(self.model, batch, rows, self.pad_id, self.device)
                 if it == 0:
                     first[rows, : lp.shape[1]] = lp.detach().float().cpu()
@@ -190,12 +199,12 @@ class HFPolicy:
                 if cfg.beta > 0:
                     kl = kl_penalty(lp, ref_logprobs[rows, : lp.shape[1]].to(self.device), cfg.kl_type)
                     per_token = pg + cfg.beta * kl
-                    stats["kl"] += float(aggregate_loss(kl.detach(), m, cfg.loss_agg, **agg))
-                loss = aggregate_loss(per_token, m, cfg.loss_agg, **agg)
+                    stats["kl"] += float(aggregate_loss(kl.detach(), m, cfg.loss_agg, **mb_agg))
+                loss = aggregate_loss(per_token, m, cfg.loss_agg, **mb_agg)
                 loss.backward()
                 self.rows_seen["update"] += len(rows)
                 stats["loss"] += loss.item()
-                stats["pg_loss"] += float(aggregate_loss(pg.detach(), m, cfg.loss_agg, **agg))
+                stats["pg_loss"] += float(aggregate_loss(pg.detach(), m, cfg.loss_agg, **mb_agg))
                 stats["clipfrac"] += float((clipped.float() * m).sum()) / num_tokens
                 ratio = torch.exp(lp.detach() - old) * m
                 stats["ratio_max"] = max(stats["ratio_max"], float(ratio.max()))

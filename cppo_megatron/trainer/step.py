@@ -144,10 +144,14 @@ class PhaseTimer:
 
 
 def collect_groups(rollout: Any, planner: AllocationPlanner, sampler: PromptSampler, *, group_size: int,
-                   dynamic_sampling: bool, step: int, timer: PhaseTimer) -> RolloutBatch:
+                   dynamic_sampling: bool, step: int, timer: PhaseTimer, cppo_cfg: Any = None) -> RolloutBatch:
     """Draw the step's prompts, generate and score G completions each (``rollout.round``),
     and with dynamic sampling drop zero-variance groups and draw replacements until the
-    planner is satisfied. Opens the planner's step (``select_survivors`` closes it)."""
+    planner is satisfied. Opens the planner's step (``select_survivors`` closes it).
+
+    With ``cppo.keep_mass`` and allocation (``planner.adaptive``; ``cppo_cfg`` given) the
+    survivors per prompt vary: fill rounds draw more prompts until the selection over the
+    valid groups so far fills the planner's capacity."""
     G = group_size
     parts: list[RoundRows] = []
     valid: list[int] = []
@@ -171,6 +175,11 @@ def collect_groups(rollout: Any, planner: AllocationPlanner, sampler: PromptSamp
         drawn += len(ids)
         rounds += 1
         to_draw = planner.next_refill(len(valid))
+        if to_draw == 0 and planner.adaptive and cppo_cfg is not None and valid:
+            rewards = torch.tensor([x for p in parts for x in p.rewards], dtype=torch.float32)
+            rows = (torch.tensor(valid, dtype=torch.int64)[:, None] * G + torch.arange(G)).reshape(-1)
+            kept = prune(rewards[rows], rows // G, cppo_cfg, step=step).selection.num_kept
+            to_draw = planner.next_fill(kept)
     return _assemble(parts, G, valid, dropped, rounds)
 
 
@@ -217,12 +226,19 @@ class Survivors:
     kept: [K] int64 ascending rows (``RolloutBatch`` order) that go to the passes.
     advantages: [N] float32 full-group advantage of every row (0 for dropped groups).
     prune: the ``PruneResult`` over the valid rows. alloc: ``alloc/*`` step metrics.
+    weights: [N] float32 loss weight of every row (``Selection.weights`` on the kept rows:
+        1/pi for ``metric=importance``; 1.0 elsewhere).
+    full_denominators: (response tokens, rows) of every valid row when the weights must
+        reach the loss (importance: the unbiased HT loss divides by the full batch's
+        counts, ``core.aggregate_loss``); None otherwise.
     """
 
     kept: torch.Tensor
     advantages: torch.Tensor
     prune: PruneResult
     alloc: dict = field(default_factory=dict)
+    weights: Optional[torch.Tensor] = None
+    full_denominators: Optional[tuple] = None
 
 
 def select_survivors(batch: RolloutBatch, cfg: Any, planner: AllocationPlanner, *, step: int) -> Survivors:
@@ -237,4 +253,13 @@ def select_survivors(batch: RolloutBatch, cfg: Any, planner: AllocationPlanner, 
                              dropped_completions=batch.dropped_prompts * batch.group_size)
     advantages = torch.zeros(batch.num_rows, dtype=torch.float32)
     advantages[rows] = res.advantages.to(torch.float32)
-    return Survivors(rows[res.selection.kept], advantages, res, alloc)
+    kept = rows[res.selection.kept]
+    if kept.numel() == 0:  # keep_mass: every valid group had equal rewards
+        raise RuntimeError("no completion survived (every group had equal rewards under cppo.keep_mass); enable "
+                           "cppo.allocation so fill rounds draw more prompts, or cppo.dynamic_sampling")
+    weights = torch.ones(batch.num_rows, dtype=torch.float32)
+    weights[kept] = res.selection.weights
+    full = None
+    if res.selection.weighted:
+        full = (float(batch.completion_lengths[rows].sum()), float(rows.numel()))
+    return Survivors(kept, advantages, res, alloc, weights, full)

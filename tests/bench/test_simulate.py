@@ -6,6 +6,7 @@ import pytest
 
 from cppo_megatron.bench.simulate import (
     PAPER,
+    PAPER_CHECK_TOLERANCE,
     ClusterSim,
     decode_time,
     forward_flops,
@@ -89,11 +90,32 @@ def test_cluster_validation_names_the_field():
         predict(ClusterSim(samples=1), [1.0])
 
 
-def test_paper_check_compares_every_published_point():
-    rep = run_paper_check(samples=1, log=lambda *_: None)
+def test_paper_check_within_the_documented_error_bound():
+    """docs/benchmarks.md promises every published point within +-25% with the defaults."""
+    rep = run_paper_check(log=lambda *_: None)  # the CLI's default samples
     assert len(rep.rows) == 8
     for r in rep.rows:
         assert r["published"] == PAPER[r["setup"]][r["P"]]
-        assert r["predicted"] > 1.0 and r["ratio"] == pytest.approx(r["predicted"] / r["published"])
-    assert rep.extras["mean_abs_rel_error"] >= 0
+        assert r["ratio"] == pytest.approx(r["predicted"] / r["published"])
+        assert abs(r["ratio"] - 1) <= PAPER_CHECK_TOLERANCE, r
+        # the attribution multiplies out, and pruning alone beats neither 1 nor the total
+        assert r["batching_gain"] * r["vs_same_batch_grpo"] == pytest.approx(r["predicted"], rel=1e-9)
+        assert 1.0 < r["vs_same_batch_grpo"] < r["predicted"]
+    assert rep.extras["max_abs_rel_error"] <= PAPER_CHECK_TOLERANCE
     json.dumps(rep.to_json())
+
+
+def test_speedup_attribution_batching_times_pruning():
+    cfg = ClusterSim(model="1.5B", dp=1, capacity=16, group_size=16, rollout_gpus=1, samples=2)
+    rows = {r["P"]: r for r in predict(cfg, [0.875])}
+    r = rows[0.875]
+    # the same-batch GRPO generates for CPPO's 8 prompts and trains all 128 completions
+    same = predict(replace(cfg, capacity=128), [])[0]
+    assert r["grpo_same_batch_s_per_prompt"] == pytest.approx(same["s_per_prompt"], rel=1e-12)
+    assert same["rollout_s"] == pytest.approx(r["rollout_s"], rel=1e-12)  # identical rollout
+    assert r["batching_gain"] == pytest.approx(rows[0.0]["s_per_prompt"] / same["s_per_prompt"])
+    assert r["pruning_gain"] == pytest.approx(same["s_per_prompt"] / r["s_per_prompt"])
+    assert r["speedup"] == pytest.approx(r["batching_gain"] * r["pruning_gain"])
+    # without allocation the rollout batch does not grow: no batching gain, all pruning
+    off = predict(replace(cfg, allocation=False), [0.875])[-1]
+    assert off["batching_gain"] == pytest.approx(1.0) and off["pruning_gain"] == pytest.approx(off["speedup"])

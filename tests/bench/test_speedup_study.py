@@ -74,6 +74,28 @@ def test_bad_rates_are_errors():
         study.grid(_args(study, ["r.yaml", "--metrics", "median"]))
 
 
+def test_study_runs_importance_and_keep_mass_and_reads_equal_prompts(tmp_path):
+    out = tmp_path / "st2"
+    assert main(["study", "recipes/tiny_cpu.yaml", *FAST, "--rates", "0,0.5", "--metrics", "smallest,importance,keep_mass",
+                 "--keep-mass", "0.8", "--seeds", "1", "--budget", "0.5", "--evals", "1", "--no-control",
+                 "--out", str(out)]) == 0
+    with (out / "study.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["run"] for r in rows] == ["p0_grpo_alloc_s0", "p0.5_smallest_alloc_s0", "p0.5_importance_alloc_s0",
+                                        "keepmass0.8_alloc_s0"]
+    grpo_prompts = float(rows[0]["prompts_drawn"])
+    for r in rows[1:]:
+        # each pruned run was evaluated when its prompts first reached GRPO's final count
+        assert float(r["prompts_at_grpo_prompts"]) >= grpo_prompts
+        assert float(r["prompts_drawn"]) >= float(r["prompts_at_grpo_prompts"])
+        assert 0.0 <= float(r["accuracy_at_grpo_prompts"]) <= 1.0
+    notes = json.loads((out / "study.json").read_text())["notes"]
+    # one seed: the verdict against CPPO names no winner and says why
+    assert any(n.startswith("P=0.5 importance vs CPPO P=0.5 smallest at equal time: no winner") for n in notes)
+    assert any(n.startswith("keep_mass f=0.8") for n in notes)
+    assert any("at equal prompts drawn" in n for n in notes)
+
+
 def _summary_row(p, metric, mean, sd, seeds):
     return {"P": p, "metric": metric, "allocation": True if p else None, "seeds": seeds,
             "final acc (mean)": mean, "seed spread (sd)": sd}

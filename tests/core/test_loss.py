@@ -76,3 +76,52 @@ def test_token_logprobs_and_shape_errors():
         aggregate_loss(torch.zeros(2, 3), torch.zeros(2, 3), "mean")
     with pytest.raises(ValueError, match="global_num_tokens must be > 0"):
         aggregate_loss(torch.zeros(2, 3), torch.zeros(2, 3), global_num_tokens=0)
+
+
+def test_weighted_aggregation_by_hand_and_unit_weights():
+    loss, mask = _batch()
+    w = torch.tensor([2.0, 0.5, 3.0])
+    # token-mean: weighted token sum over the (HT) weighted token count, or a given count
+    assert aggregate_loss(loss, mask, "token-mean", weights=w).item() == pytest.approx((2 * 6 + 0.5 * 4) / (2 * 3 + 0.5))
+    assert aggregate_loss(loss, mask, "token-mean", weights=w, global_num_tokens=8).item() == pytest.approx(14 / 8)
+    assert aggregate_loss(loss, mask, "seq-mean-token-mean", weights=w).item() == pytest.approx((2 * 2 + 0.5 * 4) / 2.5)
+    assert aggregate_loss(loss, mask, "seq-mean-token-sum", weights=w, global_num_seqs=5).item() == pytest.approx(
+        (2 * 6 + 0.5 * 4) / 5)
+    ones = torch.ones(3)
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        assert aggregate_loss(loss, mask, mode, weights=ones).item() == pytest.approx(
+            aggregate_loss(loss, mask, mode).item())
+    with pytest.raises(ValueError, match="weights must be a \\[N\\] tensor for 3 sequences"):
+        aggregate_loss(loss, mask, weights=torch.ones(2))
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        aggregate_loss(loss, mask, weights=torch.tensor([1.0, -1.0, 1.0]))
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_weighted_kept_loss_is_unbiased_for_the_full_batch_loss(mode):
+    """Importance-pruned, weighted, with the full batch's denominators: the mean over many
+    seeded draws of the kept-set loss is the full-batch loss (within 3 standard errors)."""
+    from cppo_megatron import CPPOConfig
+    from cppo_megatron.core import prune
+
+    gen = torch.Generator().manual_seed(1)
+    rewards = torch.tensor([1.0, 0, 0, 1, 0, 0, 0, 0, 1, 1, 1, 0.5, 0, 0, 0, 0])
+    gids = torch.arange(16) // 8
+    mask = (torch.rand(16, 5, generator=gen) < 0.7).float()
+    mask[:, 0] = 1
+    x = torch.randn(16, 5, generator=gen)
+    cfg = CPPOConfig(metric="importance", keep_per_group=2, seed=9)
+    est = []
+    for step in range(600):
+        res = prune(rewards, gids, cfg, step=step)
+        adv = res.advantages
+        # a policy-gradient-shaped per-token loss, correlated with the sign of A so that the
+        # full sum is far from 0 and a missing or wrong weight shows
+        per_token = adv.unsqueeze(1) * (x + 2 * adv.sign().unsqueeze(1))
+        kept = res.selection.kept
+        kw = {"global_num_tokens": float(mask.sum())} if mode == "token-mean" else {"global_num_seqs": 16.0}
+        est.append(float(aggregate_loss(per_token[kept], mask[kept], mode, weights=res.selection.weights, **kw)))
+    full = float(aggregate_loss(per_token, mask, mode))
+    est_t = torch.tensor(est, dtype=torch.float64)
+    se = float(est_t.std()) / len(est) ** 0.5
+    assert abs(float(est_t.mean()) - full) <= 3 * se, (float(est_t.mean()), full, se)

@@ -45,6 +45,7 @@ CONFIGS = {
     "batch": dict(pruning_rate=0.5, scope="batch", seed=3),
     "group_equal": dict(keep_per_group=2, scope="group", equal_size=True, seed=1),
     "no_rebalance": dict(pruning_rate=0.5, scope="batch", rebalance=False, seed=3),
+    "importance": dict(metric="importance", keep_per_group=2, scope="group", seed=4),
 }
 
 
@@ -63,6 +64,8 @@ def _worker(rank, world):
             global_index=res.global_index,
             fields=got,
             advantages=res.advantages,
+            weights=res.weights,
+            num_total=res.num_total,
             group_ids=res.group_ids,
             loads=res.handle.plan.loads,
             loads_without=res.handle.plan.loads_unbalanced,
@@ -108,6 +111,10 @@ def test_exchange_preserves_moves_and_returns(results, name):
         assert torch.equal(r["fields"]["extra"], d["extra"][gi])
         assert r["fields"]["mask"].dtype == torch.bool
         torch.testing.assert_close(r["advantages"], ref.advantages[gi].float())
+        # the loss weights of the received rows are the one-process selection's (1/pi)
+        pos = torch.searchsorted(kept, gi)
+        assert torch.equal(r["weights"], ref.selection.weights[pos])
+        assert r["num_total"] == sum(COUNTS)
         assert torch.equal(r["group_ids"], d["group_ids"][gi])
         # the workload this rank holds is the planned one
         assert math.isclose(float(work[gi].sum()), float(r["loads"][rank]), rel_tol=1e-12, abs_tol=1e-9)
@@ -139,6 +146,9 @@ def test_exchange_preserves_moves_and_returns(results, name):
         assert per_rank[0]["metrics"]["cppo/exchange_imbalance"] < per_rank[0]["metrics"]["cppo/exchange_imbalance_without"]
         assert without[1] == 0 and without[2] == 0
         assert per_rank[1]["global_index"].numel() > 0 and per_rank[2]["global_index"].numel() > 0
+    if name == "importance":  # known weights: 1/pi > 1 for the sampled rows of the signal groups
+        w = torch.cat([r["weights"] for r in per_rank])
+        assert bool((w >= 1).all()) and bool((w > 1).any())
     if name == "group_equal":
         sizes = [r["global_index"].numel() for r in per_rank]
         assert max(sizes) - min(sizes) <= 1

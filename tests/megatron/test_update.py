@@ -38,20 +38,34 @@ def batch_data():
     return seqs, masks, adv, old, ref
 
 
+# "+weights": known per-sequence loss weights (importance 1/pi) and given full-batch
+# denominators, as the actor passes them for metric=importance
+WEIGHTS = torch.tensor([1.0, 2.0, 1.5, 4.0, 1.0, 3.0, 1.25, 2.5])
+FULL_DENOMINATORS = (90.0, 16.0)
+
+
+def _mode(mode):
+    return mode.removesuffix("+weights"), mode.endswith("+weights")
+
+
 def reference(mode):
     model = hf_model().train()
     seqs, masks, adv, old, ref = batch_data()
+    mode, weighted = _mode(mode)
     n_tok = float(sum(m.sum() for m in masks))
     n_seq = float(sum(1 for m in masks if m.any()))
+    if weighted:
+        n_tok, n_seq = FULL_DENOMINATORS
 
     def loss_fn():
         total = 0.0
-        for s, m, a, o, r in zip(seqs, masks, adv, old, ref):
+        for s, m, a, o, r, w in zip(seqs, masks, adv, old, ref, WEIGHTS):
             logits = model(s[None]).logits[0, :-1].float()
             lp = torch.log_softmax(logits, -1).gather(-1, s[1:, None]).squeeze(-1)[None]
             pg, _ = clipped_surrogate(lp, o[None], a[None])
             tok = pg + KL * kl_penalty(lp, r[None], "k3")
-            total = total + aggregate_loss(tok, m[None].float(), mode, global_num_tokens=n_tok, global_num_seqs=n_seq)
+            total = total + aggregate_loss(tok, m[None].float(), mode, global_num_tokens=n_tok, global_num_seqs=n_seq,
+                                           weights=w[None] if weighted else None)
         return total
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
@@ -71,8 +85,11 @@ def _run_layout(tp, pp, split, mode):
     cm.load_hf_weights(model, hf.state_dict(), hf.config)
     seqs, masks, adv, old, ref = batch_data()
     idx = split[lay.dp_rank]
+    mode, weighted = _mode(mode)
     batch = cm.UpdateBatch([seqs[i] for i in idx], [masks[i] for i in idx], adv[idx],
-                           [old[i] for i in idx], [ref[i] for i in idx])
+                           [old[i] for i in idx], [ref[i] for i in idx],
+                           weights=WEIGHTS[idx] if weighted else None,
+                           full_denominators=FULL_DENOMINATORS if weighted else None)
     ddp, opt = cm.build_ddp_and_optimizer(model, lr=LR)
     cfg = cm.PolicyLossConfig(kl_coef=KL, kl_kind="k3", loss_agg_mode=mode)
     counter = cm.ForwardCounter()
@@ -84,6 +101,7 @@ def _run_layout(tp, pp, split, mode):
 
 # seq-mean-token-mean only where the denominators differ per rank (keeps the test short)
 RUNS = [(n, "token-mean") for n in ["tp1", *LAYOUTS_2]] + [(n, "seq-mean-token-mean") for n in ("tp1", "dp2_uneven")]
+RUNS += [(n, "seq-mean-token-mean+weights") for n in ("tp1", "dp2_uneven")]
 
 
 def _worker(rank, world, layouts):

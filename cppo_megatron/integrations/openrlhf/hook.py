@@ -138,6 +138,19 @@ def _config() -> CPPOConfig:
     return _CONFIG
 
 
+def _check_config(cfg: CPPOConfig) -> CPPOConfig:
+    """Validate ``cfg`` and refuse what this hook cannot run correctly."""
+    cfg.validate()
+    if cfg.metric == "importance":
+        raise ValueError(
+            "cppo metric=importance is not supported under OpenRLHF: its 1/pi weights would have to reach "
+            "OpenRLHF's per-micro-batch policy loss with the full batch's denominators, and the survivors "
+            "topped up to a multiple of the actors are outside the sampling design. Use the embedded trainer "
+            "or the Megatron backend (`cppo-megatron train`), or metric=smallest."
+        )
+    return cfg
+
+
 def check_settings(values: dict[str, Any], estimator: str) -> list[str]:
     """CPPO settings set explicitly (the recipe's ``cppo:`` section, ``--cppo.FIELD``) that an
     OpenRLHF run cannot honour: ValueError for those that would change the run, one-line
@@ -190,7 +203,7 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
     ``rollout_samples`` are the single-sample ``Experience`` objects of one step. Returns a
     new list of the kept samples (the same objects); the pruned ones are only counted.
     """
-    cfg = cfg or _config()
+    cfg = _check_config(cfg or _config())
     from openrlhf.trainer.ppo_utils import experience_maker as em  # its own length penalties
 
     args = maker.strategy.args
@@ -361,7 +374,7 @@ def install(cfg: CPPOConfig, maker_class: Any = None) -> None:
         raise ValueError(f"install expects a CPPOConfig, got {type(cfg).__name__}")
     if maker_class is None:
         from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker as maker_class
-    _CONFIG = cfg.validate()
+    _CONFIG = _check_config(cfg)
     if getattr(maker_class, "_cppo_installed", False):
         return
     make_batch = maker_class.make_experience_batch

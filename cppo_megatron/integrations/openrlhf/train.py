@@ -122,6 +122,11 @@ def plan(cfg: CPPOConfig, args: Any) -> dict[str, float]:
             "CPPO prunes before the model forwards, so rewards must come with the rollout: set "
             "--reward.remote_url (a URL or a reward_func .py file) or --train.agent_func_path"
         )
+    if cfg.keep_mass is not None:
+        raise ValueError(
+            f"cppo keep_mass={cfg.keep_mass}: the OpenRLHF launcher plans per-step counts from a fixed k; "
+            "set pruning_rate or keep_per_group (keep_mass runs in the embedded trainer)"
+        )
     n, prompts = args.rollout.n_samples_per_prompt, args.rollout.batch_size
     total = n * prompts
     if cfg.scope == "group":

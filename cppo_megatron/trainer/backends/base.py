@@ -32,6 +32,9 @@ class TrainRows:
     sampler_logprobs: m tensors [len(completion)] (vLLM) or None; placement: the
     ``cppo/exchange_*`` metrics of how survivors were spread over DP ranks; owned: rows
     this rank generated before pruning; payload: the backend's own prepared form.
+    weights: [m] float32 loss weights (1/pi for ``metric=importance``) or None (all 1);
+    full_denominators: (response tokens, rows) of the full generated batch, replacing the
+    kept set's loss denominators (importance), or None.
     """
 
     prompts: list
@@ -42,6 +45,8 @@ class TrainRows:
     placement: dict
     owned: int
     payload: Any = None
+    weights: Optional[torch.Tensor] = None
+    full_denominators: Optional[tuple] = None
 
     def __len__(self) -> int:
         return len(self.completions)

@@ -66,8 +66,11 @@ class HFBackend:
     def update(self, rows: TrainRows, old: Optional[PassResult], ref: Optional[PassResult], *,
                step: int) -> UpdateResult:
         kb, mbs = rows.payload
+        full = rows.full_denominators
         res = self.hf.update(kb, mbs, rows.advantages, None if old is None else old.raw,
-                             None if ref is None else ref.raw, norm_constant=float(self.r.rollout.max_new_tokens))
+                             None if ref is None else ref.raw, norm_constant=float(self.r.rollout.max_new_tokens),
+                             weights=rows.weights, num_tokens=None if full is None else full[0],
+                             num_seqs=None if full is None else full[1])
         mu = self.r.train.mu
         return UpdateResult(res.iterations, _per_row(res.first_pass, kb), res.lr, res.tokens, res.sequences,
                             len(mbs), mu * len(kb), mu * _padded(kb, mbs))

@@ -103,7 +103,7 @@ class MegatronBackend:
         lrs = [t.lr * lr_factor(step * mu + it, t, t.steps) for it in range(mu)]
         counter = ForwardCounter()
         its = self.actor.update(toks, masks, rows.advantages, old.raw, None if ref is None else ref.raw, lrs=lrs,
-                                counter=counter)
+                                counter=counter, weights=rows.weights, full_denominators=rows.full_denominators)
         return UpdateResult(its, None, lrs[-1], its[-1]["num_tokens"], its[-1]["num_seqs"],
                             counter.micro_batches // mu, counter.sequences, counter.padded_tokens)
 

@@ -232,6 +232,12 @@ def test_refuses_what_it_cannot_prune(orl, make_args, make_maker, make_rollout, 
         _run(orl, make_maker, args, no_reward, CPPOConfig())
 
 
+def test_importance_is_refused_with_a_reason(orl):
+    with pytest.raises(ValueError, match="metric=importance is not supported under OpenRLHF"):
+        hook.install(CPPOConfig(metric="importance"), orl.Maker)
+    assert not getattr(orl.Maker, "_cppo_installed", False)
+
+
 def test_install_is_reversible_and_reaches_new_instances(orl, make_args, make_maker):
     original = orl.Maker.make_experience_batch
     hook.install(CPPOConfig(pruning_rate=0.5), orl.Maker)

@@ -1,0 +1,328 @@
+"""bench gradient: how much of the full-batch policy gradient each kept set preserves.
+
+On real batches of a training run of RECIPE (its model, task, rollout and loss), at a few
+points of training (after the warm-up, then after N RL steps of the recipe's own CPPO
+training), per batch:
+
+- the full-batch gradient g: the recipe's loss over ALL completions (every completion
+  trained, GRPO), summed over micro-batches;
+- for each kept set S (CPPO smallest / largest / random at several P, importance, and
+  keep_mass): the gradient g_S of the loss the trainer would run on S - the kept-set
+  denominators for the deterministic metrics (as CPPO trains), the full batch's
+  denominators and 1/pi weights for importance (the unbiased HT estimate);
+- cosine(g_S, g), relative norm error |g_S - g| / |g| and norm ratio |g_S| / |g|, and the
+  seconds per prompt of the kept set's forward + backward.
+
+Mean +- sd over batches per (training point, kept set). Batches without any learning
+signal (every group of equal rewards: g = 0) are skipped and counted.
+
+  cppo-megatron bench gradient recipes/tiny_cpu.yaml --points 0,20,60 --batches 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .report import Report
+
+__all__ = ["KeptSet", "kept_sets", "policy_gradient", "compare", "configure", "run"]
+
+DEFAULT_RATES = "0.5,0.75,0.875,0.9375"
+DEFAULT_KEEP_MASS = "0.5,0.8,0.9,0.95"
+
+
+@dataclass(frozen=True)
+class KeptSet:
+    """One selection rule to compare: a label and the ``CPPOConfig`` fields it sets."""
+
+    label: str
+    metric: str
+    pruning_rate: Optional[float] = None
+    keep_mass: Optional[float] = None
+
+
+def kept_sets(rates: list[float], keep_mass: list[float]) -> list[KeptSet]:
+    out = []
+    for metric in ("smallest", "largest", "random", "importance"):
+        out += [KeptSet(f"{metric} P={p:g}", metric, pruning_rate=p) for p in rates]
+    out += [KeptSet(f"keep_mass f={f:g}", "smallest", keep_mass=f) for f in keep_mass]
+    out += [KeptSet(f"importance+keep_mass f={f:g}", "importance", keep_mass=f) for f in keep_mass[-1:]]
+    return out
+
+
+def policy_gradient(model, batch, advantages: torch.Tensor, train_cfg, *, pad_id: int, device,
+                    weights: Optional[torch.Tensor] = None, num_tokens: Optional[float] = None,
+                    num_seqs: Optional[float] = None, norm_constant: float, ref_model=None) -> torch.Tensor:
+    """[P] float32 flat gradient of the recipe's loss on ``batch`` (a ``KeptBatch``).
+
+    Args:
+        advantages: [K] one per sequence of ``batch``.
+        weights: [K] optional per-sequence loss weights (importance).
+        num_tokens, num_seqs: the loss denominators (default: the batch's own).
+        norm_constant: Dr. GRPO's constant for ``seq-mean-token-sum-norm``.
+
+    One policy iteration at the behaviour policy (ratio 1, as the first of mu updates),
+    plus the KL term when the recipe's beta > 0 (``ref_model`` then required).
+    """
+    from ..core import aggregate_loss, clipped_surrogate, kl_penalty
+    from ..trainer.policy import forward_logprobs, micro_batches
+
+    if train_cfg.beta > 0 and ref_model is None:
+        raise ValueError("beta > 0 needs the reference model")
+    mask = batch.completion_mask()
+    agg = dict(global_num_tokens=float(mask.sum()) if num_tokens is None else num_tokens,
+               global_num_seqs=float(len(batch)) if num_seqs is None else num_seqs, norm_constant=norm_constant)
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.zero_grad(set_to_none=True)
+    was_training = model.training
+    model.eval()  # no dropout: every kept set sees the same function
+    try:
+        for rows in micro_batches(batch, train_cfg.micro_batch_tokens):
+            lp = forward_logprobs(model, batch, rows, pad_id, device)
+            m = mask[rows, : lp.shape[1]].to(device)
+            pg, _ = clipped_surrogate(lp, lp.detach(), advantages[rows].to(device),
+                                      clip_low=train_cfg.clip_low, clip_high=train_cfg.clip_high)
+            per_token = pg
+            if train_cfg.beta > 0:
+                with torch.no_grad():
+                    ref = forward_logprobs(ref_model, batch, rows, pad_id, device)
+                per_token = pg + train_cfg.beta * kl_penalty(lp, ref, train_cfg.kl_type)
+            w = weights[rows] if weights is not None else None
+            aggregate_loss(per_token, m, train_cfg.loss_agg, weights=w, **agg).backward()
+    finally:
+        model.train(was_training)
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().float().cpu()
+                      for p in params])
+    model.zero_grad(set_to_none=True)
+    return flat
+
+
+def compare(g_set: torch.Tensor, g_full: torch.Tensor) -> dict[str, float]:
+    """cosine, relative norm error and norm ratio of ``g_set`` against ``g_full`` ([P] each)."""
+    nf = float(g_full.norm())
+    if nf == 0:
+        raise ValueError("the full-batch gradient is zero: no learning signal to compare against")
+    ns = float(g_set.norm())
+    cos = float(g_set @ g_full) / (ns * nf) if ns > 0 else 0.0
+    return {"cosine": cos, "rel_error": float((g_set - g_full).norm()) / nf, "norm_ratio": ns / nf}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="recipe YAML (e.g. recipes/tiny_cpu.yaml)")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides key=value")
+    parser.add_argument("--points", default="0,20,60",
+                        help="RL steps (of the recipe's own training) at which to measure; 0 = right after "
+                             "the warm-up (default 0,20,60)")
+    parser.add_argument("--batches", type=int, default=4, help="batches measured per point (default 4)")
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per batch, G completions each (default 32)")
+    parser.add_argument("--rates", default=DEFAULT_RATES, help=f"pruning rates P (default {DEFAULT_RATES})")
+    parser.add_argument("--keep-mass", default=DEFAULT_KEEP_MASS,
+                        help=f"keep_mass fractions f (default {DEFAULT_KEEP_MASS})")
+    parser.add_argument("--warmup-checkpoint", default=None,
+                        help="start weights; default: the recipe's init_checkpoint, else run its warm-up once")
+
+
+def _floats(name: str, text: str, lo: float, hi: float, lo_open: bool = False, hi_open: bool = True) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated numbers, got {text!r}") from None
+    bad = [v for v in vals if (v <= lo if lo_open else v < lo) or (v >= hi if hi_open else v > hi)]
+    if not vals or bad:
+        raise ValueError(f"{name} must be numbers in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}, "
+                         f"got {text!r}")
+    return vals
+
+
+def _sample_batch(trainer, sampler, prompts: int):
+    """Prompts from the train split, G completions each, rewards: (prompt_ids, completions, rewards)."""
+    from ..rollout import SamplingParams
+    from ..tasks import combine_reward
+
+    r = trainer.r
+    G = r.rollout.group_size
+    problems = [trainer.task.train[i] for i in sampler.draw(prompts)]
+    p_ids = [trainer.tok.prompt_ids(r.task.prompt_template.format(question=p.question)) for p in problems]
+    params = SamplingParams(n=G, temperature=r.rollout.temperature, top_p=r.rollout.top_p,
+                            max_new_tokens=r.rollout.max_new_tokens)
+    out = trainer.engine.generate(p_ids, params)
+    rewards = []
+    for j, toks in enumerate(out.tokens):
+        s = trainer.task.score(trainer.tok.decode(toks), problems[j // G])
+        rewards.append(combine_reward(s, r.task.reward.correct, r.task.reward.format))
+    prompts_rep = [p_ids[j // G] for j in range(len(out.tokens))]
+    return prompts_rep, list(out.tokens), torch.tensor(rewards, dtype=torch.float32)
+
+
+def measure_batch(trainer, prompts_rep, completions, rewards, sets: list[KeptSet], step: int) -> dict:
+    """Full-batch gradient and every kept set's gradient on one batch: {label: metrics}."""
+    from ..core import prune
+    from ..trainer.policy import KeptBatch
+
+    r = trainer.r
+    G = r.rollout.group_size
+    gids = torch.arange(rewards.numel()) // G
+    full_batch = KeptBatch(prompts_rep, completions)
+    n_prompts = rewards.numel() // G
+    common = dict(pad_id=trainer.tok.pad_id, device=trainer.device, norm_constant=float(r.rollout.max_new_tokens),
+                  ref_model=getattr(trainer.policy, "ref_model", None))
+    full_res = prune(rewards, gids, replace(r.cppo, pruning_rate=0.0, keep_per_group=None, keep_mass=None,
+                                            metric="smallest"), step=step)
+    t0 = time.perf_counter()
+    g_full = policy_gradient(trainer.model, full_batch, full_res.advantages, r.train, **common)
+    out = {"full": {"cosine": 1.0, "rel_error": 0.0, "norm_ratio": 1.0, "kept_ratio": 1.0,
+                    "s_per_prompt": (time.perf_counter() - t0) / n_prompts}}
+    if float(g_full.norm()) == 0:
+        return {}
+    full_tokens = float(full_batch.completion_mask().sum())
+    for ks in sets:
+        cfg = replace(r.cppo, metric=ks.metric, pruning_rate=ks.pruning_rate, keep_per_group=None,
+                      keep_mass=ks.keep_mass)
+        t0 = time.perf_counter()
+        res = prune(rewards, gids, cfg, step=step)
+        sel = res.selection
+        kept = sel.kept.tolist()
+        if not kept:
+            g = torch.zeros_like(g_full)
+        else:
+            kb = KeptBatch([prompts_rep[i] for i in kept], [completions[i] for i in kept])
+            if sel.weighted:  # HT: weights and the full batch's denominators
+                g = policy_gradient(trainer.model, kb, res.kept_advantages, r.train, weights=sel.weights,
+                                    num_tokens=full_tokens, num_seqs=float(rewards.numel()), **common)
+            else:
+                g = policy_gradient(trainer.model, kb, res.kept_advantages, r.train, **common)
+        row = compare(g, g_full)
+        row["kept_ratio"] = sel.num_kept / rewards.numel()
+        row["s_per_prompt"] = (time.perf_counter() - t0) / n_prompts
+        out[ks.label] = row
+    return out
+
+
+def _mean_sd(xs: list[float]) -> tuple[float, float]:
+    m = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return m, sd
+
+
+def run(args: argparse.Namespace) -> Report:
+    from ..core import PromptSampler
+    from ..trainer import Trainer
+    from ..trainer.config import load_recipe
+    from .speedup import _override, warm_start
+
+    points = sorted({int(x) for x in _floats("--points", args.points, 0, float("inf"))})
+    rates = _floats("--rates", args.rates, 0.0, 1.0, lo_open=True)
+    masses = _floats("--keep-mass", args.keep_mass, 0.0, 1.0, lo_open=True, hi_open=False)
+    if args.batches < 1 or args.prompts < 1:
+        raise ValueError(f"--batches and --prompts must be >= 1, got {args.batches}, {args.prompts}")
+    recipe = load_recipe(args.recipe, args.overrides)
+    out = Path(args.out)
+    t_start = time.perf_counter()
+    warm = warm_start(recipe, out, args.warmup_checkpoint)
+    run_recipe = _override(recipe, out_dir=str(out / "gradient_run"), init_checkpoint=str(warm), **{
+        "warmup.enabled": False, "eval.every": 0, "log.progress": False, "log.tensorboard": False,
+        "log.plots": False, "log.checkpoint_every": 0, "train.steps": 10**9, "train.max_time_s": 0.0})
+    trainer = Trainer(run_recipe)
+    trainer.prepare(initial_eval=False)
+    sets = kept_sets(rates, masses)
+    labels = ["full"] + [s.label for s in sets]
+    per_point: dict[int, dict[str, list[dict]]] = {}
+    skipped: dict[int, int] = {}
+    bar = _bar(len(points) * args.batches, recipe.log.progress)
+    for point in points:
+        while trainer.step < point:
+            trainer.step_once()
+        # an own prompt stream per point: measuring does not change what training draws
+        sampler = PromptSampler(len(trainer.task.train), seed=recipe.seed + 7919 * (point + 1))
+        acc: dict[str, list[dict]] = {k: [] for k in labels}
+        skipped[point] = 0
+        for b in range(args.batches):
+            batch = _sample_batch(trainer, sampler, args.prompts)
+            res = measure_batch(trainer, *batch, sets, step=1000 * point + b)
+            if not res:
+                skipped[point] += 1
+            for k, v in res.items():
+                acc[k].append(v)
+            if bar is not None:
+                bar.update(1)
+        per_point[point] = acc
+    if bar is not None:
+        bar.close()
+    trainer.logger.close()
+
+    rows = []
+    for point, acc in per_point.items():
+        for label in labels:
+            recs = acc[label]
+            if not recs:
+                continue
+            row = {"rl_step": point, "kept_set": label, "batches": len(recs)}
+            for key in ("kept_ratio", "cosine", "rel_error", "norm_ratio"):
+                m, sd = _mean_sd([r[key] for r in recs])
+                row[key] = m
+                row[f"{key}_sd"] = sd
+            row["ms_per_prompt"] = 1e3 * _mean_sd([r["s_per_prompt"] for r in recs])[0]
+            rows.append(row)
+    if not rows:
+        raise ValueError("every batch had zero reward variance (no gradient): warm the model up first")
+    G = recipe.rollout.group_size
+    notes = [
+        f"{args.batches} batches of {args.prompts} prompts x G={G} per point; points = RL steps of the recipe's own "
+        f"training ({recipe.cppo.describe()}) after the warm-up; skipped batches without signal: {skipped}.",
+        "full = the recipe's loss over every completion. Deterministic kept sets use the kept set's own "
+        "denominators (what CPPO trains); importance uses 1/pi weights and the full batch's denominators "
+        "(the unbiased HT estimate).",
+        "cosine and rel_error = |g_S - g| / |g| against the full-batch gradient; norm_ratio = |g_S| / |g|; "
+        "mean and sd over batches; ms_per_prompt = selection + forward + backward of the kept set per prompt.",
+        f"total bench time {time.perf_counter() - t_start:.0f} s",
+    ]
+    return Report(
+        name="gradient",
+        title=f"Gradient fidelity of kept sets, {Path(args.recipe).name}",
+        params={"recipe": args.recipe, "overrides": args.overrides, "points": points, "batches": args.batches,
+                "prompts": args.prompts, "rates": rates, "keep_mass": masses, "warm_start": str(warm)},
+        columns=["rl_step", "kept_set", "batches", "kept_ratio", "cosine", "cosine_sd", "rel_error", "rel_error_sd",
+                 "norm_ratio", "ms_per_prompt"],
+        rows=rows,
+        notes=notes,
+        extras={"skipped_batches": skipped},
+        plot=lambda fig: _plot(fig, rows, points),
+    )
+
+
+def _bar(total: int, progress: bool):
+    if not progress:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="bench gradient", dynamic_ncols=True)
+
+
+def _plot(fig, rows: list[dict], points: list[int]) -> None:
+    colors = {"smallest": "tab:blue", "largest": "tab:red", "random": "tab:gray", "importance": "tab:green",
+              "keep_mass": "tab:purple", "importance+keep_mass": "tab:olive"}
+    styles = ["-", "--", ":", "-."]
+    axes = [fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)]
+    for key, ax, ylabel in ((("cosine", axes[0], "cosine to the full-batch gradient")),
+                            ("rel_error", axes[1], "|g_S - g| / |g|")):
+        for i, point in enumerate(points):
+            for family, color in colors.items():
+                sel = [r for r in rows if r["rl_step"] == point and r["kept_set"].split(" ")[0] == family]
+                if not sel:
+                    continue
+                sel.sort(key=lambda r: r["kept_ratio"])
+                ax.errorbar([r["kept_ratio"] for r in sel], [r[key] for r in sel], yerr=[r[f"{key}_sd"] for r in sel],
+                            color=color, linestyle=styles[i % len(styles)], marker="o", ms=3, capsize=2,
+                            label=f"{family} @ step {point}")
+        ax.set(xlabel="fraction of completions kept", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=6, ncol=2)

@@ -1,0 +1,79 @@
+"""bench gradient: the gradient of a kept set is the recipe's loss on exactly those rows,
+and the bench runs end to end at toy size."""
+
+import json
+
+import pytest
+import torch
+
+from cppo_megatron.bench.gradient import compare, kept_sets, policy_gradient
+from cppo_megatron.cli import main
+from cppo_megatron.trainer import Trainer
+from cppo_megatron.trainer.policy import KeptBatch
+from tests.bench.test_speedup_study import FAST
+from tests.trainer.conftest import micro_recipe  # noqa: F401 - the fixture
+
+TOY = FAST + ["rollout.group_size=8", "train.capacity=32"]
+
+
+def test_compare_known_vectors():
+    f = torch.tensor([3.0, 4.0])
+    assert compare(f, f) == {"cosine": 1.0, "rel_error": 0.0, "norm_ratio": 1.0}
+    r = compare(torch.tensor([0.0, 5.0]), f)
+    assert r["cosine"] == pytest.approx(0.8) and r["norm_ratio"] == pytest.approx(1.0)
+    assert r["rel_error"] == pytest.approx((9 + 1) ** 0.5 / 5)
+    with pytest.raises(ValueError, match="full-batch gradient is zero"):
+        compare(f, torch.zeros(2))
+
+
+def test_kept_set_gradients_add_up_to_the_full_gradient(micro_recipe):
+    """token-mean: T_full g_full = T_S g_S + T_rest g_rest for any split of the rows, and a
+    census with unit weights and the full denominators is the full gradient itself."""
+    t = Trainer(micro_recipe("train.loss_agg=token-mean"))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[1, 2, 3]] * 6 + [[4, 5]] * 6
+    comps = [[int(x) + 1 for x in torch.randint(0, 8, (int(n),), generator=gen)]
+             for n in torch.randint(1, 5, (12,), generator=gen)]
+    adv = torch.randn(12, generator=gen)
+    kw = dict(pad_id=t.tok.pad_id, device=t.device, norm_constant=4.0)
+    full = KeptBatch(prompts, comps)
+    g_full = policy_gradient(t.model, full, adv, t.r.train, **kw)
+    s, rest = [0, 3, 4, 9], [1, 2, 5, 6, 7, 8, 10, 11]
+
+    def sub(rows):
+        b = KeptBatch([prompts[i] for i in rows], [comps[i] for i in rows])
+        return b, float(b.completion_mask().sum())
+
+    (bs, ts), (br, tr) = sub(s), sub(rest)
+    g_s = policy_gradient(t.model, bs, adv[s], t.r.train, **kw)
+    g_r = policy_gradient(t.model, br, adv[rest], t.r.train, **kw)
+    t_full = float(full.completion_mask().sum())
+    assert torch.allclose(t_full * g_full, ts * g_s + tr * g_r, atol=1e-5, rtol=1e-4)
+    # weights multiply the rows' contributions; with the full denominators the pieces add up
+    w = torch.full((4,), 2.0)
+    g_w = policy_gradient(t.model, bs, adv[s], t.r.train, weights=w, num_tokens=t_full, **kw)
+    assert torch.allclose(g_w, 2 * ts / t_full * g_s, atol=1e-6, rtol=1e-4)
+    census = policy_gradient(t.model, full, adv, t.r.train, weights=torch.ones(12), num_tokens=t_full,
+                             num_seqs=12.0, **kw)
+    assert compare(census, g_full)["rel_error"] < 1e-5
+
+
+def test_gradient_bench_end_to_end(tmp_path):
+    out = tmp_path / "g"
+    assert main(["bench", "gradient", "recipes/tiny_cpu.yaml", *TOY, "--points", "0,1", "--batches", "2",
+                 "--prompts", "4", "--rates", "0.5,0.75", "--keep-mass", "0.9", "--out", str(out)]) == 0
+    data = json.loads((out / "gradient.json").read_text())
+    rows = data["rows"]
+    labels = ["full"] + [k.label for k in kept_sets([0.5, 0.75], [0.9])]
+    for point in (0, 1):
+        got = [r["kept_set"] for r in rows if r["rl_step"] == point]
+        assert got == labels[: len(got)] and len(got) == len(labels), "a batch without signal was skipped"
+    by = {(r["rl_step"], r["kept_set"]): r for r in rows}
+    assert by[(0, "full")]["cosine"] == 1.0 and by[(0, "full")]["rel_error"] == 0.0
+    for p in (0.5, 0.75):  # fixed k per group of 8
+        for m in ("smallest", "largest", "random", "importance"):
+            r = by[(0, f"{m} P={p:g}")]
+            assert r["kept_ratio"] == pytest.approx(1 - p)
+            assert -1.0 <= r["cosine"] <= 1.0 and r["rel_error"] >= 0 and r["batches"] == 2
+    assert (out / "gradient.md").exists() and (out / "gradient.png").exists()
+    assert main(["bench", "gradient", "recipes/tiny_cpu.yaml", "--rates", "1.5", "--out", str(out)]) == 2
