@@ -21,8 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "megatron-check": ("cppo_megatron.commands.megatron_check", "HF -> megatron TP/PP/DP on local processes: log-probs vs HF, weight round trip, one pruned rebalanced update"),
     "study": ("cppo_megatron.commands.study", "sweep P x metric x allocation x seeds at equal time budgets, with a supervised control"),
     "verl": ("cppo_megatron.commands.verl", "train with veRL 0.9.1 + CPPO (= python -m cppo_megatron.integrations.verl.main; veRL hydra overrides)"),
-    "bench": ("cppo_megatron.commands.bench", "benchmarks (overhead, balance): JSON + markdown + PNG into --out"),
+    "export-hf": ("cppo_megatron.commands.export_hf", "export an embedded-trainer model (warm-up, checkpoint) as an HF model directory with a real tokenizer"),
+    "bench": ("cppo_megatron.commands.bench", "benchmarks (speedup, rollout, overhead, balance, gradient, verl): JSON + markdown + PNG into --out"),
     "simulate": ("cppo_megatron.commands.simulate", "cost model of GRPO/CPPO steps on GPU clusters; --check-paper"),
+    "gpu-check": ("cppo_megatron.commands.gpu_check", "prove the GPU path in minutes: env, core, megatron-core, trainer on the device (--device cpu --quick in CI)"),
 }
 
 EPILOG = """\
@@ -34,10 +36,35 @@ examples:
   cppo-megatron patch openrlhf --check
   cppo-megatron megatron-check --tp 2 --pp 1 --dp 2
   cppo-megatron verl --config-path=$PWD/recipes/verl --config-name=qwen2.5-1.5b-gsm8k-cppo
+  cppo-megatron verl recipes/verl/tiny_cpu_cppo.yaml trainer.total_training_steps=40   (veRL on CPU)
+  cppo-megatron export-hf runs/tiny_cpu/warmup.pt runs/verl_tiny/model
   cppo-megatron bench balance --out runs/bench
+  cppo-megatron study recipes/tiny_cpu.yaml --seeds 3 --budget 75
   cppo-megatron simulate --model 7B --gpu H100-SXM --dp 8
+  cppo-megatron gpu-check --out runs/gpu_check          (on a GPU machine; --device cpu --quick anywhere)
   cppo-megatron COMMAND --help      (options of one command)
+
+A failure the user can fix (a bad value, a missing file or package) prints one line and
+exits with status 2; --debug (anywhere on the line) shows the traceback instead.
 """
+
+DEBUG_FLAG = "--debug"
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types the CLI reports as one line + exit 2: validation errors (ValueError),
+    missing files and optional packages, and UsageError (what commands wrap framework
+    errors in, e.g. hydra's composition errors)."""
+    from ._optional import MissingDependency
+    from .errors import UsageError
+
+    return (UsageError, ValueError, FileNotFoundError, NotADirectoryError, MissingDependency)
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's message on a single line (framework messages are often multi-line)."""
+    text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+    return text or type(exc).__name__
 
 
 def _top_parser() -> argparse.ArgumentParser:
@@ -57,8 +84,11 @@ def _top_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = DEBUG_FLAG in argv  # global: `cppo-megatron --debug train ...` or at the end
+    argv = [a for a in argv if a != DEBUG_FLAG]
     top = _top_parser()
     top.add_argument("--version", action="store_true", help="print the version and exit")
+    top.add_argument(DEBUG_FLAG, action="store_true", help="show the traceback of a failure (default: one line, exit 2)")
     if not argv or argv[0] in ("-h", "--help"):
         top.print_help()
         return 0
@@ -72,6 +102,23 @@ def main(argv: list[str] | None = None) -> int:
         top.print_usage(sys.stderr)
         print(f"cppo-megatron: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    module, args = parse_command(name, rest)
+    args.debug = debug
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except user_errors() as exc:
+        if debug:
+            raise
+        print(f"cppo-megatron {name}: error: {one_line(exc)} (--debug shows the traceback)", file=sys.stderr)
+        return 2
+
+
+def parse_command(name: str, rest: list[str]) -> tuple[object, argparse.Namespace]:
+    """(command module, parsed arguments) for ``cppo-megatron NAME REST...``; argparse exits 2
+    on a bad option. Also what the docs test uses to check a command line without running it."""
     module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(
         prog=f"cppo-megatron {name}",
@@ -87,11 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             args = parser.parse_intermixed_args(rest)
         except TypeError:  # argparse cannot intermix with subcommands (bench)
             args = parser.parse_args(rest)
-    try:
-        return int(module.run(args) or 0)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return module, args
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from .core.advantage import ADV_NORMS
 from .core.selection import (
@@ -27,87 +28,119 @@ from .core.selection import (
     keep_count,
 )
 
-__all__ = ["CPPOConfig", "DEFAULT_PRUNING_RATE", "METRICS", "SCOPES", "ADV_NORMS"]
+__all__ = ["ADV_NORMS", "CPPOConfig", "DEFAULT_PRUNING_RATE", "ESTIMATOR_NAME", "METRICS", "SCOPES", "setting"]
 
+# the algorithm.adv_estimator value that selects CPPO in veRL
+ESTIMATOR_NAME = "cppo"
+
+def setting(default: Any, help: str, *, choices: tuple | None = None, check: str | None = None,
+            **kwargs: Any) -> Any:
+    """A dataclass field whose metadata carries its help text (as TRL's configs do), and
+    optionally its allowed values (``choices``) or range (``check``: ``"> 0"``, ``">= 0"``
+    or ``"(0, 1]"``): ``--help-recipe``, the generated class docstrings, the docs and the
+    recipe validation all read them from there."""
+    metadata: dict[str, Any] = {"help": " ".join(help.split())}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    if check is not None:
+        if check not in CHECKS:
+            raise ValueError(f"setting: check must be one of {list(CHECKS)}, got {check!r}")
+        metadata["check"] = check
+    if "default_factory" in kwargs:
+        return dataclasses.field(metadata=metadata, **kwargs)
+    return dataclasses.field(default=default, metadata=metadata, **kwargs)
+
+
+# range checks a field's metadata can name, with the test each stands for
+CHECKS = {
+    "> 0": lambda v: v > 0,
+    ">= 0": lambda v: v >= 0,
+    "(0, 1]": lambda v: 0 < v <= 1,
+}
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """field name -> help text of a dataclass built with ``setting``."""
+    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+
+
+def document_fields(cls: type) -> type:
+    """Append an ``Attributes:`` section built from the fields' help to ``cls.__doc__``,
+    so ``help(cls)`` shows what ``--help-recipe`` shows, from the same text."""
+    import textwrap
+
+    lines = ["", "    Attributes:"]
+    for f in dataclasses.fields(cls):
+        default = f"{f.default!r}" if f.default is not dataclasses.MISSING else "(a section)"
+        choices = f.metadata.get("choices")
+        allowed = f", one of {'/'.join(map(str, choices))}" if choices else ""
+        text = textwrap.fill(f"{f.name} (default {default}{allowed}): {f.metadata.get('help', '')}", width=88,
+                             initial_indent="        ", subsequent_indent="            ")
+        lines.append(text)
+    cls.__doc__ = (cls.__doc__ or cls.__name__).rstrip() + "\n" + "\n".join(lines) + "\n"
+    return cls
+
+
+@document_fields
 @dataclass
 class CPPOConfig:
     """Completion pruning (CPPO) settings.
 
-    Attributes:
-        pruning_rate: P in [0, 1), the fraction of completions dropped before the
-            old-policy / reference / update passes. P = 0 is plain GRPO, through the same
-            code path. Leave unset (None) together with ``keep_per_group`` to get
-            ``DEFAULT_PRUNING_RATE`` = 0.875 (paper: 16 -> 2 completions per prompt).
-        keep_per_group: k, an alternative to ``pruning_rate``: keep exactly k completions
-            of every group (``scope=group``) or k * num_groups across the batch
-            (``scope=batch``). Set either this or ``pruning_rate``, not both.
-        keep_mass: f in (0, 1], an adaptive alternative to ``pruning_rate`` /
-            ``keep_per_group`` (beyond the paper): per group keep the fewest completions
-            whose A^2 reaches f of the group's A^2 total (``scope=batch``: of the batch's);
-            zero-variance groups keep none. A^2, not |A|: if the completions' score-function
-            gradients are roughly orthogonal and of similar norm, the squared norm of a
-            group's policy gradient is proportional to sum A_i^2, so f is the share of
-            gradient energy kept (relative norm error about sqrt(1 - f)); |A| mass would
-            make a 1-of-16 group need 8 completions to reach f = 0.5, although its single
-            correct answer carries 94% of the A^2. With ``allocation`` the planner draws
-            prompts in rounds until the survivors fill the update capacity. Works with
-            ``metric`` smallest (top-k_g by |A|) or importance (a PPS sample of k_g).
-        metric: which completions to prune. ``smallest`` (CPPO): prune the smallest score,
-            keep the completions whose advantage teaches the most. ``largest``: prune the
-            largest score (the paper's worst ablation). ``random``: prune uniformly at
-            random (seeded). ``importance`` (beyond the paper): keep exactly k by
-            randomised systematic sampling with inclusion probabilities pi proportional to
-            |A| (capped at 1) and weight each survivor's loss by 1/pi, an unbiased
-            (Horvitz-Thompson) estimate of the full-group loss; see ``core.sampling``.
-        use_abs: score = |A| when True (CPPO). False scores by the signed advantage A, the
-            paper's "raw advantage" ablation (keeps the best completions, drops the worst).
-        scope: ``group`` keeps k = floor(G (1 - P)) per prompt, as the paper's text says.
-            ``batch`` keeps the top floor(N (1 - P)) across the whole batch, as the released
-            code does with allocation on; the kept count per prompt then varies from 0 to G
-            and all-zero-advantage groups vanish entirely.
-        adv_norm: ``std`` gives A = (r - mean) / (std + eps) over the full group (GRPO);
-            ``none`` gives A = r - mean (Dr. GRPO).
-        eps: added to the group std. 1e-6 as in veRL; the paper's TRL fork used 1e-4.
-        allocation: dynamic completion allocation. When True, prompts per step grow by
-            1 / (1 - P) so the survivors fill the update capacity (steps per epoch shrink
-            by (1 - P)); when False the same prompts are drawn and fewer completions train.
-        dynamic_sampling: DAPO-style: drop groups whose rewards are all equal (they carry no
-            signal) and draw replacement prompts, up to ``max_refill_rounds`` extra rounds.
-        max_refill_rounds: bound on the refill rounds of ``dynamic_sampling`` per step.
-        rebalance: redistribute the survivors across data-parallel ranks so the largest
-            rank workload is minimal (``core.balance``).
-        equal_size: when rebalancing, give every rank the same number of sequences (needed
-            by pipelines that split a batch into equal chunks).
-        workload_linear: a in the per-sequence workload model a * len + b * len**2.
-        workload_quadratic: b in that model. The defaults (24576, 1) match veRL's
-            ``_balance_batch`` so the two balancers are compared on the same objective.
-        seed: decides every random choice: tie-breaks between equal scores and the
-            ``random`` metric. Combined with the step number, so choices differ between
-            steps but are identical on every rank.
+    Every field's documentation is its ``help`` metadata (listed below, and by
+    ``cppo-megatron train --help-recipe cppo``).
     """
 
-    pruning_rate: Optional[float] = None
-    keep_per_group: Optional[int] = None
-    keep_mass: Optional[float] = None
-    metric: str = "smallest"
-    use_abs: bool = True
-    scope: str = "group"
-    adv_norm: str = "std"
-    eps: float = 1e-6
-    allocation: bool = True
-    dynamic_sampling: bool = False
-    max_refill_rounds: int = 3
-    rebalance: bool = True
-    equal_size: bool = False
-    workload_linear: float = 24576.0
-    workload_quadratic: float = 1.0
-    seed: int = 0
+    pruning_rate: float | None = setting(None, """P in [0, 1), the fraction of completions dropped before the
+        old-policy / reference / update passes. P = 0 is plain GRPO, through the same code path. Leave unset
+        (null) together with keep_per_group to get DEFAULT_PRUNING_RATE = 0.875 (paper: 16 -> 2 completions per
+        prompt).""")
+    keep_per_group: int | None = setting(None, """k, an alternative to pruning_rate: keep exactly k completions
+        of every group (scope=group) or k * num_groups across the batch (scope=batch). Set either this or
+        pruning_rate, not both.""")
+    keep_mass: float | None = setting(None, """f, an adaptive alternative to pruning_rate /
+        keep_per_group (beyond the paper): per group keep the fewest completions whose A^2 reaches f of the
+        group's A^2 total (scope=batch: of the batch's); zero-variance groups keep none. A^2, not |A|: if the
+        completions' score-function gradients are roughly orthogonal and of similar norm, the squared norm of a
+        group's policy gradient is proportional to sum A_i^2, so f is the share of gradient energy kept (relative
+        norm error about sqrt(1 - f)). With allocation the planner draws prompts in rounds until the survivors
+        fill the update capacity. Works with metric smallest (top-k_g by |A|) or importance (a PPS sample of
+        k_g).""", check="(0, 1]")
+    metric: str = setting("smallest", """which completions to prune. smallest (CPPO):
+        prune the smallest score, keep the completions whose advantage teaches the most. largest: prune the
+        largest score (the paper's worst ablation). random: prune uniformly at random (seeded). importance
+        (beyond the paper): keep exactly k by randomised systematic sampling with inclusion probabilities pi
+        proportional to |A| (capped at 1) and weight each survivor's loss by 1/pi, an unbiased (Horvitz-Thompson)
+        estimate of the full-group loss (core.sampling).""", choices=METRICS)
+    use_abs: bool = setting(True, """score = |A| when true (CPPO). false scores by the signed advantage A, the
+        paper's "raw advantage" ablation (keeps the best completions, drops the worst).""")
+    scope: str = setting("group", """group keeps k = floor(G (1 - P)) per prompt, as
+        the paper's text says. batch keeps the top floor(N (1 - P)) across the whole batch, as the released code
+        does with allocation on; the kept count per prompt then varies from 0 to G and all-zero-advantage groups
+        vanish entirely.""", choices=SCOPES)
+    adv_norm: str = setting("std", """std gives A = (r - mean) / (std + eps) over the full group
+        (GRPO); none gives A = r - mean (Dr. GRPO).""", choices=ADV_NORMS)
+    eps: float = setting(1e-6, "added to the group std. 1e-6 as in veRL; the paper's TRL fork used 1e-4.")
+    allocation: bool = setting(True, """dynamic completion allocation. When true, prompts per step grow by
+        1 / (1 - P) so the survivors fill the update capacity (steps per epoch shrink by (1 - P)); when false the
+        same prompts are drawn and fewer completions train.""")
+    dynamic_sampling: bool = setting(False, """DAPO-style: drop groups whose rewards are all equal (they carry no
+        signal) and draw replacement prompts, up to max_refill_rounds extra rounds.""")
+    max_refill_rounds: int = setting(3, "bound on the refill rounds of dynamic_sampling per step.")
+    rebalance: bool = setting(True, """redistribute the survivors across data-parallel ranks so the largest rank
+        workload is minimal (core.balance).""")
+    equal_size: bool = setting(False, """when rebalancing, give every rank the same number of sequences (needed by
+        pipelines that split a batch into equal chunks).""")
+    workload_linear: float = setting(24576.0, """a in the per-sequence workload model a * len + b * len**2 (the
+        defaults match veRL's _balance_batch so the two balancers are compared on the same objective).""")
+    workload_quadratic: float = setting(1.0, "b in that workload model.")
+    seed: int = setting(0, """decides every random choice: tie-breaks between equal scores and the random metric.
+        Combined with the step number, so choices differ between steps but are identical on every rank.""")
 
     def __post_init__(self) -> None:
         self.validate()
 
     # ------------------------------------------------------------------ validation
-    def validate(self) -> "CPPOConfig":
+    def validate(self) -> CPPOConfig:
         """Check every field; raise ValueError naming the field and the bad value."""
         if self.pruning_rate is not None and self.keep_per_group is not None:
             raise ValueError(
@@ -195,9 +228,27 @@ class CPPOConfig:
         """The effective pruning rate 1 - k/G for groups of ``group_size`` completions."""
         return 1.0 - self.keep_for_group(group_size) / group_size
 
+    def noop_reason(self, group_size: int) -> str | None:
+        """Why this config, which asks for pruning (P > 0 or keep_per_group), cannot prune
+        anything useful in groups of ``group_size`` completions; None when it can (or P = 0).
+
+        G = 1: a lone completion's advantage is 0, nothing tells survivors apart. k >= G
+        (group scope): every completion is kept. Launchers print it as a warning.
+        """
+        if self.is_grpo:
+            return None
+        what = f"keep_per_group={self.keep_per_group}" if self.keep_per_group is not None else f"P={self.rate:g}"
+        if group_size == 1:
+            return (f"{what} with G=1 completion per prompt: every advantage is 0, so pruning has no signal "
+                    "and keeps 1 of G=1 in group scope")
+        k = self.keep_for_group(group_size)
+        if self.scope == "group" and k >= group_size:
+            return f"{what} keeps {k} of G={group_size} completions per prompt: nothing is pruned"
+        return None
+
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "CPPOConfig":
+    def from_dict(cls, values: Mapping[str, Any]) -> CPPOConfig:
         """Build from a mapping; unknown keys are errors (no silent typos)."""
         if not isinstance(values, Mapping):
             raise ValueError(f"CPPOConfig.from_dict expects a mapping, got {type(values).__name__}")
@@ -208,7 +259,7 @@ class CPPOConfig:
         return cls(**dict(values))
 
     @classmethod
-    def from_omegaconf(cls, node: Any) -> "CPPOConfig":
+    def from_omegaconf(cls, node: Any) -> CPPOConfig:
         """Build from an omegaconf node (DictConfig, structured or not)."""
         from omegaconf import OmegaConf  # omegaconf is a core dependency but only needed here
 

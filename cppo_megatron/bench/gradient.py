@@ -172,7 +172,7 @@ def measure_batch(trainer, prompts_rep, completions, rewards, sets: list[KeptSet
     full_batch = KeptBatch(prompts_rep, completions)
     n_prompts = rewards.numel() // G
     common = dict(pad_id=trainer.tok.pad_id, device=trainer.device, norm_constant=float(r.rollout.max_new_tokens),
-                  ref_model=trainer.ref_model)
+                  ref_model=getattr(trainer.policy, "ref_model", None))  # HFBackend builds it
     full_res = prune(rewards, gids, replace(r.cppo, pruning_rate=0.0, keep_per_group=None, keep_mass=None,
                                             metric="smallest"), step=step)
     t0 = time.perf_counter()
@@ -223,6 +223,9 @@ def run(args: argparse.Namespace) -> Report:
     if args.batches < 1 or args.prompts < 1:
         raise ValueError(f"--batches and --prompts must be >= 1, got {args.batches}, {args.prompts}")
     recipe = load_recipe(args.recipe, args.overrides)
+    if recipe.backend != "hf":
+        raise ValueError(f"bench gradient measures gradients of the HF policy in one process; got backend="
+                         f"{recipe.backend}: run it with backend=hf (the kept sets are the same on both backends)")
     out = Path(args.out)
     t_start = time.perf_counter()
     warm = warm_start(recipe, out, args.warmup_checkpoint)

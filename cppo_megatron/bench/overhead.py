@@ -5,7 +5,7 @@ For each batch size N (completions in one step) the four phases run on a synthet
 thread and with the default thread count; the median over ``repeats`` is reported.
 
 The share of a training step needs a measured step time, which only a training run has:
-pass ``step_seconds`` (e.g. from ``bench speedup`` or a trainer log) and each row gets
+pass ``step_seconds`` (e.g. the ``summary.json`` of a ``train`` run) and each row gets
 ``share_of_step`` = overhead / step time. Without it, that column is left empty.
 """
 
@@ -61,8 +61,8 @@ class OverheadSettings:
 
 
 def load_step_seconds(value: str) -> float:
-    """A number of seconds, or a JSON file with a top-level ``step_seconds`` (what a
-    trainer run or ``bench speedup`` writes for the default recipe)."""
+    """A number of seconds, or a JSON file with a top-level ``step_seconds`` (the
+    ``summary.json`` a ``cppo-megatron train`` run writes: its median step time)."""
     try:
         x = float(value)
     except ValueError:
@@ -210,8 +210,9 @@ def configure(parser) -> None:
                         help="torch thread counts to run with, 0 = default (default 1,0)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step-seconds", default=None,
-                        help="a measured step time of the default recipe (seconds, or a JSON file with "
-                             "step_seconds) to report the overhead as a share of a step")
+                        help="a measured step time of the default recipe (seconds, or a JSON file with a "
+                             "top-level step_seconds, e.g. OUT_DIR/summary.json of `cppo-megatron train`) to "
+                             "report the overhead as a share of a step")
 
 
 def run(args) -> Report:

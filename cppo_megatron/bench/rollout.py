@@ -1,8 +1,7 @@
 """Rollout throughput: HF ``generate`` vs vLLM, side by side, on the same prompts.
 
-  .venv-vllm/bin/python -m cppo_megatron.bench.rollout                 # tiny + smollm2
-  .venv-vllm/bin/python -m cppo_megatron.bench.rollout --models tiny --repeats 5
-  .venv-vllm/bin/python -m cppo_megatron.bench.rollout --json bench_rollout.json
+  .venv-vllm/bin/cppo-megatron bench rollout                              # tiny + smollm2
+  .venv-vllm/bin/cppo-megatron bench rollout --models tiny --repeats 5 --out runs/bench
 
 For each model, both engines sample the same workload (P prompts x G completions, up to
 N new tokens, the recipe's temperature/top-p) after one warm-up call; the table reports the
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..rollout.base import ENGINES
 from .report import Report
 
 # the workload of each model: prompts, group size, new tokens, temperature, top-p
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> Report:
     if args.threads:
         torch.set_num_threads(args.threads)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    bad = [e for e in engines if e not in ("hf", "vllm")]
+    bad = [e for e in engines if e not in ENGINES]
     if bad or not engines:
         raise ValueError(f"--engines takes hf and/or vllm, got {args.engines!r}")
     notes = [f"machine: {machine()}"]

@@ -20,12 +20,13 @@ import argparse
 import time
 from pathlib import Path
 
+from ..trainer.metrics import GEN_PHASES, PASS_PHASES, PHASES
 from .bound import fraction_of_bound, speedup, speedup_bound
 from .report import Report, median
 
-GEN_PHASES = ("rollout", "reward")
-REST_PHASES = ("old_logprob", "ref_logprob", "update")
-ALL_PHASES = ("rollout", "reward", "cppo", "old_logprob", "ref_logprob", "update", "sync")
+# the trainer's one phase list (cppo_megatron/trainer/metrics.py), for both backends
+REST_PHASES = PASS_PHASES
+ALL_PHASES = PHASES
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -103,8 +104,11 @@ def _bench_recipe(recipe, out: Path, warm: Path, rate: float, allocation: bool):
 
 
 def measure(recipe, rates: list[float], allocations: list[bool], steps: int, repeats: int, warm: Path,
-            out: Path, progress: bool = True) -> dict[tuple[float, bool], list[dict]]:
-    """Interleave the runs' steps; return every step record per (rate, allocation)."""
+            out: Path, progress: bool = True, warmup_steps: int = 0) -> dict[tuple[float, bool], list[dict]]:
+    """Interleave the runs' steps; return every step record per (rate, allocation).
+
+    ``warmup_steps`` unrecorded steps per run come first (on a GPU the first steps pay for
+    kernel selection and allocator growth at each run's batch shape)."""
     from ..trainer import Trainer
 
     keys = [(p, a) for a in allocations for p in rates if not (p == 0.0 and a != allocations[0])]
@@ -113,6 +117,9 @@ def measure(recipe, rates: list[float], allocations: list[bool], steps: int, rep
         t = Trainer(_bench_recipe(recipe, out, warm, p, a))
         t.prepare(initial_eval=False)
         trainers[(p, a)] = t
+    for k in keys:
+        for _ in range(warmup_steps):
+            trainers[k].step_once()
     records: dict = {k: [] for k in keys}
     total = len(keys) * steps * repeats
     bar = None

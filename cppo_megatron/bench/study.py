@@ -54,7 +54,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-mass", type=float, default=0.9, help="f of the keep_mass runs (default 0.9)")
     parser.add_argument("--allocation", choices=["on", "off", "both"], default=None, help="default on")
     parser.add_argument("--full", action="store_true", help=f"the full grid: {FULL}")
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=3,
+                        help="seeds per configuration (default 3); a winner is named only with >= 2 seeds and a "
+                             "difference beyond the combined seed spread")
     parser.add_argument("--budget", type=float, default=100.0, help="RL seconds per run (default 100)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     parser.add_argument("--evals", type=int, default=5, help="evaluations spread over the budget (default 5)")
@@ -228,38 +230,67 @@ def summarize(rows: list[dict]) -> tuple[list[dict], list[str]]:
     return table, _findings(table)
 
 
+def compare(a: dict, b: dict) -> tuple[str, float, float]:
+    """(verdict, difference, combined seed sd) of summary row ``a`` against ``b``.
+
+    A winner is declared only with at least 2 seeds on each side and a difference in mean
+    final accuracy larger than the combined seed spread sqrt(sd_a^2 + sd_b^2); otherwise
+    the verdict says why there is none.
+    """
+    diff = a["final acc (mean)"] - b["final acc (mean)"]
+    seeds = min(a["seeds"], b["seeds"])
+    if seeds < 2:
+        return f"no winner: {seeds} seed(s), the seed spread is unknown (run --seeds 2 or more)", diff, float("nan")
+    noise = math.sqrt(_nz(a["seed spread (sd)"]) ** 2 + _nz(b["seed spread (sd)"]) ** 2)
+    if abs(diff) <= noise:
+        return "no winner: the difference is within the combined seed spread", diff, noise
+    return ("beats" if diff > 0 else "trails"), diff, noise
+
+
 def _findings(table: list[dict]) -> list[str]:
     by = {(t["P"], t["metric"], t["allocation"]): t for t in table}
     out = []
     grpo = next((t for t in table if t["P"] == 0), None)
     for t in table:
         if grpo and t["P"] and t["metric"] == "smallest" and t["allocation"]:
-            diff = t["final acc (mean)"] - grpo["final acc (mean)"]
-            noise = math.sqrt(_nz(t["seed spread (sd)"]) ** 2 + _nz(grpo["seed spread (sd)"]) ** 2)
-            verdict = "beats" if diff > noise else "trails" if diff < -noise else "ties (within the seed spread)"
-            out.append(f"CPPO P={t['P']:g} with allocation {verdict} GRPO at equal time: "
-                       f"{t['final acc (mean)']:.3f} vs {grpo['final acc (mean)']:.3f} (difference {diff:+.3f}, "
-                       f"combined seed sd {noise:.3f})")
+            verdict, diff, noise = compare(t, grpo)
+            sd = f"combined seed sd {noise:.3f}" if math.isfinite(noise) else "combined seed sd unknown"
+            head = (f"CPPO P={t['P']:g} with allocation {verdict} GRPO at equal time"
+                    if verdict in ("beats", "trails") else f"CPPO P={t['P']:g} with allocation vs GRPO at equal time: {verdict}")
+            out.append(f"{head}: {t['final acc (mean)']:.3f} vs {grpo['final acc (mean)']:.3f} "
+                       f"(difference {diff:+.3f}, {sd})")
     for p in sorted({t["P"] for t in table if t["P"]}):
-        accs = {m: by[(p, m, True)]["final acc (mean)"] for m in ("smallest", "random", "largest") if (p, m, True) in by}
-        if len(accs) == 3:
-            holds = accs["smallest"] > accs["random"] > accs["largest"]
-            spread = max(_nz(by[(p, m, True)]["seed spread (sd)"]) for m in accs)
-            out.append(f"P={p:g}: {', '.join(f'{m} {a:.3f}' for m, a in accs.items())} (largest seed sd {spread:.3f}); "
-                       f"the paper's strict ordering smallest > random > largest "
-                       f"{'holds' if holds else 'does not hold'} in the means")
+        rows = {m: by[(p, m, True)] for m in ("smallest", "random", "largest") if (p, m, True) in by}
+        if len(rows) == 3:
+            accs = {m: r["final acc (mean)"] for m, r in rows.items()}
+            spread = max(_nz(r["seed spread (sd)"]) for r in rows.values())
+            text = (f"P={p:g}: {', '.join(f'{m} {a:.3f}' for m, a in accs.items())} (largest seed sd {spread:.3f}); "
+                    "the paper's ordering smallest > random > largest ")
+            gaps = [compare(rows["smallest"], rows["random"])[0], compare(rows["random"], rows["largest"])[0]]
+            if min(r["seeds"] for r in rows.values()) < 2:
+                text += "is not tested: 1 seed, the seed spread is unknown (run --seeds 2 or more)"
+            elif gaps == ["beats", "beats"]:
+                text += "holds, each gap beyond the combined seed spread"
+            elif accs["smallest"] > accs["random"] > accs["largest"]:
+                text += "holds in the means only: a gap is within the combined seed spread"
+            else:
+                text += "does not hold in the means"
+            out.append(text)
     cppo = next((t for t in table if t["metric"] == "smallest" and t["P"] and t["allocation"]), None)
     for t in table:
         if cppo and t["metric"] in ("importance", "keep_mass") and t["allocation"]:
-            diff = t["final acc (mean)"] - cppo["final acc (mean)"]
-            noise = math.sqrt(_nz(t["seed spread (sd)"]) ** 2 + _nz(cppo["seed spread (sd)"]) ** 2)
-            verdict = "beats" if diff > noise else "trails" if diff < -noise else "ties (within the seed spread)"
-            out.append(f"{t['config']} {verdict} CPPO {cppo['config']} at equal time: {t['final acc (mean)']:.3f} vs "
-                       f"{cppo['final acc (mean)']:.3f} (difference {diff:+.3f}, combined seed sd {noise:.3f})")
+            verdict, diff, noise = compare(t, cppo)
+            sd = f"combined seed sd {noise:.3f}" if math.isfinite(noise) else "combined seed sd unknown"
+            head = (f"{t['config']} {verdict} CPPO {cppo['config']} at equal time"
+                    if verdict in ("beats", "trails") else f"{t['config']} vs CPPO {cppo['config']} at equal time: "
+                    f"{verdict}")
+            out.append(f"{head}: {t['final acc (mean)']:.3f} vs {cppo['final acc (mean)']:.3f} "
+                       f"(difference {diff:+.3f}, {sd})")
     if grpo:
         key = "acc @ GRPO's prompts"
-        eq = [f"{t['config']} {t[key]:.3f}" for t in table if t[key] is not None and t["metric"] != "sft"]
-        out.append("at equal prompts drawn (GRPO's final count, the paper's comparison): " + ", ".join(eq))
+        eq = [f"{t['config']} {t[key]:.3f}" for t in table if t.get(key) is not None and t["metric"] != "sft"]
+        if eq:
+            out.append("at equal prompts drawn (GRPO's final count, the paper's comparison): " + ", ".join(eq))
     ctrl = next((t for t in table if t["metric"] == "sft"), None)
     if ctrl:
         out.append(f"supervised control for the same time: {ctrl['final acc (mean)']:.3f}")

@@ -98,7 +98,7 @@ def run(args) -> int:
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|cuda_graph_scope|CUDA_DEVICE_MAX_CONNECTIONS).*")
     for name, v in (("--tp", args.tp), ("--pp", args.pp), ("--dp", args.dp)):
         if v < 1:
-            raise SystemExit(f"megatron-check: {name} must be >= 1, got {v}")
+            raise ValueError(f"{name} must be >= 1, got {v}")
     world = args.tp * args.pp * args.dp
     print(f"megatron-check: tp={args.tp} pp={args.pp} dp={args.dp} on {world} local processes "
           f"({'CUDA' if torch.cuda.is_available() else 'CPU mode, gloo'})")

@@ -23,13 +23,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..integrations.openrlhf.recipe import launcher_argv, load_recipe
-    from ..integrations.openrlhf.train import main
+    from ..integrations.openrlhf.train import run_argv
 
-    try:
-        recipe = load_recipe(args.recipe)
-    except ValueError as exc:
-        print(f"error: {exc}")
-        return 2
+    recipe = load_recipe(args.recipe)  # a ValueError names the problem; the CLI prints it on one line
     if recipe.get("description"):
         print(str(recipe["description"]).strip())
-    return main(launcher_argv(recipe) + list(args.passthrough))
+    return run_argv(launcher_argv(recipe) + list(args.passthrough))

@@ -5,8 +5,12 @@
   cppo-megatron train recipes/tiny_cpu.yaml --resume        (continue the run in out_dir)
 
 Overrides are omegaconf dotlist `key=value` pairs; an unknown key is an error. Every key
-is documented in docs/trainer.md. Ctrl-C saves a checkpoint and exits; --resume continues
-with the same data order and accounting. Outputs in out_dir: metrics.jsonl,
+is documented in docs/trainer.md (and listed by --help-recipe). Before any work starts the
+recipe and what it points at (model directory, data files, data fitting the model) are
+checked: a mistake ends in one line and exit status 2 (--debug shows the traceback).
+Ctrl-C / SIGTERM finishes the running step, saves a checkpoint and exits with status 130;
+--resume continues with the same data order and accounting. backend=megatron recipes run
+under torchrun (--nproc N). Outputs in out_dir: metrics.jsonl,
 tensorboard/, checkpoints/, report.md, report.png.
 """
 
@@ -24,30 +28,58 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=1,
                         help="processes (torchrun) for backend=megatron; 1 for the single-process backend")
     parser.add_argument("--print-recipe", action="store_true", help="print the merged recipe and exit")
+    parser.add_argument("--debug", action="store_true", help="on a recipe error, show the Python traceback")
+    parser.add_argument("--help-recipe", nargs="?", const="", metavar="SECTION", action=_HelpRecipe,
+                        help="list every recipe key (or those under SECTION, e.g. cppo) with its default, "
+                             "choices and meaning, and exit")
+
+
+class _HelpRecipe(argparse.Action):
+    """Prints the recipe reference and exits, like --help (no recipe file needed)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from ..trainer.config import RecipeError, recipe_help
+
+        try:
+            print(recipe_help(values or ""))
+        except RecipeError as exc:
+            parser.exit(2, f"cppo-megatron train: {exc}\n")
+        parser.exit(0)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..trainer.config import load_recipe, recipe_to_dict
+    from ..trainer.config import RecipeError, load_recipe, recipe_to_dict
+    from ..trainer.preflight import check_inputs
 
     try:
         recipe = load_recipe(args.recipe, args.overrides)
-    except (ValueError, FileNotFoundError) as exc:
+        if args.print_recipe:
+            print(json.dumps(recipe_to_dict(recipe), indent=2))
+            return 0
+        if args.nproc < 1:
+            raise RecipeError(f"--nproc must be >= 1, got {args.nproc}")
+        # before the warm-up, and before torchrun starts N processes that would each fail
+        inputs = check_inputs(recipe, resume=args.resume)
+    except RecipeError as exc:
+        if args.debug:
+            raise
         print(f"cppo-megatron train: {exc}", file=sys.stderr)
         return 2
-    if args.print_recipe:
-        print(json.dumps(recipe_to_dict(recipe), indent=2))
-        return 0
+    for note in inputs.warnings:
+        print(f"cppo-megatron train: {note}", file=sys.stderr)
     if recipe.backend == "megatron" or args.nproc > 1:
-        try:
-            from ..megatron.launch import launch  # provided with the megatron backend
-        except ImportError as exc:
-            print(f"cppo-megatron train: backend=megatron is not available here ({exc})", file=sys.stderr)
-            return 2
-        return launch(args)
+        from ..trainer.launch import launch
+
+        return launch(args)  # torchrun; every rank runs the same Trainer
 
     from ..trainer import Trainer
 
-    summary = Trainer(recipe, resume=args.resume).run()
+    try:
+        trainer = Trainer(recipe, resume=args.resume, task=inputs.task)
+    except FileNotFoundError as exc:  # --resume without a (readable) checkpoint
+        print(f"cppo-megatron train: {exc}", file=sys.stderr)
+        return 2
+    summary = trainer.run()
     if summary.get("interrupted"):
         return 130
     print(

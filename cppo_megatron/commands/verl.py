@@ -12,6 +12,9 @@ Every argument goes to veRL's hydra command line (its config plus the `cppo` gro
 from __future__ import annotations
 
 import argparse
+import os
+
+from ..errors import UsageError
 
 PASSTHROUGH = True
 
@@ -63,5 +66,65 @@ def run(args: argparse.Namespace) -> int:
     require("verl", "the veRL integration")
     from cppo_megatron.integrations.verl.main import main
 
-    main(list(args.passthrough))
+    # hydra prints its own multi-line report and exits 1 unless HYDRA_FULL_ERROR=1, which
+    # lets the exception reach the CLI: one line and exit 2 (the traceback with --debug)
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        with _without_hydra_job_banner():
+            main(list(args.passthrough))
+    except Exception as exc:
+        if _is_config_error(exc):
+            raise UsageError(_config_message(exc)) from exc
+        raise
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
     return 0
+
+
+def _is_config_error(exc: BaseException) -> bool:
+    """hydra's composition / override errors and omegaconf's key and type errors."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    return isinstance(exc, (HydraException, OmegaConfBaseException))
+
+
+def _config_message(exc: BaseException) -> str:
+    # "Could not override 'cppo.pruning_rat'." + its omegaconf cause "Key 'pruning_rat' is not in struct"
+    cause = exc.__cause__
+    first = str(cause).splitlines()[0] if cause is not None and str(cause).strip() else ""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return f"{text} ({first})" if first and first not in text else text
+
+
+class _without_hydra_job_banner:
+    """Drops the line hydra writes to stderr before re-raising a job's exception
+    ("Error executing job with overrides: [...]"), so a failure stays one line."""
+
+    BANNER = "Error executing job with overrides:"
+
+    def __enter__(self):
+        import sys
+
+        self._stderr = sys.stderr
+        outer = self
+
+        class _Filter:
+            def write(self, text):
+                return len(text) if text.startswith(outer.BANNER) else outer._stderr.write(text)
+
+            def __getattr__(self, name):
+                return getattr(outer._stderr, name)
+
+        sys.stderr = _Filter()
+        return self
+
+    def __exit__(self, *exc):
+        import sys
+
+        sys.stderr = self._stderr
+        return False

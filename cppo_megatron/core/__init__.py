@@ -1,4 +1,6 @@
-"""Framework-free CPPO core: pure functions over tensors. Imports nothing else from the package.
+"""Framework-free CPPO core: pure functions over tensors. Imports nothing else from the
+package but the ``CPPOConfig`` its functions take (``cppo_megatron.config``, which in turn
+builds only on the core's choice lists: the two form the innermost layer).
 
 - ``advantage``: full-group GRPO / Dr. GRPO advantages and statistics
 - ``selection``: which completions survive (metric, scope, seeded tie-breaks)

@@ -18,11 +18,11 @@ class GroupStats:
     """Per-group reward statistics of a batch.
 
     Attributes:
-        group_ids: [M] the distinct group ids, ascending.
-        inverse: [N] position of each completion's group in ``group_ids``.
-        size: [M] completions per group.
-        mean: [M] reward mean (0 for singleton groups, as veRL).
-        std: [M] unbiased reward std, as torch.std (1 for singleton groups, as veRL).
+        group_ids: [M] int64 the distinct group ids, ascending.
+        inverse: [N] int64 position of each completion's group in ``group_ids``.
+        size: [M] int64 completions per group.
+        mean: [M] reward mean, in the rewards' float dtype (0 for singleton groups, as veRL).
+        std: [M] unbiased reward std, as torch.std, same dtype (1 for singleton groups, as veRL).
     """
 
     group_ids: torch.Tensor
@@ -33,14 +33,15 @@ class GroupStats:
 
     @property
     def num_groups(self) -> int:
+        """M, the number of distinct groups."""
         return int(self.group_ids.numel())
 
     def row_mean(self) -> torch.Tensor:
-        """[N] each completion's full-group mean (to store on a batch before pruning)."""
+        """[N] each completion's full-group mean, float (to store on a batch before pruning)."""
         return self.mean[self.inverse]
 
     def row_std(self) -> torch.Tensor:
-        """[N] each completion's full-group std."""
+        """[N] each completion's full-group std, float."""
         return self.std[self.inverse]
 
     def zero_variance(self) -> torch.Tensor:
@@ -62,12 +63,21 @@ def group_advantages(
     std 1, as veRL's ``compute_grpo_outcome_advantage``.
 
     Args:
-        rewards: [N] finite scalar rewards, one per completion.
+        rewards: [N] float finite scalar rewards, one per completion (integers become float32).
         group_ids: [N] int64 ids (any non-negative values, unsorted, uneven group sizes).
+        adv_norm: ``std`` or ``none`` (``ADV_NORMS``).
+        eps: >= 0, added to the std.
 
     Returns:
-        advantages: [N] in the dtype of ``rewards`` (float32 for integer rewards).
-        stats: a ``GroupStats``.
+        advantages: [N] in the dtype and on the device of ``rewards`` (float32 for
+            integer rewards), row-aligned with ``rewards``.
+        stats: the ``GroupStats`` of the M groups (computed in float64 on the CPU).
+
+    Example::
+
+        >>> adv, stats = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.zeros(4, dtype=torch.long))
+        >>> adv  # mean 0.25, std 0.5
+        tensor([ 1.5000, -0.5000, -0.5000, -0.5000])
     """
     r = as_1d_float("rewards", rewards)
     g = as_group_ids("group_ids", group_ids, r.numel())
@@ -116,7 +126,14 @@ def advantages_from_stats(
     statistics over the survivors is a bug (it changes every advantage).
 
     Args:
-        rewards, row_mean, row_std: [N] each, aligned row by row.
+        rewards: [K] float rewards of the kept completions.
+        row_mean: [K] float, each row's full-group mean (``GroupStats.row_mean()[kept]``).
+        row_std: [K] float >= 0, each row's full-group std (``GroupStats.row_std()[kept]``).
+        adv_norm: ``std`` or ``none``, as when the statistics were recorded.
+        eps: >= 0, as when the statistics were recorded.
+
+    Returns:
+        [K] advantages in the dtype and on the device of ``rewards``; K may be 0.
     """
     r = as_1d_float("rewards", rewards, allow_empty=True)
     mu = as_1d_float("row_mean", row_mean, allow_empty=True)

@@ -17,12 +17,15 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 from fractions import Fraction
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._checks import check_int
+from ._checks import check_config, check_int
 from .selection import DEFAULT_PRUNING_RATE, Selection, keep_count
+
+if TYPE_CHECKING:
+    from ..config import CPPOConfig
 
 __all__ = ["AllocationPlanner", "AllocationTotals", "PromptSampler"]
 
@@ -79,13 +82,13 @@ class AllocationPlanner:
         capacity: int,
         group_size: int,
         *,
-        pruning_rate: Optional[float] = None,
-        keep_per_group: Optional[int] = None,
+        pruning_rate: float | None = None,
+        keep_per_group: int | None = None,
         scope: str = "group",
         allocation: bool = True,
         dynamic_sampling: bool = False,
         max_refill_rounds: int = 3,
-        keep_mass: Optional[float] = None,
+        keep_mass: float | None = None,
     ) -> None:
         self.capacity = check_int("capacity", capacity, minimum=1)
         self.group_size = check_int("group_size", group_size, minimum=1)
@@ -133,12 +136,13 @@ class AllocationPlanner:
             )
 
         self._carry = Fraction(0)
-        self._open: Optional[dict[str, int]] = None
+        self._open: dict[str, int] | None = None
         self.totals = AllocationTotals()
 
     @classmethod
-    def from_config(cls, cfg: Any, capacity: int, group_size: int) -> "AllocationPlanner":
-        """From a ``CPPOConfig`` (or any object with its fields)."""
+    def from_config(cls, cfg: CPPOConfig, capacity: int, group_size: int) -> AllocationPlanner:
+        """From a ``CPPOConfig``: capacity completions per step, groups of group_size."""
+        check_config(cfg)
         return cls(
             capacity,
             group_size,
@@ -167,7 +171,8 @@ class AllocationPlanner:
 
     # ------------------------------------------------------------------ per step
     def begin_step(self) -> int:
-        """Open a step; return the number of prompts to draw in its first round."""
+        """Open a step; returns the number of prompts (int >= 0) to draw in its first round:
+        floor(carry + capacity / survivors-per-prompt), the remainder carried to the next step."""
         if self._open is not None:
             raise RuntimeError("begin_step called twice without end_step")
         if self.adaptive:
@@ -182,30 +187,29 @@ class AllocationPlanner:
         return target
 
     def record_round(self, prompts: int, completions: int) -> None:
-        """Record what a generation round drew and produced."""
-        self._require_open("record_round")
+        """Record what a generation round drew (``prompts``) and produced (``completions``,
+        G per prompt), both ints >= 0."""
+        st = self._require_open("record_round")
         check_int("prompts", prompts, minimum=0)
         check_int("completions", completions, minimum=0)
-        self._open["drawn"] += prompts
-        self._open["generated"] += completions
+        st["drawn"] += prompts
+        st["generated"] += completions
 
     def next_refill(self, valid_prompts: int) -> int:
-        """Dynamic sampling: prompts to draw in another round (0 when done).
+        """Dynamic sampling: prompts (int >= 0) to draw in another round, 0 when done.
 
-        ``valid_prompts`` is the number of drawn prompts whose group has reward variance.
+        ``valid_prompts``: int, the drawn prompts so far whose group has reward variance.
         """
-        self._require_open("next_refill")
+        st = self._require_open("next_refill")
         check_int("valid_prompts", valid_prompts, minimum=0)
-        if valid_prompts > self._open["drawn"]:
-            raise ValueError(
-                f"valid_prompts={valid_prompts} exceeds the {self._open['drawn']} prompts drawn this step"
-            )
-        if not self.dynamic_sampling or self._open["rounds"] >= self.max_refill_rounds:
+        if valid_prompts > st["drawn"]:
+            raise ValueError(f"valid_prompts={valid_prompts} exceeds the {st['drawn']} prompts drawn this step")
+        if not self.dynamic_sampling or st["rounds"] >= self.max_refill_rounds:
             return 0
-        need = self._open["target"] - valid_prompts
+        need = st["target"] - valid_prompts
         if need <= 0:
             return 0
-        self._open["rounds"] += 1
+        st["rounds"] += 1
         return need
 
     def next_fill(self, num_kept: int) -> int:
@@ -230,8 +234,14 @@ class AllocationPlanner:
     ) -> dict[str, float]:
         """Close the step; check that every prompt and completion is accounted for.
 
-        ``selection`` is the pruning of the prompts that were not dropped.
-        Returns per-step ``alloc/*`` metrics.
+        Args:
+            selection: the ``Selection`` over the completions of the prompts that were not
+                dropped (its M groups plus ``dropped_prompts`` = the prompts drawn).
+            dropped_prompts: int, prompts dynamic sampling removed before selection.
+            dropped_completions: int, their completions.
+
+        Returns:
+            per-step ``alloc/*`` metrics, plain floats.
         """
         st = self._require_open("end_step")
         check_int("dropped_prompts", dropped_prompts, minimum=0)
@@ -279,6 +289,7 @@ class AllocationPlanner:
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
+        """The carry (an exact fraction), the plan and the totals; only between steps."""
         if self._open is not None:
             raise RuntimeError("state_dict during an open step: checkpoint between steps")
         return {
@@ -288,6 +299,7 @@ class AllocationPlanner:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``; a checkpoint planned for other settings is an error."""
         pps = Fraction(*state["prompts_per_step"])
         if pps != self.prompts_per_step:
             raise ValueError(
@@ -300,6 +312,7 @@ class AllocationPlanner:
         self._open = None
 
     def metrics(self, prefix: str = "alloc/total_") -> dict[str, float]:
+        """The running totals as plain floats (``alloc/total_prompts_drawn``, ...)."""
         return {prefix + k: float(v) for k, v in asdict(self.totals).items()}
 
 
@@ -330,7 +343,8 @@ class PromptSampler:
         return torch.randperm(self.num_prompts, generator=seeded_generator(self.seed, epoch, stream=7))
 
     def draw(self, n: int) -> list[int]:
-        """The next ``n`` prompt indices (crossing into the next epoch when needed)."""
+        """The next ``n`` prompt indices, ints in [0, num_prompts) (crossing into the next
+        epoch when needed)."""
         check_int("n", n, minimum=0)
         out: list[int] = []
         while len(out) < n:
@@ -345,6 +359,7 @@ class PromptSampler:
         return out
 
     def state_dict(self) -> dict[str, int]:
+        """Where the sampler stands (epoch, position, total drawn) and what it samples."""
         return {
             "num_prompts": self.num_prompts,
             "seed": self.seed,
@@ -354,6 +369,7 @@ class PromptSampler:
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore ``state_dict()``; another data set size or seed is an error."""
         if state["num_prompts"] != self.num_prompts or state["seed"] != self.seed:
             raise ValueError(
                 f"sampler checkpoint is for {state['num_prompts']} prompts / seed {state['seed']}, "
@@ -366,4 +382,5 @@ class PromptSampler:
 
     @property
     def epochs_float(self) -> float:
+        """Prompts drawn so far / prompts in the data set."""
         return self.total_drawn / self.num_prompts

@@ -49,7 +49,16 @@ _NEAR_PARTS = 8  # swap partners looked for among this many lightest parts befor
 
 
 def sequence_workload(lengths, *, linear: float = 24576.0, quadratic: float = 1.0) -> torch.Tensor:
-    """[N] float64 workload ``linear * len + quadratic * len**2`` of sequences of ``lengths``."""
+    """Per-sequence cost model of a forward/backward pass.
+
+    Args:
+        lengths: [N] token counts (int or float, >= 0).
+        linear, quadratic: a and b in ``a * len + b * len**2``, both >= 0 (defaults: veRL's
+            ``_balance_batch`` model).
+
+    Returns:
+        [N] float64 workloads.
+    """
     n = as_1d_float("lengths", lengths, allow_empty=True).to(torch.float64)
     if bool((n < 0).any()):
         i = int((n < 0).nonzero()[0])
@@ -64,6 +73,12 @@ def lower_bound(workloads, num_parts: int, *, equal_size: bool = False) -> float
 
     With ``equal_size`` the part holding the largest item also holds at least
     floor(N / k) - 1 others, so it weighs at least the largest plus that many smallest.
+
+    Args:
+        workloads: [N] float, >= 0. num_parts: k >= 1.
+
+    Returns:
+        the bound, a float (0.0 for N = 0).
     """
     w = _as_workloads(workloads)
     k = check_int("num_parts", num_parts, minimum=1)
@@ -81,8 +96,8 @@ class Partition:
     """An assignment of N items to k parts.
 
     Attributes:
-        parts: k lists of item indices, each ascending.
-        loads: [k] total workload per part.
+        parts: k lists of item indices (ints in [0, N)), each ascending.
+        loads: [k] float64 numpy array, total workload per part.
         lower_bound: no partition can do better (``lower_bound``).
         method: which algorithm produced it.
     """
@@ -94,10 +109,12 @@ class Partition:
 
     @property
     def num_parts(self) -> int:
+        """k."""
         return len(self.parts)
 
     @property
     def max_load(self) -> float:
+        """The largest part's workload (what the slowest rank costs)."""
         return float(self.loads.max()) if self.loads.size else 0.0
 
     @property
@@ -112,7 +129,7 @@ class Partition:
         return self.max_load / self.lower_bound - 1.0 if self.lower_bound > 0 else 0.0
 
     def assignment(self) -> torch.Tensor:
-        """[N] part index of every item."""
+        """[N] int64 part index of every item."""
         n = sum(len(p) for p in self.parts)
         out = torch.empty(n, dtype=torch.int64)
         for r, p in enumerate(self.parts):
@@ -120,6 +137,7 @@ class Partition:
         return out
 
     def metrics(self, prefix: str = "cppo/balance_") -> dict[str, float]:
+        """imbalance, gap_to_bound, max_load, min_load as plain floats."""
         return {
             f"{prefix}imbalance": self.imbalance,
             f"{prefix}gap_to_bound": self.gap_to_bound,
@@ -146,8 +164,15 @@ def balance_partitions(
         refine: run the move/swap local search after the construction.
         max_refine_steps: bound on local-search improvements (default 4k + 64).
 
-    Every item lands in exactly one part; parts may be empty when N < k (unless equal
-    size, where the counts still differ by at most one).
+    Returns:
+        a ``Partition`` of the N item indices into k parts. Every item lands in exactly
+        one part; parts may be empty when N < k (with ``equal_size`` the counts still
+        differ by at most one).
+
+    Example::
+
+        >>> balance_partitions([5.0, 4.0, 3.0, 3.0, 3.0], 2).parts  # loads 9 and 9
+        [[2, 3, 4], [0, 1]]
     """
     w = _as_workloads(workloads)
     k = check_int("num_parts", num_parts, minimum=1)
@@ -187,7 +212,14 @@ def _partition(w: np.ndarray, members: list[np.ndarray], lb: float, method: str)
 
 
 def naive_partition(workloads, num_parts: int) -> Partition:
-    """Contiguous chunks, as a pipeline without rebalancing splits its batch (for comparison)."""
+    """Contiguous chunks, as a pipeline without rebalancing splits its batch (for comparison).
+
+    Args:
+        workloads: [N] float, >= 0. num_parts: k >= 1.
+
+    Returns:
+        a ``Partition``: part i holds indices [round(i N / k), round((i + 1) N / k)).
+    """
     w = _as_workloads(workloads)
     k = check_int("num_parts", num_parts, minimum=1)
     bounds = np.linspace(0, w.size, k + 1).round().astype(np.int64)
@@ -199,11 +231,13 @@ def pack_micro_batches(token_counts, max_tokens: int, *, min_batches: int = 1) -
     """Split sequences into the fewest balanced micro-batches of at most ``max_tokens`` tokens.
 
     Args:
-        token_counts: [N] tokens per sequence (what a padding-free forward processes).
+        token_counts: [N] int tokens per sequence (what a padding-free forward processes).
         max_tokens: the budget per micro-batch; a single longer sequence is an error.
         min_batches: at least this many micro-batches (e.g. pipeline stages to fill).
 
-    Returns micro-batches (lists of indices, ascending), largest workload first.
+    Returns:
+        micro-batches: lists of sequence indices (ints in [0, N), each list ascending),
+        largest token total first; every index appears exactly once.
     """
     w = _as_workloads(token_counts)
     budget = check_int("max_tokens", max_tokens, minimum=1)
@@ -396,7 +430,7 @@ def _best_change(w: np.ndarray, items: list[np.ndarray], loads: np.ndarray, h: i
     hw = w[items[h]]
     if hw.size == 0:
         return None
-    best = None  # (new pair max, a, b, j, delta)
+    best: tuple[float, int, int | None, int, float] | None = None  # (new pair max, a, b or None: a move, j, delta)
     if allow_moves:
         j = int(np.argmin(loads))
         diff = top - loads[j]

@@ -45,8 +45,8 @@ def aggregate_loss(
     """Reduce a per-token loss to a scalar.
 
     Args:
-        loss: [N, T] per-token loss.
-        mask: [N, T] 1 for response tokens that count, 0 for prompt/padding.
+        loss: [N, T] float per-token loss (N kept completions, T response positions).
+        mask: [N, T] bool/int/float, 1 for response tokens that count, 0 for prompt/padding.
         mode: ``token-mean`` (TRL fork: sum / tokens), ``seq-mean-token-mean`` (veRL port:
             mean over sequences of each sequence's token mean), ``seq-mean-token-sum``, or
             ``seq-mean-token-sum-norm`` (Dr. GRPO: token sums / (sequences * norm_constant)).
@@ -55,6 +55,9 @@ def aggregate_loss(
         norm_constant: Dr. GRPO's constant (default T, the generation budget).
         weights: [N] optional per-sequence weights (``Selection.weights``: 1 / pi_i for
             ``metric=importance``), multiplying every token of their sequence.
+
+    Returns:
+        [] scalar in the dtype of ``loss``, differentiable.
 
     Without the global denominators the local batch's own are used. Sequences with no
     counted token do not count as sequences.
@@ -125,14 +128,14 @@ def clipped_surrogate(
     """PPO clipped surrogate, per token.
 
     Args:
-        logprobs, old_logprobs: [N, T] log-probs of the sampled tokens under the current and
-            the behaviour (old) policy.
-        advantages: [N] (one per completion, broadcast over tokens) or [N, T].
+        logprobs, old_logprobs: [N, T] float log-probs of the sampled tokens under the
+            current and the behaviour (old) policy.
+        advantages: [N] float (one per completion, broadcast over tokens) or [N, T].
         clip_low, clip_high: ratio clipped to [1 - clip_low, 1 + clip_high] (clip_high
             defaults to clip_low; DAPO's clip-higher uses a larger one).
 
     Returns:
-        loss: [N, T] = max(-A r, -A clip(r)).
+        loss: [N, T] float = max(-A r, -A clip(r)), r = exp(logprobs - old_logprobs).
         clipped: [N, T] bool, where the clipped branch was taken.
     """
     _check_pair("logprobs", logprobs, "old_logprobs", old_logprobs)
@@ -160,6 +163,14 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "
     low-variance estimator, used by the TRL fork): exp(q - p) - (q - p) - 1.
     ``low_var_kl``: veRL's k3 with the log-ratio clamped to [-20, 20] and the result to
     [-10, 10] for numerical safety.
+
+    Args:
+        logprobs: [N, T] float log p of the sampled tokens under the policy.
+        ref_logprobs: [N, T] float log q under the reference.
+        kind: one of ``KL_KINDS``.
+
+    Returns:
+        [N, T] float per-token KL estimate (mask it with ``aggregate_loss``).
     """
     _check_pair("logprobs", logprobs, "ref_logprobs", ref_logprobs)
     if kind not in KL_KINDS:
@@ -177,7 +188,15 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """[B, T] log-prob of ``targets`` [B, T] under ``logits`` [B, T, V] (float32 softmax)."""
+    """Log-probs of the next tokens.
+
+    Args:
+        logits: [B, T, V] float, position t predicting ``targets[:, t]``.
+        targets: [B, T] int64 token ids in [0, V).
+
+    Returns:
+        [B, T] float32 log-softmax of ``logits`` gathered at ``targets``.
+    """
     if logits.dim() != 3 or targets.dim() != 2 or logits.shape[:2] != targets.shape:
         raise ValueError(
             f"logits must be [B, T, V] and targets [B, T] with matching B, T; got "

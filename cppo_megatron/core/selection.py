@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._checks import as_1d_float, as_group_ids, check_int
+from ._checks import as_1d_float, as_group_ids, check_config, check_int
 from .advantage import GroupStats
 from .sampling import grouped_layout, inclusion_probabilities, mass_keep_counts, systematic_sample
+
+if TYPE_CHECKING:
+    from ..config import CPPOConfig
 
 __all__ = [
     "DEFAULT_PRUNING_RATE",
@@ -44,10 +47,11 @@ SCOPES = ("group", "batch")
 K_TOLERANCE = 1e-6
 
 
-def keep_count(group_size: int, pruning_rate: Optional[float], keep_per_group: Optional[int]) -> int:
+def keep_count(group_size: int, pruning_rate: float | None, keep_per_group: int | None) -> int:
     """k for a group of ``group_size``: floor(G (1 - P)) (at least 1), or ``keep_per_group``.
 
     ``pruning_rate=None`` and ``keep_per_group=None`` means the default rate 0.875.
+    Returns k, an int in [1, group_size]; ``keep_per_group > group_size`` is an error.
     """
     check_int("group_size", group_size, minimum=1)
     if keep_per_group is not None:
@@ -69,7 +73,9 @@ def _check_rate(p: Any) -> float:
 
 
 def seeded_generator(seed: int, step: int = 0, stream: int = 0) -> torch.Generator:
-    """A CPU generator that depends on (seed, step, stream) only: identical on every rank."""
+    """A CPU ``torch.Generator`` that depends on (seed, step, stream) only: identical on
+    every rank. ``seed``: int; ``step``: int >= 0; ``stream``: int, separates independent
+    uses of one (seed, step) (the prompt sampler uses 7)."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an integer, got {seed!r}")
     check_int("step", step, minimum=0)
@@ -88,12 +94,12 @@ class Selection:
     """The outcome of pruning one batch.
 
     Attributes:
-        kept: [K] ascending indices of surviving completions.
-        pruned: [N - K] ascending indices of pruned completions.
-        group_ids: [M] distinct group ids, ascending.
-        group_size: [M] completions per group before pruning.
-        kept_per_group: [M] survivors per group.
-        advantages: [N] the advantages the decision was made on.
+        kept: [K] int64 ascending indices of surviving completions.
+        pruned: [N - K] int64 ascending indices of pruned completions.
+        group_ids: [M] int64 distinct group ids, ascending.
+        group_size: [M] int64 completions per group before pruning.
+        kept_per_group: [M] int64 survivors per group.
+        advantages: [N] float, the advantages the decision was made on.
         scope, metric, use_abs: the settings used (logged with the run).
         weights: [K] float32, aligned with ``kept``: the factor each survivor's loss is
             multiplied by. 1.0 for the deterministic metrics; 1 / pi_i (Horvitz-Thompson)
@@ -112,8 +118,8 @@ class Selection:
     scope: str
     metric: str
     use_abs: bool
-    weights: Optional[torch.Tensor] = None
-    keep_mass: Optional[float] = None
+    weights: torch.Tensor | None = None
+    keep_mass: float | None = None
 
     def __post_init__(self) -> None:
         if self.weights is None:
@@ -130,14 +136,17 @@ class Selection:
 
     @property
     def num_kept(self) -> int:
+        """K."""
         return int(self.kept.numel())
 
     @property
     def num_pruned(self) -> int:
+        """N - K."""
         return int(self.pruned.numel())
 
     @property
     def num_total(self) -> int:
+        """N."""
         return self.num_kept + self.num_pruned
 
     def kept_mask(self) -> torch.Tensor:
@@ -155,6 +164,7 @@ class Selection:
         n = max(self.num_total, 1)
         kpg = self.kept_per_group.to(torch.float64)
         sq_total = float(a.square().sum())
+        assert self.weights is not None  # __post_init__ fills None with ones
         w = self.weights.to(torch.float64)
         out = {
             f"{prefix}num_completions": float(self.num_total),
@@ -198,9 +208,17 @@ def _keep_order(a_cpu: torch.Tensor, metric: str, use_abs: bool, seed: int, step
     return perm[torch.sort(desirability[perm], descending=True, stable=True).indices]
 
 
-def keep_order(advantages: torch.Tensor, cfg: Any, *, step: int = 0) -> torch.Tensor:
-    """[N] completion indices from the first to keep to the first to prune, as
-    ``select_completions`` ranks them (same metric, same seeded tie-breaks).
+def keep_order(advantages: torch.Tensor, cfg: CPPOConfig, *, step: int = 0) -> torch.Tensor:
+    """The completions in the order ``select_completions`` ranks them (same metric, same
+    seeded tie-breaks), from the first to keep to the first to prune.
+
+    Args:
+        advantages: [N] float full-group advantages.
+        cfg: the ``CPPOConfig`` (``metric``, ``use_abs``, ``seed``).
+        step: int >= 0, as passed to ``select_completions``.
+
+    Returns:
+        [N] int64, a permutation of range(N).
 
     Integrations that must keep more than the selection (a framework's minimum batch)
     take the extra completions from the pruned ones in this order.
@@ -210,62 +228,36 @@ def keep_order(advantages: torch.Tensor, cfg: Any, *, step: int = 0) -> torch.Te
     return _keep_order(a.detach().to("cpu", torch.float64), metric, use_abs, seed, step)
 
 
-def _ranking_settings(cfg: Any, step: int) -> tuple[str, bool, int]:
-    """(metric, use_abs, seed) of ``cfg``, validated, and a valid ``step``."""
-    metric = getattr(cfg, "metric", "smallest")
-    use_abs = getattr(cfg, "use_abs", True)
-    seed = getattr(cfg, "seed", 0)
-    if metric not in METRICS:
-        raise ValueError(f"metric must be one of {list(METRICS)}, got {metric!r}")
-    if not isinstance(use_abs, bool):
-        raise ValueError(f"use_abs must be true or false, got {use_abs!r}")
-    if metric in MAGNITUDE_METRICS and not use_abs:
-        raise ValueError(
-            f"metric={metric!r} samples in proportion to |A|: it needs use_abs=true (got use_abs=false)"
-        )
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
+def _ranking_settings(cfg: CPPOConfig, step: int) -> tuple[str, bool, int]:
+    """(metric, use_abs, seed) of a validated ``cfg``, and a valid ``step``."""
+    check_config(cfg)
     check_int("step", step, minimum=0)
-    return metric, use_abs, seed
-
-
-def _check_keep_mass(keep_mass: Any, pruning_rate: Any, keep_per_group: Any, metric: str) -> Optional[float]:
-    if keep_mass is None:
-        return None
-    if isinstance(keep_mass, bool) or not isinstance(keep_mass, (int, float)) or not 0.0 < keep_mass <= 1.0:
-        raise ValueError(f"keep_mass must be a number in (0, 1], got {keep_mass!r}")
-    if pruning_rate is not None or keep_per_group is not None:
-        raise ValueError(
-            f"keep_mass={keep_mass} decides the count per group itself: unset pruning_rate ({pruning_rate}) "
-            f"and keep_per_group ({keep_per_group})"
-        )
-    if metric not in KEEP_MASS_METRICS:
-        raise ValueError(
-            f"keep_mass works with metric in {list(KEEP_MASS_METRICS)}, got metric={metric!r} "
-            "(a largest/random pick of that size would not reach the mass)"
-        )
-    return float(keep_mass)
+    return cfg.metric, cfg.use_abs, cfg.seed
 
 
 def select_completions(
     advantages: torch.Tensor,
     group_ids: torch.Tensor,
-    cfg: Any,
+    cfg: CPPOConfig,
     *,
     step: int = 0,
-    stats: Optional[GroupStats] = None,
+    stats: GroupStats | None = None,
 ) -> Selection:
     """Keep the completions whose advantage teaches the most; count the rest as pruned.
 
     Args:
-        advantages: [N] full-group advantages (``group_advantages``).
+        advantages: [N] float full-group advantages (``group_advantages``).
         group_ids: [N] int64 prompt ids.
-        cfg: a ``CPPOConfig`` (or any object with its fields ``pruning_rate``,
-            ``keep_per_group``, ``keep_mass``, ``metric``, ``use_abs``, ``scope``, ``seed``).
-        step: the training step; mixed into the seed so random choices differ per step
-            while staying identical across ranks.
+        cfg: the ``CPPOConfig`` (``pruning_rate``, ``keep_per_group`` or ``keep_mass``,
+            ``metric``, ``use_abs``, ``scope``, ``seed``).
+        step: int >= 0, the training step; mixed into the seed so random choices differ
+            per step while staying identical across ranks.
         stats: the ``GroupStats`` returned with ``advantages`` for these ``group_ids``;
             saves recomputing the grouping (``prune`` passes it).
+
+    Returns:
+        a ``Selection``: ``kept`` [K] int64 and ``pruned`` [N - K] int64 indices into the
+        N rows, both ascending, together covering range(N) once; per-group counts [M].
 
     How many: group scope keeps k_g = floor(G_g (1 - P)) (at least 1) per group; batch
     scope keeps floor(N (1 - P)) (at least 1) across the batch (or k * num_groups with
@@ -277,23 +269,14 @@ def select_completions(
     scores, ``largest`` the highest, ``random`` ignores the score; ``importance`` draws the
     k by randomised systematic sampling with inclusion probabilities pi proportional to |A|
     (capped at 1) within each group (batch scope: across the batch) and sets
-    ``weights = 1 / pi`` (``core.sampling``).
+    ``weights = 1 / pi`` (``core.sampling``). Returned ``weights`` [K] float32 align with
+    ``kept`` (all ones for the deterministic metrics).
     """
     a = as_1d_float("advantages", advantages)
     g = as_group_ids("group_ids", group_ids, a.numel()).cpu()
-    pruning_rate = getattr(cfg, "pruning_rate", None)
-    keep_per_group = getattr(cfg, "keep_per_group", None)
-    scope = getattr(cfg, "scope", "group")
-    if pruning_rate is not None and keep_per_group is not None:
-        raise ValueError(
-            f"set either pruning_rate ({pruning_rate}) or keep_per_group ({keep_per_group}), not both"
-        )
-    metric, use_abs, seed = _ranking_settings(cfg, step)
-    keep_mass = _check_keep_mass(getattr(cfg, "keep_mass", None), pruning_rate, keep_per_group, metric)
-    if scope not in SCOPES:
-        raise ValueError(f"scope must be one of {list(SCOPES)}, got {scope!r}")
-    if keep_per_group is None and keep_mass is None:
-        _check_rate(DEFAULT_PRUNING_RATE if pruning_rate is None else pruning_rate)
+    metric, use_abs, seed = _ranking_settings(cfg, step)  # validates every field of cfg
+    pruning_rate, keep_per_group, scope = cfg.pruning_rate, cfg.keep_per_group, cfg.scope
+    keep_mass = None if cfg.keep_mass is None else float(cfg.keep_mass)
 
     n = a.numel()
     a_cpu = a.detach().to("cpu", torch.float64)

@@ -11,6 +11,7 @@ from .exchange import (
     ExchangePlan,
     ExchangeResult,
     GlobalMetadata,
+    exchange_kept,
     exchange_rows,
     gather_metadata,
     global_sum,
@@ -18,13 +19,14 @@ from .exchange import (
     prune_and_exchange,
 )
 from .launch import free_port, run_local
-from .timing import rank_wait_metrics
+from .timing import rank_wait_metrics, wait_stats
 
 __all__ = [
     "ExchangeHandle",
     "ExchangePlan",
     "ExchangeResult",
     "GlobalMetadata",
+    "exchange_kept",
     "exchange_rows",
     "free_port",
     "gather_metadata",
@@ -33,4 +35,5 @@ __all__ = [
     "prune_and_exchange",
     "rank_wait_metrics",
     "run_local",
+    "wait_stats",
 ]

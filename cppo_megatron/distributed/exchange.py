@@ -25,14 +25,19 @@ across ranks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..core import PruneResult, balance_partitions, naive_partition, prune, sequence_workload
+from ..core import PruneResult, balance_partitions, prune, sequence_workload
+from ..core._checks import check_config
+
+if TYPE_CHECKING:
+    from ..config import CPPOConfig
 
 __all__ = [
     "ExchangeHandle",
@@ -42,11 +47,12 @@ __all__ = [
     "gather_metadata",
     "make_plan",
     "prune_and_exchange",
+    "exchange_kept",
     "exchange_rows",
     "global_sum",
 ]
 
-FieldValue = Union[torch.Tensor, list]
+FieldValue = torch.Tensor | list  # dense [n, ...] or ragged: n tensors
 
 
 # ----------------------------------------------------------------------------- metadata
@@ -55,7 +61,7 @@ class GlobalMetadata:
     """Per-sequence metadata of every rank, in global order (rank 0's rows first).
 
     Attributes:
-        counts: [W] sequences held by each rank before pruning.
+        counts: W ints, sequences held by each rank before pruning (N = their sum).
         rewards: [N] float64. group_ids: [N] int64. lengths: [N] int64 token counts.
     """
 
@@ -66,18 +72,20 @@ class GlobalMetadata:
 
     @property
     def world_size(self) -> int:
+        """W, the ranks of the group."""
         return len(self.counts)
 
     @property
     def offsets(self) -> list[int]:
+        """W ints: the global index of each rank's first sequence."""
         return [0] + list(np.cumsum(self.counts)[:-1].tolist()) if self.counts else []
 
     def owner(self) -> torch.Tensor:
-        """[N] the rank that holds each sequence."""
+        """[N] int64, the rank that holds each sequence."""
         return torch.repeat_interleave(torch.arange(self.world_size), torch.tensor(self.counts))
 
     def local_index(self) -> torch.Tensor:
-        """[N] each sequence's index on its owner."""
+        """[N] int64, each sequence's index on its owner."""
         return torch.cat([torch.arange(c) for c in self.counts]) if self.counts else torch.empty(0)
 
 
@@ -96,9 +104,19 @@ def _comm_device(group, device) -> torch.device:
 
 
 def gather_metadata(rewards, group_ids, lengths, *, group=None, device=None) -> GlobalMetadata:
-    """All-gather rewards [n], group ids [n] and token counts [n] of every rank in ``group``.
+    """All-gather the per-sequence metadata of every rank in ``group`` (a collective: call
+    it on every rank).
 
-    ``n`` may differ between ranks and may be 0.
+    Args:
+        rewards: [n] float rewards of this rank's sequences.
+        group_ids: [n] int64 global prompt ids (below 2**53).
+        lengths: [n] int64 token counts (>= 0).
+        group: the process group (default: the world). device: where the buffers live
+            (default: cuda for NCCL, else cpu).
+
+    Returns:
+        the ``GlobalMetadata`` of all N = sum of n sequences, rank 0's first; identical on
+        every rank. ``n`` may differ between ranks and may be 0.
     """
     r = torch.as_tensor(rewards).detach()
     g = torch.as_tensor(group_ids).detach()
@@ -133,7 +151,7 @@ def gather_metadata(rewards, group_ids, lengths, *, group=None, device=None) -> 
     buf[2, :n] = ln.to(dev, torch.float64)
     bufs = [torch.empty_like(buf) for _ in range(world)]
     dist.all_gather(bufs, buf, group=group)
-    cat = torch.cat([b[:, :c].cpu() for b, c in zip(bufs, counts)], dim=1)
+    cat = torch.cat([b[:, :c].cpu() for b, c in zip(bufs, counts, strict=True)], dim=1)
     return GlobalMetadata(counts, cat[0].clone(), cat[1].to(torch.int64), cat[2].to(torch.int64))
 
 
@@ -143,12 +161,12 @@ class ExchangePlan:
     """Where every sequence goes. Identical on all ranks.
 
     Attributes:
-        counts: [W] sequences per rank before pruning.
-        kept: [K] ascending global indices of the survivors.
-        dest: [N] destination rank of each sequence, -1 for pruned ones.
+        counts: W ints, sequences per rank before pruning.
+        kept: [K] int64 ascending global indices of the survivors.
+        dest: [N] int64 destination rank of each sequence, -1 for pruned ones.
         workloads: [N] float64 workload of every sequence (``sequence_workload``).
-        loads: [W] planned workload per rank after the exchange.
-        loads_unbalanced: [W] workload per rank if survivors stayed on their owners.
+        loads: [W] float64 numpy array, planned workload per rank after the exchange.
+        loads_unbalanced: [W] float64, workload per rank if survivors stayed on their owners.
         rebalanced: whether sequences move at all.
         method: ``balanced`` (the balancer's partition), ``keep-local`` or ``stay``.
     """
@@ -164,24 +182,26 @@ class ExchangePlan:
 
     @property
     def world_size(self) -> int:
+        """W."""
         return len(self.counts)
 
     @property
     def offsets(self) -> list[int]:
+        """W ints: the global index of each rank's first sequence."""
         return [0] + list(np.cumsum(self.counts)[:-1].tolist())
 
     def received(self, rank: int) -> torch.Tensor:
-        """Ascending global indices rank ``rank`` holds after the exchange."""
+        """[m] int64 ascending global indices rank ``rank`` holds after the exchange."""
         return (self.dest == rank).nonzero().squeeze(1)
 
     def sent(self, src: int, dst: int) -> torch.Tensor:
-        """Local indices (on ``src``, ascending) of the sequences ``src`` sends to ``dst``."""
+        """[s] int64 local indices (on ``src``, ascending) of the sequences ``src`` sends to ``dst``."""
         lo = self.offsets[src]
         d = self.dest[lo : lo + self.counts[src]]
         return (d == dst).nonzero().squeeze(1)
 
     def transfer_counts(self) -> torch.Tensor:
-        """[W, W] number of sequences from rank i (row) to rank j (column)."""
+        """[W, W] int64 number of sequences from rank i (row) to rank j (column)."""
         w = self.world_size
         owner = torch.repeat_interleave(torch.arange(w), torch.tensor(self.counts))
         m = torch.zeros(w, w, dtype=torch.int64)
@@ -190,6 +210,9 @@ class ExchangePlan:
         return m
 
     def metrics(self, prefix: str = "cppo/exchange_") -> dict[str, float]:
+        """Imbalance (largest / mean rank workload) with and without the exchange, the
+        largest loads, sequences moved and kept: plain floats."""
+
         def imb(x):
             mean = float(np.mean(x)) if len(x) else 0.0
             return float(np.max(x)) / mean if mean > 0 else 1.0
@@ -207,7 +230,7 @@ class ExchangePlan:
         }
 
 
-def make_plan(meta: GlobalMetadata, kept, cfg: Any, *, move_tolerance: float = 0.01) -> ExchangePlan:
+def make_plan(meta: GlobalMetadata, kept, cfg: CPPOConfig, *, move_tolerance: float = 0.01) -> ExchangePlan:
     """Assign the survivors ``kept`` (global indices) to ranks with the core balancer.
 
     ``cfg`` supplies ``rebalance``, ``equal_size``, ``workload_linear`` and
@@ -219,7 +242,17 @@ def make_plan(meta: GlobalMetadata, kept, cfg: Any, *, move_tolerance: float = 0
     the least loaded rank). The keep-local plan moves far fewer sequences; it is taken
     when its largest load is within ``move_tolerance`` (relative) of the balancer's.
     ``move_tolerance=0`` takes it only when it is as good. Not used with ``equal_size``.
+
+    Args:
+        meta: the gathered ``GlobalMetadata`` of N sequences on W ranks.
+        kept: [K] int64 global indices of the survivors (any order, no duplicates).
+        cfg: the ``CPPOConfig``. move_tolerance: float >= 0.
+
+    Returns:
+        the ``ExchangePlan``: ``dest`` [N] int64 (rank of each survivor, -1 when pruned),
+        identical on every rank that passes the same inputs.
     """
+    check_config(cfg)
     if not (isinstance(move_tolerance, (int, float)) and move_tolerance >= 0):
         raise ValueError(f"move_tolerance must be a number >= 0, got {move_tolerance!r}")
     n = int(sum(meta.counts))
@@ -232,15 +265,14 @@ def make_plan(meta: GlobalMetadata, kept, cfg: Any, *, move_tolerance: float = 0
     world = meta.world_size
     work = sequence_workload(
         meta.lengths.to(torch.float64),
-        linear=getattr(cfg, "workload_linear", 24576.0),
-        quadratic=getattr(cfg, "workload_quadratic", 1.0),
+        linear=cfg.workload_linear,
+        quadratic=cfg.workload_quadratic,
     )
     owner = meta.owner()
     dest = torch.full((n,), -1, dtype=torch.int64)
     unbalanced = np.zeros(world)
     np.add.at(unbalanced, owner[kept].numpy(), work[kept].numpy())
-    rebalance = bool(getattr(cfg, "rebalance", True))
-    equal_size = bool(getattr(cfg, "equal_size", False))
+    rebalance, equal_size = cfg.rebalance, cfg.equal_size
     if rebalance and world > 1 and kept.numel():
         wk, ok = work[kept].numpy(), owner[kept].numpy()
         part = balance_partitions(work[kept], world, equal_size=equal_size)
@@ -293,7 +325,7 @@ def _match_parts_to_owners(parts: list[list[int]], owners: np.ndarray, world: in
     for i, p in enumerate(parts):
         if p:
             np.add.at(overlap[i], owners[p], 1)
-    out: list[Optional[list[int]]] = [None] * world
+    out: list[list[int] | None] = [None] * world
     free_parts = np.ones(len(parts), dtype=bool)
     free_ranks = np.ones(world, dtype=bool)
     # largest overlaps first; ties by part, then rank (deterministic)
@@ -317,7 +349,7 @@ class _Spec:
 
 
 def _local_specs(fields: dict) -> dict:
-    specs = {}
+    specs: dict[str, tuple[bool, str, tuple[int, ...]] | None] = {}
     for name, v in fields.items():
         if isinstance(v, torch.Tensor):
             if v.dim() < 1:
@@ -354,7 +386,9 @@ def _agree_specs(fields: dict, group) -> list[_Spec]:
     out = []
     for r, s in enumerate(all_specs):
         if sorted(s) != names:
-            raise ValueError(f"rank {r} has fields {sorted(s)} but rank 0 has {names}: every rank needs the same fields")
+            raise ValueError(
+                f"rank {r} has fields {sorted(s)} but rank 0 has {names}: every rank needs the same fields"
+            )
     for name in names:
         known = [(r, s[name]) for r, s in enumerate(all_specs) if s[name] is not None]
         if not known:
@@ -397,11 +431,21 @@ def exchange_rows(
     *,
     group=None,
     device=None,
-    specs: Optional[list] = None,
+    specs: list | None = None,
 ) -> dict:
-    """Send rows ``send_rows[d]`` (local indices) of every field to rank d; receive
-    ``recv_counts[s]`` rows from each rank s. Received rows are ordered by source rank,
-    then in the order the source sent them. Returns a dict of the same kinds of fields.
+    """Move rows between the ranks of ``group`` point to point (a collective: every rank calls it).
+
+    Args:
+        fields: name -> a tensor [n, ...] (dense) or a list of n tensors [L_i, ...] (ragged);
+            dtypes and trailing shapes must agree across ranks.
+        send_rows: W int64 tensors, ``send_rows[d]`` the local row indices sent to rank d.
+        recv_counts: W ints, ``recv_counts[s]`` the rows rank s sends here.
+        group, device: as in ``gather_metadata``. specs: the fields' agreed specs, when
+            already known (skips one collective).
+
+    Returns:
+        name -> [sum(recv_counts), ...] tensor or a list of that many tensors: rows ordered
+        by source rank, then in the order the source sent them.
     """
     rank, world = _group_ctx(group)
     if len(send_rows) != world or len(recv_counts) != world:
@@ -422,8 +466,8 @@ def exchange_rows(
         idx = torch.as_tensor(send_rows[d], dtype=torch.int64)
         if d == rank or not ragged:
             continue
-        lens = [[int(t.shape[0]) for t in rows_of(s, idx)] for s in ragged]
-        send_hdr[d] = torch.tensor(lens, dtype=torch.int64, device=dev).reshape(-1)
+        row_lens = [[int(t.shape[0]) for t in rows_of(s, idx)] for s in ragged]
+        send_hdr[d] = torch.tensor(row_lens, dtype=torch.int64, device=dev).reshape(-1)
     for s in range(world):
         if s != rank and ragged:
             recv_hdr[s] = torch.empty(len(ragged) * int(recv_counts[s]), dtype=torch.int64, device=dev)
@@ -449,7 +493,7 @@ def exchange_rows(
         if s == rank:
             continue
         c = int(recv_counts[s])
-        lens = recv_hdr[s].cpu().reshape(len(ragged), c) if ragged else None
+        lens = recv_hdr[s].cpu().reshape(len(ragged), c) if ragged else torch.empty(0, c, dtype=torch.int64)
         recv_lens[s] = lens
         nbytes = 0
         for sp in specs:
@@ -471,22 +515,23 @@ def exchange_rows(
         for sp in specs:
             isz = torch.empty(0, dtype=sp.dtype).element_size()
             if sp.ragged:
-                lens = recv_lens[src][ragged.index(sp)].tolist()
-                nb = int(sum(lens)) * _numel(sp.trailing) * isz
+                row_counts = recv_lens[src][ragged.index(sp)].tolist()
+                nb = int(sum(row_counts)) * _numel(sp.trailing) * isz
                 # clone first: a byte slice at an unaligned offset cannot be viewed as a wider dtype
                 flat = buf[pos : pos + nb].clone().view(sp.dtype).reshape(-1, *sp.trailing)
-                out[sp.name].append(list(torch.split(flat, lens)) if lens else [])
+                out[sp.name].append(list(torch.split(flat, row_counts)) if row_counts else [])
             else:
                 nb = c * _numel(sp.trailing) * isz
                 out[sp.name].append(buf[pos : pos + nb].clone().view(sp.dtype).reshape(c, *sp.trailing))
             pos += nb
-    result = {}
+    result: dict[str, FieldValue] = {}
     for sp in specs:
         chunks = out[sp.name]
         if sp.ragged:
             result[sp.name] = [t for ch in chunks for t in ch]
         else:
-            result[sp.name] = torch.cat(chunks) if chunks else torch.empty((0, *sp.trailing), dtype=sp.dtype, device=dev)
+            empty = torch.empty((0, *sp.trailing), dtype=sp.dtype, device=dev)
+            result[sp.name] = torch.cat(chunks) if chunks else empty
     return result
 
 
@@ -502,12 +547,13 @@ class ExchangeHandle:
 
     @property
     def local_kept(self) -> torch.Tensor:
-        """Ascending local indices of this rank's own sequences that survived."""
+        """[k] int64 ascending local indices of this rank's own sequences that survived."""
         lo = self.plan.offsets[self.rank]
         return (self.plan.dest[lo : lo + self.plan.counts[self.rank]] >= 0).nonzero().squeeze(1)
 
     @property
     def num_received(self) -> int:
+        """m, the sequences this rank holds after the exchange."""
         return int((self.plan.dest == self.rank).sum())
 
     def return_to_owners(self, values: FieldValue, *, fill: float = float("nan")) -> FieldValue:
@@ -518,8 +564,10 @@ class ExchangeHandle:
                 a list of m tensors of varying length.
             fill: value for this rank's pruned rows (dense results).
 
-        Returns, on every rank, its own n sequences in their original order: a tensor
-        [n, ...] with ``fill`` in pruned rows, or a list of n tensors with None for pruned rows.
+        Returns:
+            on every rank, its own n sequences in their original order: a tensor [n, ...]
+            (dtype of ``values``) with ``fill`` in pruned rows, or a list of n tensors with
+            None for pruned rows.
         """
         plan, me, world = self.plan, self.rank, self.plan.world_size
         m = len(values)
@@ -553,16 +601,17 @@ class ExchangeResult:
 
     Attributes:
         fields: the received rows of every field, in global order.
-        global_index: [m] global index of each received row (``meta`` order).
-        advantages: [m] full-group advantages of the received rows (float32).
-        weights: [m] loss weights of the received rows (float32): ``Selection.weights``
+        global_index: [m] int64 global index of each received row (``meta`` order), ascending.
+        advantages: [m] float32 full-group advantages of the received rows.
+        weights: [m] float32 loss weights of the received rows: ``Selection.weights``
             (1/pi for ``metric=importance``, 1.0 otherwise). They need no transfer: every
             rank made the same global decision, so each indexes it by ``global_index``.
-        group_ids, rewards: [m] of the received rows.
+        group_ids: [m] int64 and rewards: [m] float64 of the received rows.
         handle: ``return_to_owners`` sends results back.
         prune: the global ``PruneResult`` (same on every rank).
         meta: the gathered ``GlobalMetadata``.
         num_kept: K, sequences kept on all ranks (the global sequence denominator).
+        metrics: the prune and exchange metrics, plain floats.
     """
 
     fields: dict
@@ -578,6 +627,7 @@ class ExchangeResult:
 
     @property
     def num_kept(self) -> int:
+        """K, sequences kept over all ranks."""
         return int(self.prune.selection.num_kept)
 
     @property
@@ -597,7 +647,7 @@ def prune_and_exchange(
     rewards,
     group_ids,
     lengths,
-    cfg: Any,
+    cfg: CPPOConfig,
     *,
     step: int = 0,
     group=None,
@@ -608,17 +658,22 @@ def prune_and_exchange(
 
     Args:
         fields: this rank's sequences: name -> tensor [n, ...] or list of n tensors.
-        rewards: [n] scalar rewards. group_ids: [n] int64 prompt ids (global: the same
-            prompt on two ranks has the same id). lengths: [n] tokens each sequence costs
-            in the forward passes (the balancer's workload input).
-        cfg: a ``CPPOConfig``.
-        step: training step (seeds the tie-breaks, identically on all ranks).
+        rewards: [n] float rewards. group_ids: [n] int64 prompt ids (global: the same
+            prompt on two ranks has the same id). lengths: [n] int64 tokens each sequence
+            costs in the forward passes (the balancer's workload input).
+        cfg: the ``CPPOConfig``.
+        step: int >= 0, training step (seeds the tie-breaks, identically on all ranks).
         group: the data-parallel process group (default: the world). Under tensor or
             pipeline parallelism call this on every rank with its DP group; the ranks of a
             model-parallel group hold the same data and so receive the same rows.
         device: where communication buffers live (default: cuda for NCCL, else cpu).
         move_tolerance: accept a plan that moves far fewer sequences if its largest rank
             workload is within this fraction of the balancer's (``make_plan``).
+
+    Returns:
+        the ``ExchangeResult`` of this rank: ``fields`` with the m rows it trains on,
+        ``global_index`` [m] int64 ascending, ``advantages`` [m] float32 (full-group), and
+        ``handle.return_to_owners`` to send per-row results back.
     """
     n = len(rewards)
     for name, v in fields.items():
@@ -626,15 +681,13 @@ def prune_and_exchange(
             raise ValueError(f"field {name!r} has {len(v)} rows but there are {n} rewards")
     meta = gather_metadata(rewards, group_ids, lengths, group=group, device=device)
     result = prune(meta.rewards, meta.group_ids, cfg, step=step)
-    plan = make_plan(meta, result.selection.kept, cfg, move_tolerance=move_tolerance)
-    rank, world = _group_ctx(group)
-    send_rows = [plan.sent(rank, d) for d in range(world)]
-    recv_counts = [int(plan.sent(s, rank).numel()) for s in range(world)]
-    moved = exchange_rows(fields, send_rows, recv_counts, group=group, device=device)
-    gidx = plan.received(rank)
+    moved, plan, gidx = exchange_kept(fields, meta, result.selection.kept, cfg, group=group, device=device,
+                                      move_tolerance=move_tolerance)
+    rank, _ = _group_ctx(group)
     metrics = {**result.metrics(), **plan.metrics()}
     sel = result.selection
     weight_full = torch.ones(sel.num_total, dtype=torch.float32)
+    assert sel.weights is not None  # Selection.__post_init__ fills None with ones
     weight_full[sel.kept] = sel.weights
     return ExchangeResult(
         fields=moved,
@@ -650,8 +703,37 @@ def prune_and_exchange(
     )
 
 
+def exchange_kept(fields: dict, meta: GlobalMetadata, kept, cfg: Any, *, group=None, device=None,
+                  move_tolerance: float = 0.01) -> tuple[dict, ExchangePlan, torch.Tensor]:
+    """Move survivors decided elsewhere (the same ``kept`` on every rank) so every rank of
+    ``group`` carries an equal workload.
+
+    Args:
+        fields: this rank's sequences (``meta.counts[rank]`` rows each), as in ``prune_and_exchange``.
+        meta: every rank's metadata in global (rank-major) order, identical on all ranks.
+        kept: [K] int64 global indices (``meta`` order) of the survivors.
+        cfg: ``rebalance``, ``equal_size``, ``workload_*`` (a ``CPPOConfig``).
+
+    Returns (received fields, the plan, [m] ascending global indices of the received rows).
+    """
+    rank, world = _group_ctx(group)
+    if meta.world_size != world:
+        raise ValueError(f"metadata describes {meta.world_size} ranks but the group has {world}")
+    for name, v in fields.items():
+        if len(v) != meta.counts[rank]:
+            raise ValueError(f"field {name!r} has {len(v)} rows but rank {rank} holds {meta.counts[rank]}")
+    plan = make_plan(meta, kept, cfg, move_tolerance=move_tolerance)
+    send_rows = [plan.sent(rank, d) for d in range(world)]
+    recv_counts = [int(plan.sent(s, rank).numel()) for s in range(world)]
+    moved = exchange_rows(fields, send_rows, recv_counts, group=group, device=device)
+    return moved, plan, plan.received(rank)
+
+
 def global_sum(value: float | int | torch.Tensor, *, group=None, device=None) -> float:
-    """Sum a number over the ranks of ``group`` (e.g. response tokens of the kept set)."""
+    """Sum a number over the ranks of ``group`` (e.g. response tokens of the kept set).
+
+    ``value``: a float, int or one-element tensor on this rank. Returns the float64 sum,
+    identical on every rank (a collective: call it on every rank)."""
     dev = _comm_device(group, device)
     t = torch.tensor([float(value)], dtype=torch.float64, device=dev)
     dist.all_reduce(t, group=group)

@@ -13,7 +13,8 @@ import os
 import pickle
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ __all__ = ["free_port", "run_local"]
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for MASTER_PORT)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -55,10 +57,23 @@ def run_local(
     start_method: str = "fork",
     threads: int = 1,
 ) -> list:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return the results."""
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return the results.
+
+    Args:
+        fn: a picklable function run on every rank inside an initialised process group.
+        world_size: int >= 1. args: passed to every rank.
+        timeout: seconds for the whole run; a failing rank gives its peers 5 s to report.
+        start_method: multiprocessing start method. threads: torch threads per process.
+
+    Returns:
+        ``world_size`` results, ``fn``'s return value of rank 0 first.
+
+    Raises:
+        RuntimeError with every failing rank's traceback (or the timeout).
+    """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-    ctx = mp.get_context(start_method)
+    ctx: Any = mp.get_context(start_method)  # a context of start_method; its stubs lack Process
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [

@@ -10,11 +10,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["rank_wait_metrics"]
+__all__ = ["rank_wait_metrics", "wait_stats"]
 
 
 def rank_wait_metrics(compute_seconds: float, *, group=None, device=None, prefix: str = "cppo/") -> dict[str, float]:
     """Gather every rank's compute time of a step and derive the barrier waits.
+
+    ``compute_seconds``: this rank's busy seconds (float >= 0); a collective over ``group``.
 
     Returns (identical on all ranks): ``rank_time_max``, ``rank_time_mean``,
     ``rank_time_imbalance`` (max / mean), ``rank_wait_mean`` and ``rank_wait_max``
@@ -30,7 +32,16 @@ def rank_wait_metrics(compute_seconds: float, *, group=None, device=None, prefix
     mine = torch.tensor([v], dtype=torch.float64, device=device)
     parts = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(parts, mine, group=group)
-    t = torch.cat(parts).cpu()
+    return wait_stats(torch.cat(parts).cpu().tolist(), prefix=prefix)
+
+
+def wait_stats(seconds, *, prefix: str = "cppo/") -> dict[str, float]:
+    """The barrier waits implied by every rank's compute time ``seconds`` ([W] floats, one per
+    rank): the metrics of ``rank_wait_metrics``, computed without communication."""
+    t = torch.as_tensor(seconds, dtype=torch.float64).reshape(-1)
+    if t.numel() == 0 or not bool((t >= 0).all()):
+        raise ValueError(f"seconds must be a non-empty list of times >= 0, got {seconds!r}")
+    world = t.numel()
     top = float(t.max())
     wait = top - t
     mean = float(t.mean())

@@ -6,11 +6,12 @@ extra; everything imports megatron-core lazily.
 - ``convert``: ``load_hf_weights``, ``export_hf_weights``
 - ``passes``: ``compute_logprobs``, ``policy_loss``, ``policy_update``,
   ``build_ddp_and_optimizer``, ``UpdateBatch``, ``PolicyLossConfig``, ``ForwardCounter``
-- ``actor``: ``MegatronActor.step``: prune + rebalance -> old/ref log-probs -> mu updates
+- ``actor``: ``MegatronActor``: ``step`` (prune + rebalance -> old/ref log-probs -> mu updates),
+  or ``logprobs`` / ``update`` on survivors chosen by the caller; ``state_dict`` per rank
 - ``cpu_mode``: ``cpu_mode()``, ``check_cpu_supported``, ``CPUModeError``
 """
 
-from .actor import ActorConfig, MegatronActor
+from .actor import ActorConfig, ActorStepResult, MegatronActor
 from .convert import export_hf_weights, load_hf_weights, unwrap_model
 from .cpu_mode import CPUModeError, check_cpu_supported, cpu_mode, on_cpu
 from .model import (
@@ -34,6 +35,7 @@ from .passes import (
 
 __all__ = [
     "ActorConfig",
+    "ActorStepResult",
     "MegatronActor",
     "CPUModeError",
     "ForwardCounter",

@@ -5,21 +5,23 @@ The pieces in ``passes`` and ``distributed`` composed in the order CPPO needs:
     prune + rebalance (all DP ranks)  ->  old log-probs  ->  reference log-probs
     ->  mu policy updates  ->  metrics (pruning, exchange balance, barrier waits, loss)
 
-A trainer builds one ``MegatronActor`` per process after ``init_process_group`` and calls
-``step`` with the rollouts this DP rank produced; ``hf_state_dict`` gives the updated
-weights for the rollout engine.
+A pipeline builds one ``MegatronActor`` per process after ``init_process_group`` and calls
+``step`` with the rollouts this DP rank produced (or, when it decides the survivors itself,
+``logprobs`` and ``update`` on them); ``hf_state_dict`` gives the updated weights for the
+rollout engine and ``state_dict`` this rank's shards for a checkpoint. Every method returns
+its results; nothing is left on the actor to read afterwards.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
 from ..distributed import prune_and_exchange, rank_wait_metrics
-from .convert import export_hf_weights, load_hf_weights
+from .convert import export_hf_weights, load_hf_weights, unwrap_model
 from .model import build_gpt_model, init_parallel
 from .passes import (
     ForwardCounter,
@@ -30,7 +32,7 @@ from .passes import (
     policy_update,
 )
 
-__all__ = ["ActorConfig", "MegatronActor"]
+__all__ = ["ActorConfig", "ActorStepResult", "MegatronActor"]
 
 
 @dataclass
@@ -40,7 +42,8 @@ class ActorConfig:
     Attributes: tp, pp (model-parallel sizes; dp = world / (tp pp)), lr, weight_decay,
     adam_betas, clip_grad (0 disables), mu (policy updates per batch, the paper's 2),
     max_tokens_per_micro_batch (padded tokens per micro-batch), loss (``PolicyLossConfig``;
-    ``kl_coef > 0`` builds a frozen reference model), seed.
+    ``kl_coef > 0`` builds a frozen reference model), seed, timeout_minutes (of the
+    model-parallel process groups' collectives).
     """
 
     tp: int = 1
@@ -53,12 +56,30 @@ class ActorConfig:
     max_tokens_per_micro_batch: int = 4096
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     seed: int = 0
+    timeout_minutes: int = 30  # megatron's process groups: a collective waiting longer fails
 
     def __post_init__(self):
         if isinstance(self.mu, bool) or not isinstance(self.mu, int) or self.mu < 1:
             raise ValueError(f"mu must be an integer >= 1, got {self.mu!r}")
         if not (self.lr > 0):
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
+
+
+@dataclass(frozen=True)
+class ActorStepResult:
+    """What ``MegatronActor.step`` did on this rank.
+
+    Attributes:
+        metrics: floats, identical on all ranks except ``*_self`` and ``time/*`` (this rank's).
+        exchange: the ``ExchangeResult`` (survivors this rank trained, plan, pruning).
+        old_logprobs: m tensors [L_i - 1], the survivors' log-probs before the update.
+        counter: what entered this rank's forward passes.
+    """
+
+    metrics: dict
+    exchange: Any
+    old_logprobs: list
+    counter: ForwardCounter
 
 
 class MegatronActor:
@@ -68,13 +89,11 @@ class MegatronActor:
         cfg = cfg if cfg is not None else ActorConfig()
         self.cfg = cfg
         self.hf_config = hf_config
-        self.layout = init_parallel(cfg.tp, cfg.pp, seed=cfg.seed)
+        self.layout = init_parallel(cfg.tp, cfg.pp, seed=cfg.seed, timeout_minutes=cfg.timeout_minutes)
         model = build_gpt_model(hf_config)
         load_hf_weights(model, hf_state_dict, hf_config)
         self.model, self.optimizer = build_ddp_and_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                                              adam_betas=tuple(cfg.adam_betas))
-        self.last_exchange = None  # the last step's ExchangeResult (selection, plan, owners)
-        self.last_counter: Optional[ForwardCounter] = None  # what the last step's passes saw
         self.ref = None
         if cfg.loss.kl_coef > 0:
             self.ref = build_gpt_model(hf_config)
@@ -87,17 +106,82 @@ class MegatronActor:
 
         return ps.get_data_parallel_group()
 
-    def logprobs(self, sequences, counter: Optional[ForwardCounter] = None) -> list:
-        return compute_logprobs(self.model, sequences, max_tokens_per_micro_batch=self.cfg.max_tokens_per_micro_batch,
+    def logprobs(self, sequences, counter: Optional[ForwardCounter] = None, *, reference: bool = False) -> list:
+        """m tensors [L_i - 1] of per-token log-probs under the policy (or the frozen reference)."""
+        if reference and self.ref is None:
+            raise ValueError("reference log-probs need a reference model: build the actor with loss.kl_coef > 0")
+        model = self.ref if reference else self.model
+        return compute_logprobs(model, sequences, max_tokens_per_micro_batch=self.cfg.max_tokens_per_micro_batch,
                                 temperature=self.cfg.loss.temperature, counter=counter)
+
+    def update(self, sequences: list, loss_masks: list, advantages, old_logprobs: list,
+               ref_logprobs: Optional[list] = None, *, lrs: Optional[Sequence[float]] = None,
+               counter: Optional[ForwardCounter] = None, weights=None,
+               full_denominators: Optional[tuple] = None) -> list[dict]:
+        """``cfg.mu`` optimizer steps on this rank's survivors (a collective over DP).
+
+        Args:
+            sequences: m token-id tensors [L_i]; loss_masks: m tensors [L_i - 1].
+            advantages: [m] float full-group advantages; old_logprobs / ref_logprobs: m
+                tensors [L_i - 1] (ref needed when ``loss.kl_coef > 0``).
+            lrs: the learning rate of each of the mu steps (default: unchanged).
+            weights: [m] float32 per-sequence loss weights (``metric=importance``: 1/pi,
+                ``ExchangeResult.weights``); None weighs every survivor 1.
+            full_denominators: (response tokens, sequences) of the FULL generated batch on
+                all DP ranks, replacing the survivors' denominators (the unbiased
+                Horvitz-Thompson loss, ``core.aggregate_loss``); None keeps the survivors'.
+
+        Returns one metrics dict per optimizer step (``policy_update``'s global metrics).
+        """
+        if lrs is not None and len(lrs) != self.cfg.mu:
+            raise ValueError(f"lrs has {len(lrs)} entries for mu={self.cfg.mu} optimizer steps")
+        batch = UpdateBatch(sequences, loss_masks, advantages, old_logprobs, ref_logprobs, weights=weights,
+                            full_denominators=full_denominators)
+        out = []
+        for it in range(self.cfg.mu):
+            if lrs is not None:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = float(lrs[it])
+            out.append(policy_update(self.model, self.optimizer, batch, self.cfg.loss,
+                                     max_tokens_per_micro_batch=self.cfg.max_tokens_per_micro_batch,
+                                     clip_grad=self.cfg.clip_grad, counter=counter))
+        return out
 
     def hf_state_dict(self) -> dict:
         """The current policy as a full HF state dict (float32, CPU), on every rank."""
         return export_hf_weights(self.model, self.hf_config)
 
+    def state_dict(self) -> dict:
+        """This rank's shards: policy, optimizer (Adam moments) and reference (a checkpoint
+        per rank; resume needs the same tp / pp / dp layout)."""
+        return {
+            "layout": (self.layout.tp, self.layout.pp, self.layout.dp, self.layout.tp_rank, self.layout.pp_rank),
+            "model": {k: v.detach().clone() for k, v in unwrap_model(self.model).state_dict().items()
+                      if isinstance(v, torch.Tensor)},
+            "optimizer": self.optimizer.state_dict(),
+            "ref": None if self.ref is None else {k: v.detach().clone() for k, v in self.ref.state_dict().items()
+                                                   if isinstance(v, torch.Tensor)},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = (self.layout.tp, self.layout.pp, self.layout.dp, self.layout.tp_rank, self.layout.pp_rank)
+        if tuple(state["layout"]) != mine:
+            raise ValueError(f"checkpoint shard is for layout (tp, pp, dp, tp_rank, pp_rank) = {tuple(state['layout'])}, "
+                             f"this rank is {mine}: resume with the same megatron.tp / megatron.pp and --nproc")
+        with torch.no_grad():
+            params = unwrap_model(self.model).state_dict()
+            for k, v in state["model"].items():
+                params[k].copy_(v)
+            if self.ref is not None and state.get("ref") is not None:
+                ref = self.ref.state_dict()
+                for k, v in state["ref"].items():
+                    ref[k].copy_(v)
+        self.optimizer.load_state_dict(state["optimizer"])
+
     def step(self, sequences: list, loss_masks: list, rewards, group_ids, cppo_cfg: Any, *, step: int = 0,
-             lengths=None, extra_fields: Optional[dict] = None) -> dict:
-        """One CPPO step on this DP rank's rollouts.
+             lengths=None, extra_fields: Optional[dict] = None) -> ActorStepResult:
+        """One CPPO step on this DP rank's rollouts: prune over all DP ranks, rebalance, old
+        (and reference) log-probs and ``mu`` updates on the survivors.
 
         Args:
             sequences: n token-id tensors [L_i] (prompt + completion).
@@ -106,9 +190,9 @@ class MegatronActor:
             cppo_cfg: a ``CPPOConfig``. lengths: [n] workload lengths (default L_i).
             extra_fields: more per-sequence fields to move with the survivors.
 
-        Returns metrics (floats, identical on all ranks except ``*_self``). Per-phase seconds
-        of this rank are under ``time/exchange``, ``time/old_logprob``, ``time/ref_logprob``
-        and ``time/update``.
+        Returns an ``ActorStepResult``; its metrics carry ``train/*`` (the last optimizer
+        step's), ``cppo/*`` and this rank's seconds under ``time/exchange``,
+        ``time/old_logprob``, ``time/ref_logprob``, ``time/update``.
         """
         n = len(sequences)
         if len(loss_masks) != n:
@@ -123,34 +207,25 @@ class MegatronActor:
         counter = ForwardCounter()
         old = self.logprobs(toks, counter)
         t_old = time.perf_counter()
-        ref = None
-        if self.ref is not None:
-            ref = compute_logprobs(self.ref, toks, max_tokens_per_micro_batch=self.cfg.max_tokens_per_micro_batch,
-                                   temperature=self.cfg.loss.temperature, counter=counter)
+        ref = self.logprobs(toks, counter, reference=True) if self.ref is not None else None
         t_ref = time.perf_counter()
-        batch = UpdateBatch(toks, masks, res.advantages, old, ref)
+        weights, full = None, None
         if res.weighted:
             # importance: 1/pi weights and the full generated batch's denominators (HT loss)
             from ..distributed import global_sum
 
             full_tokens = global_sum(sum(float(torch.as_tensor(m).float().sum()) for m in loss_masks),
                                      group=self.dp_group)
-            batch = UpdateBatch(toks, masks, res.advantages, old, ref, weights=res.weights,
-                                full_denominators=(full_tokens, float(res.num_total)))
-        metrics: dict = {}
-        for _ in range(self.cfg.mu):
-            upd = policy_update(self.model, self.optimizer, batch, self.cfg.loss,
-                                max_tokens_per_micro_batch=self.cfg.max_tokens_per_micro_batch,
-                                clip_grad=self.cfg.clip_grad, counter=counter)
+            weights, full = res.weights, (full_tokens, float(res.num_total))
+        upd = self.update(toks, masks, res.advantages, old, ref, counter=counter, weights=weights,
+                          full_denominators=full)[-1]
         t2 = time.perf_counter()
-        metrics.update({f"actor/{k}": float(v) for k, v in upd.items()})
+        metrics: dict = {f"train/{k}": float(v) for k, v in upd.items()}
         metrics.update(res.metrics)
         metrics.update(rank_wait_metrics(t2 - t1, group=self.dp_group))
         metrics["cppo/exchange_seconds"] = t1 - t0
         metrics.update({"time/exchange": t1 - t0, "time/old_logprob": t_old - t1, "time/ref_logprob": t_ref - t_old,
                         "time/update": t2 - t_ref})
-        self.last_exchange, self.last_counter = res, counter
-        self.last_old_logprobs = old  # the survivors' log-probs before the update (rollout consistency checks)
         metrics["cppo/forwarded_sequences_self"] = float(counter.sequences)
         metrics["cppo/padded_tokens_self"] = float(counter.padded_tokens)
-        return metrics
+        return ActorStepResult(metrics, res, old, counter)

@@ -55,8 +55,11 @@ class ParallelLayout:
         return self.pp_rank == self.pp - 1
 
 
-def init_parallel(tp: int = 1, pp: int = 1, *, seed: int = 0) -> ParallelLayout:
+def init_parallel(tp: int = 1, pp: int = 1, *, seed: int = 0, timeout_minutes: int = 30) -> ParallelLayout:
     """Initialise megatron-core's model-parallel groups on the default process group.
+
+    ``timeout_minutes``: a collective on those groups that waits longer (a peer died or
+    hangs) fails instead of blocking forever.
 
     ``torch.distributed`` must already be initialised; world size = tp * pp * dp. The
     seed fixes weight initialisation and dropout on every rank (on CPU through megatron's
@@ -78,7 +81,8 @@ def init_parallel(tp: int = 1, pp: int = 1, *, seed: int = 0) -> ParallelLayout:
         raise ValueError(f"world size {world} is not divisible by tp * pp = {tp} * {pp}")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 distributed_timeout_minutes=timeout_minutes)
     with cpu_mode():
         model_parallel_cuda_manual_seed(seed, inference_rng_tracker=on_cpu())
     torch.manual_seed(seed)

@@ -349,8 +349,9 @@ def policy_loss(model, batch: UpdateBatch, cfg: PolicyLossConfig, *, max_tokens_
     """Run the forward (and, unless ``forward_only``, backward) passes of the CPPO loss.
 
     Gradients accumulate in the DDP buffers and are all-reduced (summed) over DP. Returns
-    global metrics (identical on all ranks): ``loss``, ``pg_loss``, ``kl``,
-    ``clip_frac``, ``num_tokens``, ``num_seqs``.
+    global metrics (identical on all ranks): ``loss``, ``pg_loss``, ``kl``, ``clipfrac``
+    (share of response tokens whose ratio was clipped), ``ratio_max`` (largest
+    new/old probability ratio over response tokens), ``num_tokens``, ``num_seqs``.
     """
     from megatron.core import parallel_state as ps
 
@@ -402,16 +403,21 @@ def policy_loss(model, batch: UpdateBatch, cfg: PolicyLossConfig, *, max_tokens_
             agg(kl.detach(), mask, weights=w),
             (clipped.float() * mask).sum() / n_tok,
         ])
-        return loss, torch.tensor(1, dtype=torch.int), {"stats": stats}
+        ratio_max = (torch.exp(logp.detach() - b["old"]) * mask).max()
+        return loss, torch.tensor(1, dtype=torch.int), {"stats": stats, "ratio_max": ratio_max.reshape(1)}
 
     store = _run_schedule(model, batches, loss_fn, forward_only=forward_only)
     stats = torch.stack([s["stats"] for s in store]).sum(0) if store else torch.zeros(4)
-    stats = _broadcast_from_last_stage(stats.to(_device(), torch.float32), 4)
-    stats = stats.to(_device(), torch.float64)
+    # the largest ratio rides along as a fifth entry: summed stats, then a max
+    peak = torch.cat([s["ratio_max"] for s in store]).max().reshape(1) if store else torch.zeros(1)
+    both = _broadcast_from_last_stage(torch.cat([stats, peak.to(stats.dtype)]).to(_device(), torch.float32), 5)
+    stats, peak = both[:4].to(_device(), torch.float64), both[4:].to(_device(), torch.float64)
     if ps.get_data_parallel_world_size() > 1:
         dist.all_reduce(stats, group=ps.get_data_parallel_group())
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
     s = stats.cpu().tolist()
-    return {"loss": s[0], "pg_loss": s[1], "kl": s[2], "clip_frac": s[3], "num_tokens": n_tok, "num_seqs": n_seq}
+    return {"loss": s[0], "pg_loss": s[1], "kl": s[2], "clipfrac": s[3], "ratio_max": float(peak.item()),
+            "num_tokens": n_tok, "num_seqs": n_seq}
 
 
 def build_ddp_and_optimizer(

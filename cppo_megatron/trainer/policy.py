@@ -67,6 +67,20 @@ class KeptBatch:
         return ids, attn, pos
 
 
+@dataclass(frozen=True)
+class HFUpdate:
+    """What ``HFPolicy.update`` did: per optimizer step ``loss``, ``pg_loss``, ``kl``,
+    ``clipfrac``, ``ratio_max``, ``grad_norm``; ``first_pass`` [N, T] log-probs of the first
+    update pass (before any optimizer step: the behaviour policy when mu = 1); ``lr`` of the
+    last step; the kept set's ``tokens`` and ``sequences``."""
+
+    iterations: list
+    first_pass: torch.Tensor
+    lr: float
+    tokens: float
+    sequences: float
+
+
 def micro_batches(batch: KeptBatch, max_tokens: int) -> list[list[int]]:
     """Balanced micro-batches under the token budget (padding-free token counts)."""
     longest = max(batch.token_counts)
@@ -105,9 +119,6 @@ class HFPolicy:
         self.pad_id = pad_id
         self.cfg = train_cfg
         self.rows_seen = {"old_logprob": 0, "ref_logprob": 0, "update": 0}
-        # [N, T] detached log-probs of the first update iteration of the last batch: with
-        # mu = 1 these are the behaviour-policy log-probs (no separate old-policy pass)
-        self.first_pass_logprobs: Optional[torch.Tensor] = None
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=train_cfg.lr,
@@ -145,29 +156,36 @@ class HFPolicy:
         weights: Optional[torch.Tensor] = None,
         num_tokens: Optional[float] = None,
         num_seqs: Optional[float] = None,
-    ) -> dict[str, float]:
+    ) -> HFUpdate:
         """mu optimizer steps on the kept batch. Denominators cover the whole kept set, so
         the micro-batch gradients add up to the gradient of the full-batch loss.
 
-        ``weights``: [N] per-sequence loss weights (``Selection.weights``, 1/pi for
-        ``metric=importance``); ``num_tokens`` / ``num_seqs`` replace the kept set's
-        denominators (importance passes the full batch's, for the unbiased HT loss)."""
+        advantages: [N] float; old_logprobs / ref_logprobs: [N, T] (T = longest completion).
+        weights: [N] float32 per-sequence loss weights (``Selection.weights``, 1/pi for
+        ``metric=importance``); None weighs every row 1. num_tokens / num_seqs replace the
+        kept set's denominators (importance passes the full batch's, for the unbiased
+        Horvitz-Thompson loss); the returned ``tokens`` / ``sequences`` are those used.
+        """
         cfg = self.cfg
         if cfg.mu > 1 and old_logprobs is None:
             raise ValueError("mu > 1 needs the old-policy log-probs")
         if cfg.beta > 0 and ref_logprobs is None:
             raise ValueError("beta > 0 needs the reference log-probs")
+        if advantages.shape != (len(batch),):
+            raise ValueError(f"advantages must be [N] = [{len(batch)}], got shape {tuple(advantages.shape)}")
         mask = batch.completion_mask()
         if weights is not None and weights.shape != (len(batch),):
             raise ValueError(f"weights {tuple(weights.shape)} must be [{len(batch)}], one per kept completion")
         num_tokens = float(mask.sum()) if num_tokens is None else float(num_tokens)
         num_seqs = float(len(batch)) if num_seqs is None else float(num_seqs)
         self.model.train()
-        totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipfrac": 0.0, "ratio_max": 0.0}
-        grad_norm = 0.0
+        agg = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs, norm_constant=norm_constant)
+        iterations = []
         first = torch.zeros(len(batch), batch.max_completion)
+        lr = self.optimizer.param_groups[0]["lr"]
         for it in range(cfg.mu):
             self.optimizer.zero_grad(set_to_none=True)
+            stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipfrac": 0.0, "ratio_max": 0.0}
             for rows in mbs:
                 lp = forward_logprobs(self.model, batch, rows, self.pad_id, self.device)
                 if it == 0:
@@ -178,34 +196,26 @@ class HFPolicy:
                     lp, old, advantages[rows].to(self.device), clip_low=cfg.clip_low, clip_high=cfg.clip_high
                 )
                 per_token = pg
+                agg_mb = agg if weights is None else {**agg, "weights": weights[rows].to(self.device)}
                 if cfg.beta > 0:
                     kl = kl_penalty(lp, ref_logprobs[rows, : lp.shape[1]].to(self.device), cfg.kl_type)
                     per_token = pg + cfg.beta * kl
-                    totals["kl"] += float((kl.detach() * m).sum()) / num_tokens / cfg.mu
-                agg = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs, norm_constant=norm_constant)
-                if weights is not None:
-                    agg["weights"] = weights[rows].to(self.device)
-                loss = aggregate_loss(per_token, m, cfg.loss_agg, **agg)
+                    stats["kl"] += float(aggregate_loss(kl.detach(), m, cfg.loss_agg, **agg_mb))
+                loss = aggregate_loss(per_token, m, cfg.loss_agg, **agg_mb)
                 loss.backward()
                 self.rows_seen["update"] += len(rows)
-                totals["loss"] += loss.item() / cfg.mu
-                totals["pg_loss"] += float(aggregate_loss(pg.detach(), m, cfg.loss_agg, **agg)) / cfg.mu
-                totals["clipfrac"] += float((clipped.float() * m).sum()) / num_tokens / cfg.mu
+                stats["loss"] += loss.item()
+                stats["pg_loss"] += float(aggregate_loss(pg.detach(), m, cfg.loss_agg, **agg_mb))
+                stats["clipfrac"] += float((clipped.float() * m).sum()) / num_tokens
                 ratio = torch.exp(lp.detach() - old) * m
-                totals["ratio_max"] = max(totals["ratio_max"], float(ratio.max()))
-            if cfg.grad_clip > 0:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
-            else:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf")))
+                stats["ratio_max"] = max(stats["ratio_max"], float(ratio.max()))
+            clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+            stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+            lr = self.optimizer.param_groups[0]["lr"]
             self.optimizer.step()
             self.scheduler.step()
-        self.first_pass_logprobs = first
-        out = {f"train/{k}": v for k, v in totals.items()}
-        out["train/grad_norm"] = grad_norm
-        out["train/lr"] = self.scheduler.get_last_lr()[0]
-        out["train/tokens"] = num_tokens
-        out["train/sequences"] = num_seqs
-        return out
+            iterations.append(stats)
+        return HFUpdate(iterations, first, lr, num_tokens, num_seqs)
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}

@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 
 from .logger import read_metrics
-
-PHASES = ("rollout", "reward", "cppo", "old_logprob", "ref_logprob", "update", "sync")
+from .metrics import PHASES
 
 
 def summarize(records: list[dict]) -> dict:
@@ -33,9 +32,13 @@ def summarize(records: list[dict]) -> dict:
     }
 
 
-def write_report(out_dir: Path, title: str, plots: bool = True) -> dict:
+def write_report(out_dir: Path, title: str, plots: bool = True, balance: bool = False) -> dict:
+    """report.md (+ report.png) and summary.json from metrics.jsonl; ``balance`` adds the
+    rank-balance section and ``balance/*`` figures (runs with several ranks)."""
     records = read_metrics(out_dir / "metrics.jsonl")
     s = summarize(records)
+    if balance:
+        s.update(balance_summary(records))
     warm = [r for r in records if "warmup/accuracy" in r]
     lines = [f"# {title}", ""]
     if warm:
@@ -60,6 +63,8 @@ def write_report(out_dir: Path, title: str, plots: bool = True) -> dict:
         lines.append(f"| {p} | {s['phase_seconds'][p]:.1f} | {s['phase_share'][p]:.1%} |")
     if plots and _plot(records, out_dir / "report.png", title):
         lines += ["", "![report](report.png)"]
+    if balance:
+        lines += _balance_lines(s)
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
     # machine-readable too: `cppo-megatron bench overhead --step-seconds OUT_DIR/summary.json`
     (out_dir / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
@@ -98,3 +103,54 @@ def _plot(records: list[dict], path: Path, title: str) -> bool:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return True
+
+
+def balance_summary(records: list[dict]) -> dict:
+    """Mean over RL steps of the balance metrics (what the report and the docs quote)."""
+    steps = [r for r in records if r.get("kind") == "step"]
+    if not steps:
+        return {}
+
+    def mean(key):
+        vals = [r[key] for r in steps if r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    world = len(steps[0].get("rank/wait_seconds", []))
+    return {
+        "balance/imbalance": mean("cppo/exchange_imbalance"),
+        "balance/imbalance_without": mean("cppo/exchange_imbalance_without"),
+        "balance/max_load": mean("cppo/exchange_max_load"),
+        "balance/max_load_without": mean("cppo/exchange_max_load_without"),
+        "balance/mean_load": mean("cppo/exchange_mean_load"),
+        "balance/moved_sequences": mean("cppo/exchange_moved_sequences"),
+        "balance/rank_time_imbalance": mean("cppo/rank_time_imbalance"),
+        "balance/rank_wait_mean": mean("cppo/rank_wait_mean"),
+        "balance/rank_wait_max": mean("cppo/rank_wait_max"),
+        "balance/rank_wait_fraction": mean("cppo/rank_wait_fraction"),
+        "balance/old_logprob_imbalance": mean("rank/old_logprob_imbalance"),
+        "balance/old_logprob_wait_mean": mean("rank/old_logprob_wait_mean"),
+        "balance/rank_wait_per_rank": [sum(r["rank/wait_seconds"][i] for r in steps) / len(steps)
+                                       for i in range(world)],
+        "balance/pass_seconds_per_rank": [sum(r["rank/pass_seconds"][i] for r in steps) / len(steps)
+                                          for i in range(world)],
+    }
+
+
+def _balance_lines(s: dict) -> list[str]:
+    if "balance/imbalance" not in s:
+        return []
+    return [
+        "", "## Rank balance (means over RL steps)", "",
+        f"- workload max/mean over DP ranks: {s['balance/imbalance']:.4f} with redistribution, "
+        f"{s['balance/imbalance_without']:.4f} if survivors had stayed on their rank "
+        f"(max load {s['balance/max_load']:.0f} vs {s['balance/max_load_without']:.0f}, mean "
+        f"{s['balance/mean_load']:.0f}; {s['balance/moved_sequences']:.1f} sequences moved per step)",
+        f"- measured pass time max/mean: {s['balance/rank_time_imbalance']:.3f}; wait at the step barrier: mean "
+        f"{s['balance/rank_wait_mean']:.3f} s, max {s['balance/rank_wait_max']:.3f} s "
+        f"({s['balance/rank_wait_fraction']:.1%} of rank time)",
+        f"- old-policy log-prob pass (no DP collective inside): time max/mean "
+        f"{s['balance/old_logprob_imbalance']:.3f}, mean wait for the slowest "
+        f"{s['balance/old_logprob_wait_mean']:.3f} s",
+        "- per rank: wait " + ", ".join(f"{w:.3f}" for w in s["balance/rank_wait_per_rank"]) + " s; passes "
+        + ", ".join(f"{w:.3f}" for w in s["balance/pass_seconds_per_rank"]) + " s",
+    ]

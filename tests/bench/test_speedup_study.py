@@ -9,7 +9,8 @@ import pytest
 
 from cppo_megatron.bench import speedup, study
 from cppo_megatron.cli import main
-from tests.trainer.conftest import MICRO
+from tests.doc_keys import missing_keys
+from tests.recipes import MICRO, recipe_path
 
 FAST = [o for o in MICRO if not o.startswith(("warmup.enabled", "train.steps", "cppo.pruning_rate"))] + [
     "warmup.max_steps=3",
@@ -25,7 +26,7 @@ def _args(module, argv):
 
 def test_speedup_bench_interleaves_runs_and_reports_the_bound(tmp_path):
     out = tmp_path / "sp"
-    assert main(["bench", "speedup", "recipes/tiny_cpu.yaml", *FAST, "--rates", "0.5", "--steps", "1",
+    assert main(["bench", "speedup", recipe_path("tiny_cpu"), *FAST, "--rates", "0.5", "--steps", "1",
                  "--repeats", "2", "--out", str(out)]) == 0
     data = json.loads((out / "speedup.json").read_text())
     rows = data["rows"]
@@ -41,11 +42,13 @@ def test_speedup_bench_interleaves_runs_and_reports_the_bound(tmp_path):
     assert alloc[0.5]["prompts/step"] == 2 * alloc[0.0]["prompts/step"]  # allocation doubles prompts at P=0.5
     assert noalloc[0.5]["trained/step"] == alloc[0.0]["trained/step"] / 2
     assert (out / "speedup.md").exists() and (out / "speedup.png").exists()
+    assert missing_keys(data, "speedup.json") == []  # every key docs/benchmarks.md documents
+    assert "step_seconds" not in data  # the docs say it comes from train's summary.json instead
 
 
 def test_study_writes_csv_rows_for_every_run_and_a_control(tmp_path):
     out = tmp_path / "st"
-    assert main(["study", "recipes/tiny_cpu.yaml", *FAST, "--rates", "0,0.5", "--metrics", "smallest,largest",
+    assert main(["study", recipe_path("tiny_cpu"), *FAST, "--rates", "0,0.5", "--metrics", "smallest,largest",
                  "--seeds", "2", "--budget", "0.5", "--evals", "2", "--out", str(out)]) == 0
     with (out / "study.csv").open() as fh:
         rows = list(csv.DictReader(fh))
@@ -59,6 +62,8 @@ def test_study_writes_csv_rows_for_every_run_and_a_control(tmp_path):
             assert float(r["completions_generated"]) >= float(r["completions_trained"]) > 0
     summary = json.loads((out / "study.json").read_text())
     assert any("GRPO at equal time" in n for n in summary["notes"])
+    assert missing_keys(summary, "study.json") == []  # every key docs/benchmarks.md documents
+    assert set(rows[0]) == set(summary["runs"][0])  # study.csv: the keys of runs[]
     assert any("control" in n for n in summary["notes"])
 
 
@@ -88,3 +93,33 @@ def test_study_runs_importance_and_keep_mass_and_reads_equal_prompts(tmp_path):
     assert any(n.startswith("P=0.5 importance") and "CPPO P=0.5 smallest at equal time" in n for n in notes)
     assert any(n.startswith("keep_mass f=0.8") for n in notes)
     assert any("at equal prompts drawn" in n for n in notes)
+
+
+def _summary_row(p, metric, mean, sd, seeds):
+    return {"P": p, "metric": metric, "allocation": True if p else None, "seeds": seeds,
+            "final acc (mean)": mean, "seed spread (sd)": sd}
+
+
+def test_study_names_a_winner_only_beyond_the_seed_spread_of_two_or_more_seeds():
+    grpo = _summary_row(0.0, "grpo", 0.458, 0.078, 3)
+    # the documented study: +0.139 against a combined sd of 0.082 -> a winner
+    verdict, diff, noise = study.compare(_summary_row(0.875, "smallest", 0.597, 0.025, 3), grpo)
+    assert verdict == "beats" and diff == pytest.approx(0.139) and noise == pytest.approx((0.078**2 + 0.025**2) ** 0.5)
+    assert study.compare(grpo, _summary_row(0.875, "smallest", 0.597, 0.025, 3))[0] == "trails"
+    # within the combined spread: no winner, either way round
+    close = _summary_row(0.5, "smallest", 0.530, 0.05, 3)
+    assert study.compare(close, grpo)[0].startswith("no winner: the difference is within")
+    # one seed: sd unknown (nan), so no winner however large the difference
+    one = [_summary_row(0.0, "grpo", 0.30, float("nan"), 1), _summary_row(0.875, "smallest", 0.60, float("nan"), 1)]
+    notes = study._findings(one)
+    assert notes == ["CPPO P=0.875 with allocation vs GRPO at equal time: no winner: 1 seed(s), the seed spread is "
+                     "unknown (run --seeds 2 or more): 0.600 vs 0.300 (difference +0.300, combined seed sd unknown)"]
+
+
+def test_study_ordering_finding_distinguishes_means_from_spread():
+    rows = lambda sd, seeds: [_summary_row(0.875, m, a, sd, seeds)  # noqa: E731
+                              for m, a in (("smallest", 0.597), ("random", 0.535), ("largest", 0.440))]
+    assert study._findings(rows(0.01, 3))[0].endswith("holds, each gap beyond the combined seed spread")
+    assert study._findings(rows(0.05, 3))[0].endswith("holds in the means only: a gap is within the combined seed spread")
+    assert study._findings(rows(float("nan"), 1))[0].endswith("is not tested: 1 seed, the seed spread is unknown "
+                                                              "(run --seeds 2 or more)")

@@ -25,7 +25,11 @@ def test_batch_scope_selection_is_a_prefix_of_keep_order(metric):
 
 
 def test_keep_order_rejects_bad_settings():
-    with pytest.raises(ValueError, match="metric"):
-        keep_order(torch.zeros(3), type("C", (), {"metric": "median"})())
+    with pytest.raises(TypeError, match="cfg must be a cppo_megatron.config.CPPOConfig, got C"):
+        keep_order(torch.zeros(3), type("C", (), {"metric": "smallest"})())
+    cfg = CPPOConfig()
+    cfg.metric = "median"  # reassigned after construction: validated again on use
+    with pytest.raises(ValueError, match="CPPOConfig.metric must be one of"):
+        keep_order(torch.zeros(3), cfg)
     with pytest.raises(ValueError, match="step"):
         keep_order(torch.zeros(3), CPPOConfig(), step=-1)

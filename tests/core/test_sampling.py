@@ -247,17 +247,10 @@ def test_config_refuses_bad_combinations():
         CPPOConfig(keep_mass=0.9).keep_for_group(16)
     adv, _ = group_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]))
 
-    class Raw:  # select_completions validates duck-typed configs too
-        pruning_rate = 0.5
-        keep_per_group = None
-        keep_mass = 0.5
-        metric = "smallest"
-        use_abs = True
-        scope = "group"
-        seed = 0
-
+    cfg = CPPOConfig(pruning_rate=0.5)
+    cfg.keep_mass = 0.5  # reassigned after construction: select_completions validates again
     with pytest.raises(ValueError, match="unset pruning_rate"):
-        select_completions(adv, torch.tensor([0, 0]), Raw())
+        select_completions(adv, torch.tensor([0, 0]), cfg)
 
 
 def test_planner_fills_capacity_with_keep_mass():

@@ -134,8 +134,12 @@ def test_metrics_are_floats_with_cppo_prefix():
 
 
 def test_bad_config_object_fields_are_errors():
-    class Cfg:
-        pruning_rate = 1.5
+    class Cfg:  # a look-alike without validation is refused, not read with defaults
+        pruning_rate = 0.5
 
-    with pytest.raises(ValueError, match="pruning_rate"):
+    with pytest.raises(TypeError, match="CPPOConfig"):
         select_completions(torch.zeros(4), torch.zeros(4, dtype=torch.long), Cfg())
+    cfg = CPPOConfig()
+    cfg.pruning_rate = 1.5  # reassigned after construction
+    with pytest.raises(ValueError, match="pruning_rate"):
+        select_completions(torch.zeros(4), torch.zeros(4, dtype=torch.long), cfg)

@@ -1,6 +1,7 @@
 """Shared pieces of the megatron tests: a tiny random-init Qwen2 (no downloads) and data."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,12 +51,19 @@ def hf_logprobs(model, seqs):
 REPO = Path(__file__).resolve().parents[2]
 
 
-def train_nproc(recipe: str, overrides: list, out: Path, *, nproc: int = 4, timeout: int = 300):
-    """`cppo-megatron train RECIPE OVERRIDES out_dir=OUT --nproc N` from the repo root; the
-    finished process and the metrics records it wrote (fails the test on a non-zero exit)."""
+def train_nproc(recipe: str, overrides: list, out: Path, *args: str, nproc: int = 4, timeout: int = 300,
+                fault: str | None = None, expect: int = 0):
+    """`cppo-megatron train RECIPE OVERRIDES out_dir=OUT --nproc N [ARGS]` from outside the
+    repo; the finished process and the metrics records it wrote (fails the test unless it
+    exits ``expect``). ``fault``: a ``CPPO_MEGATRON_FAULT`` for the ranks."""
     cmd = [sys.executable, "-m", "cppo_megatron.cli", "train", recipe, *overrides, f"out_dir={out}", "--nproc",
-           str(nproc)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+           str(nproc), *args]
+    env = {k: v for k, v in os.environ.items() if k != "CPPO_MEGATRON_FAULT"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    if fault:
+        env["CPPO_MEGATRON_FAULT"] = fault
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-6000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return proc, records

@@ -34,8 +34,12 @@ def _worker(rank, world):
     seqs, masks, rewards, gids = rollouts()
     mine = slice(rank * N // 2, (rank + 1) * N // 2)
     before = actor.logprobs(seqs)
-    metrics = [actor.step(seqs[mine], masks[mine], rewards[mine], gids[mine], CPPOConfig(**CPPO), step=0)
-               for _ in range(3)]
+    steps = [actor.step(seqs[mine], masks[mine], rewards[mine], gids[mine], CPPOConfig(**CPPO), step=0)
+             for _ in range(3)]
+    metrics = [s.metrics for s in steps]
+    # the result carries the survivors this rank trained and their pre-update log-probs
+    first = steps[0]
+    assert len(first.old_logprobs) == first.exchange.handle.num_received == first.counter.sequences // (2 + MU)
     after = actor.logprobs(seqs)
     exported = actor.hf_state_dict()
     cm.destroy_parallel()
@@ -60,7 +64,7 @@ def test_actor_steps_learn_and_sync(results):
     for m in r0["metrics"]:
         assert m["cppo/num_kept"] == len(kept)
         assert sum(r["metrics"][0]["cppo/forwarded_sequences_self"] for r in results) == len(kept) * (2 + MU)
-        assert m["actor/grad_norm"] > 0 and m["cppo/rank_wait_max"] >= 0
+        assert m["train/grad_norm"] > 0 and m["cppo/rank_wait_max"] >= 0
     # weight sync: the exported state dict, loaded into the HF model, is the updated policy
     synced = hf_model()
     missing, unexpected = synced.load_state_dict(r0["exported"], strict=False)

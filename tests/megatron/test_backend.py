@@ -10,51 +10,43 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from cppo_megatron.megatron.launch import launch  # noqa: E402
+from cppo_megatron.trainer.launch import launch  # noqa: E402
 from cppo_megatron.trainer.config import load_recipe  # noqa: E402
+
+from tests.recipes import MICRO as COMMON  # noqa: E402
 
 from ._common import REPO, train_nproc  # noqa: E402
 
 RECIPE = str(REPO / "recipes" / "tiny_cpu_megatron.yaml")
-MICRO = [
-    "threads=1",
-    "model.hidden_size=32",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.num_kv_heads=2",
-    "model.intermediate_size=64",
-    "task.train_size=400",
-    "task.test_size=50",
-    "rollout.group_size=4",
-    "rollout.max_new_tokens=4",
+# the shared micro recipe on TP 2 x DP 2, with
+MICRO = [o for o in COMMON if not o.startswith(("train.capacity", "model.max_position", "log.checkpoint_every"))] + [
     # 1.5 prompts per step: step 1 draws one prompt, so DP rank 0 generates nothing and
     # trains only what the exchange sends it; step 2 draws two
     "train.capacity=3",
-    "train.steps=2",
-    "eval.every=0",
-    "eval.num_problems=20",
-    "warmup.enabled=false",
-    "log.progress=false",
-    "log.plots=false",
     # batch scope: survivors per rank differ, so the exchange has rows to move
     "cppo.scope=batch",
-    "cppo.pruning_rate=0.5",
 ]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
+    """3 steps: SIGINT on rank 0 while it generates step 2 stops the job after that step
+    (exit 130, checkpoint), then `--resume` runs step 3 and finishes."""
     out = tmp_path_factory.mktemp("mbackend") / "run"
-    proc, records = train_nproc(RECIPE, MICRO, out, timeout=240)
-    return out, records, proc
+    stopped, _ = train_nproc(RECIPE, MICRO + ["train.steps=3"], out, timeout=240, fault="rollout:2:0:sigint",
+                             expect=130)
+    proc, records = train_nproc(RECIPE, MICRO + ["train.steps=3"], out, "--resume", timeout=240)
+    return out, records, proc, stopped
 
 
 def test_run_completes_with_evals_and_report(run):
-    out, records, proc = run
+    out, records, proc, stopped = run
+    assert (out / "checkpoints" / "step_000002" / "policy_rank00003.pt").exists()  # one shard file per rank
+    assert "finishing the current step" in stopped.stderr
     steps = [r for r in records if r["kind"] == "step"]
     evals = [r for r in records if r["kind"] == "eval"]
-    assert [r["step"] for r in steps] == [1, 2]
-    assert [r["step"] for r in evals] == [0, 2]  # before RL and at the end (rank 0 only)
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["step"] for r in evals] == [0, 3]  # before RL and at the end (rank 0 only)
     report = (out / "report.md").read_text()
     assert "tp=2 pp=1 dp=2" in report and "Rank balance" in report
     assert (out / "final.pt").exists()
@@ -62,7 +54,7 @@ def test_run_completes_with_evals_and_report(run):
 
 
 def test_balance_and_wait_metrics(run):
-    _, records, _ = run
+    _, records, _, _ = run
     for r in (x for x in records if x["kind"] == "step"):
         for key in ("cppo/exchange_imbalance", "cppo/exchange_imbalance_without", "cppo/exchange_max_load",
                     "cppo/exchange_max_load_without", "cppo/exchange_mean_load", "cppo/rank_wait_mean",
@@ -83,7 +75,7 @@ def test_balance_and_wait_metrics(run):
 
 
 def test_pruned_rows_never_enter_the_forward_passes(run):
-    _, records, _ = run
+    _, records, _, _ = run
     for r in (x for x in records if x["kind"] == "step"):
         kept, total = r["cppo/num_kept"], r["cppo/num_completions"]
         assert 0 < kept < total  # pruning happened
@@ -106,15 +98,20 @@ def _args(*overrides, nproc=4, recipe=RECIPE, resume=False):
     return argparse.Namespace(recipe=recipe, overrides=list(overrides), nproc=nproc, resume=resume)
 
 
-def test_launch_refuses_bad_layouts(capsys):
+def test_launch_refuses_bad_layouts(capsys, tmp_path):
     assert launch(_args(nproc=3)) == 2
     assert "not divisible by megatron.tp * megatron.pp" in capsys.readouterr().err
     assert launch(_args("backend=hf")) == 2
     assert "needs backend=megatron" in capsys.readouterr().err
-    assert launch(_args(resume=True)) == 2
-    assert "--resume is not supported" in capsys.readouterr().err
+    assert launch(_args(f"out_dir={tmp_path / 'none'}", resume=True)) == 2
+    assert "--resume: no checkpoint under" in capsys.readouterr().err
     assert launch(_args("megatron.dp=2")) == 2
     assert "megatron.dp" in capsys.readouterr().err
+    import torch
+
+    if not torch.cuda.is_available():  # device is honoured: no silent fallback to the CPU
+        assert launch(_args("device=cuda")) == 2
+        assert "device=cuda but no CUDA device" in capsys.readouterr().err
 
 
 def test_launch_without_vllm_says_how_to_install_before_starting_ranks(capsys):
@@ -146,3 +143,27 @@ def test_recipe_validates_megatron_keys():
         load_recipe(RECIPE, ["megatron.tp=0"])
     pp2 = load_recipe(str(REPO / "recipes" / "tiny_cpu_megatron_pp2.yaml"))
     assert (pp2.megatron.tp, pp2.megatron.pp, pp2.backend) == (1, 2, "megatron")
+
+
+def test_a_rank_killed_mid_step_ends_the_job_quickly_naming_it(tmp_path):
+    """SIGKILL rank 3 of 4 as it enters the update of step 1: no hang on a collective; the
+    job exits non-zero within 60 s of the death (the bound docs/trainer.md states; seconds
+    in practice), torchrun names the dead rank and a surviving rank names its phase."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    cmd = [sys.executable, "-m", "cppo_megatron.cli", "train", RECIPE, *MICRO, f"out_dir={tmp_path / 'run'}",
+           "--nproc", "4"]
+    log = tmp_path / "faults.log"
+    env = {**os.environ, "CPPO_MEGATRON_FAULT": "update:1:3:kill", "CPPO_MEGATRON_FAULT_LOG": str(log)}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    ended = time.time()
+    err = proc.stderr
+    assert proc.returncode not in (0, 130), err[-3000:]
+    fired = float(log.read_text().split()[-1])  # when rank 3 was killed
+    assert ended - fired < 60, f"the job took {ended - fired:.0f} s to end after rank 3 died"
+    assert "rank: 3" in err or "rank 3" in err, err[-3000:]  # torchrun's summary names the dead rank
+    assert "phase update" in err, err[-3000:]  # its peers say where they were
+    assert "the job failed" in err

@@ -20,6 +20,6 @@ def test_megatron_check_dp2(capsys):
     assert "megatron-check: OK" in out
 
 
-def test_megatron_check_rejects_bad_sizes():
-    with pytest.raises(SystemExit, match="--tp must be >= 1"):
-        main(["megatron-check", "--tp", "0"])
+def test_megatron_check_rejects_bad_sizes(capsys):
+    assert main(["megatron-check", "--tp", "0"]) == 2  # one line, exit 2
+    assert capsys.readouterr().err.strip() == "cppo-megatron megatron-check: error: --tp must be >= 1, got 0 (--debug shows the traceback)"

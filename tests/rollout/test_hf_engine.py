@@ -10,7 +10,9 @@ import torch
 from cppo_megatron._optional import MissingDependency
 from cppo_megatron.rollout import HFEngine, SamplingParams, build_engine, mix_seed
 from cppo_megatron.trainer import Trainer
+from cppo_megatron.trainer.distribution import LocalRollout
 from cppo_megatron.trainer.logger import read_metrics
+from cppo_megatron.trainer.metrics import logprob_diff, logprob_diff_sums
 from cppo_megatron.trainer.policy import KeptBatch, forward_logprobs
 
 from .conftest import perturb_, reference_greedy, sample_prompts, tiny_recipe
@@ -114,7 +116,7 @@ def test_vllm_engine_without_vllm_says_how_to_install(tiny):
 def test_logprob_diff_is_logged_every_step_with_mu_1(micro_recipe, monkeypatch):
     # the HF engine does not return sampler log-probs to the trainer by default; asking for
     # them checks the mu = 1 path (first update pass as the behaviour policy) end to end
-    monkeypatch.setattr(Trainer, "_want_sampler_logprobs", lambda self: True)
+    monkeypatch.setattr(LocalRollout, "want_logprobs", True)
     recipe = micro_recipe("train.steps=3", "train.mu=1")
     Trainer(recipe).run()
     steps = [r for r in read_metrics(Path(recipe.out_dir) / "metrics.jsonl") if r.get("kind") == "step"]
@@ -124,17 +126,15 @@ def test_logprob_diff_is_logged_every_step_with_mu_1(micro_recipe, monkeypatch):
         assert s["rollout/logprob_diff_max"] >= s["rollout/logprob_diff"]
 
 
-def test_logprob_diff_warns_above_threshold(micro_recipe):
-    trainer = Trainer(micro_recipe("rollout.logprob_warn_threshold=0.1"))
-    batch = KeptBatch([[1, 5], [1, 6]], [[4, 2], [7]])
-    trainer_lp = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]])
+def test_logprob_diff_warns_above_threshold():
+    trainer_lp = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])]
     close = [torch.tensor([-1.01, -2.0]), torch.tensor([-0.52])]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        m = trainer._logprob_diff(batch, close, trainer_lp)
+        m = logprob_diff(logprob_diff_sums(close, trainer_lp), 0.1)
     assert m["rollout/logprob_diff"] == pytest.approx(0.01)  # (0.01 + 0 + 0.02) / 3 tokens
     assert m["rollout/logprob_diff_max"] == pytest.approx(0.02)
     with pytest.warns(UserWarning, match="rollout/logprob_diff=0.5000 exceeds 0.1"):
-        trainer._logprob_diff(batch, [torch.tensor([-1.5, -2.5]), torch.tensor([0.0])], trainer_lp)
+        logprob_diff(logprob_diff_sums([torch.tensor([-1.5, -2.5]), torch.tensor([0.0])], trainer_lp), 0.1)
     with pytest.raises(ValueError, match="1 sampler log-probs for completion 0 of 2 tokens"):
-        trainer._logprob_diff(batch, [torch.tensor([-1.0]), torch.tensor([0.0])], trainer_lp)
+        logprob_diff_sums([torch.tensor([-1.0]), torch.tensor([0.0])], trainer_lp)

@@ -8,6 +8,7 @@ from cppo_megatron.trainer import Trainer
 from cppo_megatron.trainer.config import load_recipe
 from cppo_megatron.trainer.logger import read_metrics
 from cppo_megatron.trainer.policy import KeptBatch, forward_logprobs, micro_batches
+from tests.recipes import recipe_path
 
 
 def _steps(out_dir):
@@ -25,7 +26,8 @@ def test_two_step_run_writes_metrics_checkpoint_and_report(micro_recipe):
     # allocation: capacity 16, k = 2 of 4 -> 8 prompts, 32 generated, 16 trained
     assert steps[0]["alloc/prompts_drawn"] == 8 and steps[0]["cppo/num_kept"] == 16
     assert steps[-1]["alloc/total_completions_generated"] == 64
-    assert (out_dir / "checkpoints" / "step_000002.pt").exists()
+    assert (out_dir / "checkpoints" / "step_000002" / "trainer.pt").exists()
+    assert (out_dir / "checkpoints" / "step_000002" / "policy_rank00000.pt").exists()
     assert (out_dir / "report.md").exists() and (out_dir / "report.png").exists()
     assert any((out_dir / "tensorboard").iterdir())
     assert summary["steps"] == 2 and 0.0 <= summary["accuracy_after"] <= 1.0
@@ -67,8 +69,8 @@ def test_grpo_p0_loss_equals_hand_computed_grpo_loss(micro_recipe):
         k3 = torch.exp(ref[i, : len(completions[i])] - lp) - (ref[i, : len(completions[i])] - lp) - 1
         total = total + (pg + 0.1 * k3).sum()
     by_hand = float(total) / ntok
-    metrics = trainer.policy.update(batch, mbs, adv, None, ref, norm_constant=4.0)
-    assert metrics["train/loss"] == pytest.approx(by_hand, rel=1e-5)
+    res = trainer.policy.hf.update(batch, mbs, adv, None, ref, norm_constant=4.0)
+    assert res.iterations[0]["loss"] == pytest.approx(by_hand, rel=1e-5)
 
 
 def test_resume_continues_the_same_run(micro_recipe, tmp_path):
@@ -111,9 +113,9 @@ def test_unknown_and_bad_recipe_keys_are_named(micro_recipe):
 
 def test_shipped_recipes_load():
     for name in ("tiny_cpu", "tiny_cpu_grpo", "smollm2_cpu"):
-        r = load_recipe(f"recipes/{name}.yaml")
+        r = load_recipe(recipe_path(name))
         assert r.rollout.group_size >= 2
-    assert load_recipe("recipes/tiny_cpu_grpo.yaml").cppo.pruning_rate == 0.0
+    assert load_recipe(recipe_path("tiny_cpu_grpo")).cppo.pruning_rate == 0.0
 
 
 def test_without_allocation_fewer_completions_train(micro_recipe):

@@ -151,6 +151,37 @@ def _check_config(cfg: CPPOConfig) -> CPPOConfig:
     return cfg
 
 
+def check_settings(values: dict[str, Any], estimator: str) -> list[str]:
+    """CPPO settings set explicitly (the recipe's ``cppo:`` section, ``--cppo.FIELD``) that an
+    OpenRLHF run cannot honour: ValueError for those that would change the run, one-line
+    warnings (returned) for those that do nothing here."""
+    if values.get("dynamic_sampling"):
+        raise ValueError(
+            "cppo.dynamic_sampling=true is not supported under OpenRLHF: the hook prunes a finished rollout "
+            "and cannot draw replacement prompts; remove it and use OpenRLHF's own "
+            "--algo.dynamic_filtering_enable, which replaces filtered prompts before the hook sees the rollout"
+        )
+    if values.get("equal_size") is False:
+        raise ValueError(
+            "cppo.equal_size=false cannot be honoured under OpenRLHF: each actor gets an equal consecutive "
+            "chunk of the survivors, so they are always balanced into equal-size parts; remove it"
+        )
+    implied = SUPPORTED_ESTIMATORS.get(estimator)
+    if "adv_norm" in values and implied is not None and values["adv_norm"] != implied:
+        other = next(e for e, n in SUPPORTED_ESTIMATORS.items() if n == values["adv_norm"]) \
+            if values["adv_norm"] in SUPPORTED_ESTIMATORS.values() else None
+        fix = f" or use --algo.advantage.estimator {other}" if other else ""
+        raise ValueError(
+            f"cppo.adv_norm={values['adv_norm']} conflicts with --algo.advantage.estimator {estimator}, whose "
+            f"advantage normalisation ({implied}) the hook follows; remove cppo.adv_norm{fix}"
+        )
+    notes = []
+    if "max_refill_rounds" in values and not values.get("dynamic_sampling"):
+        notes.append(f"cppo.max_refill_rounds={values['max_refill_rounds']} has no effect under OpenRLHF: refill "
+                     "rounds belong to cppo.dynamic_sampling, which OpenRLHF runs do not support; remove it")
+    return notes
+
+
 def _check_supported(args: Any) -> str:
     estimator = args.algo.advantage.estimator
     if estimator not in SUPPORTED_ESTIMATORS:

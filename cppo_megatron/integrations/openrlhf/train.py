@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import runpy
 import shlex
 import sys
@@ -61,7 +62,7 @@ def split_argv(argv: list[str]) -> tuple[dict[str, Any] | None, bool, list[str]]
                     raise ValueError(f"{arg} needs a value")
                 i += 1
                 value = argv[i]
-            values[name] = yaml.safe_load(value)  # 0.875 -> float, true -> bool, null -> None
+            values[name] = _scalar(value)
         else:
             forwarded.append(arg)
         i += 1
@@ -70,18 +71,35 @@ def split_argv(argv: list[str]) -> tuple[dict[str, Any] | None, bool, list[str]]
     return (None if off else values), dry_run, forwarded
 
 
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _scalar(text: str) -> Any:
+    """A command-line value as YAML reads it (0.875 -> float, true -> bool, null -> None),
+    plus what YAML 1.1 leaves a string: exponents without a dot (1e-9)."""
+    value = yaml.safe_load(text)
+    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        return float(value)
+    return value
+
+
 def parse_openrlhf_args(forwarded: list[str]):
     """OpenRLHF's hierarchical args from its own parser (pinned source); errors name the flag."""
     from types import SimpleNamespace
 
     parser = pinned_parser()
     parser.exit_on_error = False
+
+    def refuse(message: str):  # argparse would print its usage and exit; one line instead
+        raise ValueError(f"OpenRLHF {PINNED_VERSION} rejects the arguments: {message}")
+
+    parser.error = refuse
     try:
         flat = parser.parse_args(forwarded)
-    except Exception as exc:  # argparse.ArgumentError, or SystemExit for unknown flags
+    except ValueError:
+        raise
+    except Exception as exc:  # argparse.ArgumentError
         raise ValueError(f"OpenRLHF {PINNED_VERSION} rejects the arguments: {exc}") from exc
-    except SystemExit as exc:
-        raise ValueError(f"OpenRLHF {PINNED_VERSION} rejects the arguments {forwarded} (see the message above)") from exc
     root: dict = {}
     for key, value in vars(flat).items():  # as openrlhf.utils.config.hierarchize
         node = root
@@ -129,6 +147,40 @@ def plan(cfg: CPPOConfig, args: Any) -> dict[str, float]:
     }
 
 
+BATCH_FLAG = "--rollout.batch_size"
+
+
+def allocate(cfg: CPPOConfig, forwarded: list[str], args: Any) -> tuple[list[str], int, int]:
+    """Allocation from the final CPPO settings: ``--rollout.batch_size`` is the GRPO
+    (pre-allocation) prompt count; with ``cppo.allocation`` it becomes b x G / k so the
+    survivors fill the update batch GRPO would have had (as veRL's ``data.train_batch_size``).
+
+    Runs after every override, so ``--cppo.pruning_rate 0.75`` re-derives the prompts.
+    Returns (OpenRLHF arguments with the final ``--rollout.batch_size``, prompts before, after).
+    """
+    n, before = args.rollout.n_samples_per_prompt, args.rollout.batch_size
+    if not cfg.allocation:
+        return forwarded, before, before
+    k = cfg.keep_for_group(n)
+    if (before * n) % k:
+        raise ValueError(
+            f"allocation: {BATCH_FLAG}={before} x --rollout.n_samples_per_prompt={n} / keep={k} is not a whole "
+            "number of prompts; pick a pruning rate with G(1-P) dividing G x batch_size, or --cppo.allocation false"
+        )
+    after = before * n // k
+    kept: list[str] = []
+    i = 0
+    while i < len(forwarded):  # drop every earlier value; the final one goes last
+        arg = forwarded[i]
+        if arg == BATCH_FLAG:
+            i += 2
+            continue
+        if not arg.startswith(BATCH_FLAG + "="):
+            kept.append(arg)
+        i += 1
+    return kept + [BATCH_FLAG, str(after)], before, after
+
+
 def ray_runtime_env(cfg: CPPOConfig) -> dict:
     """The Ray job environment that carries the hook into every worker."""
     env = {k: os.environ.get(k, v) for k, v in OPENRLHF_RAY_ENV_DEFAULTS.items()}
@@ -160,13 +212,15 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     try:
-        return _main(argv)
+        return run_argv(argv)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
 
-def _main(argv: list[str]) -> int:
+def run_argv(argv: list[str]) -> int:
+    """The launcher without its error printing: ValueError names a bad flag or value (the
+    `cppo-megatron` CLI prints it on one line, exit 2; `main` does the same here)."""
     values, dry_run, forwarded = split_argv(argv)
     version = installed_version()
     if version != PINNED_VERSION:
@@ -176,7 +230,12 @@ def _main(argv: list[str]) -> int:
             file=sys.stderr,
         )
     args = parse_openrlhf_args(forwarded)
+    for note in [] if values is None else hook.check_settings(values, args.algo.advantage.estimator):
+        print(f"warning: {note}", file=sys.stderr)
     cfg = None if values is None else CPPOConfig.from_dict(values)
+    if cfg is not None:  # after every override: the final rate decides the prompts per step
+        forwarded, before, after = allocate(cfg, forwarded, args)
+        args = parse_openrlhf_args(forwarded)
     command = shlex.join(["python", "-m", OPENRLHF_MODULE, *forwarded])
     if cfg is None:
         print("CPPO off: plain OpenRLHF")
@@ -185,6 +244,11 @@ def _main(argv: list[str]) -> int:
         # OpenRLHF's estimator decides the advantage formula; the hook uses the same
         cfg = dataclasses.replace(cfg, adv_norm=hook.SUPPORTED_ESTIMATORS[args.algo.advantage.estimator])
         print(cfg.describe())
+        n = args.rollout.n_samples_per_prompt
+        print(
+            f"allocation={cfg.allocation}: {BATCH_FLAG} {before} -> {after} prompts"
+            + (f" (x G/k = {n}/{cfg.keep_for_group(n)})" if cfg.allocation else " (unchanged)")
+        )
         print(
             "per step: {prompts_per_step:.0f} prompts x {n} = {generated_per_step:.0f} completions generated, "
             "{selected_per_step:.0f} selected, {kept_per_step:.0f} kept (OpenRLHF needs multiples of "
@@ -192,6 +256,14 @@ def _main(argv: list[str]) -> int:
                 n=args.rollout.n_samples_per_prompt, **counts
             )
         )
+        reason = cfg.noop_reason(n)
+        if reason is not None:
+            print(f"warning: cppo {reason}. Set --rollout.n_samples_per_prompt (G) > 1 and --cppo.pruning_rate "
+                  ">= 1/G, or run plain OpenRLHF (--cppo.off)")
+        elif counts["kept_per_step"] >= counts["generated_per_step"] and not cfg.is_grpo:
+            print(f"warning: cppo keeps all {counts['kept_per_step']:.0f} completions after rounding up to "
+                  f"OpenRLHF's multiple of {counts['keep_multiple']:.0f}: nothing is pruned. Raise "
+                  f"{BATCH_FLAG} (or keep cppo.allocation on) or lower --train.batch_size")
         if counts["kept_per_step"] > counts["selected_per_step"]:
             print(
                 "note: CPPO will keep more than it selects every step (metric cppo/topped_up); raise "

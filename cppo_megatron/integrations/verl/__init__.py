@@ -39,11 +39,12 @@ __all__ = [
 def load() -> None:
     """Register the estimator, install the hook and, with ``VERL_PLATFORM=cpu``, the CPU mode
     (idempotent)."""
-    from . import cpu
+    from . import audit, cpu
 
     register_estimator()
     install()
     cpu.enable()
+    audit.install()
 
 
 load()

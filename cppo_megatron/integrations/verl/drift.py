@@ -2,8 +2,10 @@
 
 The plugin wraps ``_balance_batch`` and depends on what runs around it (the V1 step order,
 the loss-free padding, the mini-batch multiple, how the advantage step calls registered
-estimators). If any of these change in the installed veRL, ``changed()`` names them, so an
-upgrade fails loudly in the tests instead of silently training something else.
+estimators). The CPU mode adds the
+platform selection, the process-group, engine-registry and FSDP offload seams it patches, the
+rollout registries and the calls its ``hf`` rollout answers. If any of these change in the
+installed veRL, ``changed()`` names them, so an upgrade fails loudly in the tests instead of silently training something else.
 """
 
 from __future__ import annotations
@@ -34,6 +36,21 @@ PINNED = {
     "verl.trainer.ppo.core_algos:agg_loss": "fd052ff7eb539f78",
     "verl.trainer.main_ppo:main": "eb706c4f6622ed04",
     "verl.trainer.main_ppo:run_ppo": "a65eddb189e56ae1",
+    # the CPU mode (integrations/verl/cpu/): platform choice, the three seams, the rollout
+    # registries and the calls our hf rollout answers; the audit recorders' targets
+    "verl.plugin.platform.platform_manager:_detect_platform_name": "8dffc2174390e96d",
+    "verl.utils.distributed:initialize_global_process_group_ray": "761a94d1a2e058d3",
+    "verl.workers.engine.base:EngineRegistry.get_engine_cls": "e5c6c38ad4a0fcf2",
+    "verl.workers.engine.fsdp.transformer_impl:FSDPEngine._build_fsdp_module": "41da6c4ed82d496a",
+    "verl.workers.engine_workers:TrainingWorker.__init__": "751deb94b2f32d4e",
+    "verl.workers.engine_workers:ActorRolloutRefWorker.update_weights": "6894cd3fd3e20715",
+    "verl.workers.rollout.base:get_rollout_class": "d0be5827f1214f04",
+    "verl.workers.rollout.replica:RolloutReplica.init_hybrid": "ec903aad46adf76d",
+    "verl.workers.rollout.replica:RolloutReplicaRegistry.get": "5af2d9851beaec2e",
+    "verl.workers.rollout.llm_server:LLMServerClient.generate": "8d3e05f652e0cfd4",
+    "verl.experimental.agent_loop.agent_loop:AgentLoopWorker.generate_sequences": "aaf4c62352a565b3",
+    "verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_old_log_prob": "e9ee1fc72ac57177",
+    "verl.trainer.ppo.ray_trainer:RayPPOTrainer._compute_old_log_prob": "37936dd4c6debf30",
 }
 
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...config import ESTIMATOR_NAME
 from ...core import advantages_from_stats
 from .stats import lookup, recorded_uids
 
 __all__ = ["ESTIMATOR_NAME", "compute_cppo_outcome_advantage", "register_estimator"]
-
-ESTIMATOR_NAME = "cppo"
 
 
 def compute_cppo_outcome_advantage(

@@ -23,16 +23,18 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import os
 import sys
+import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
 from ...core import balance_partitions, prune, sequence_workload
-from . import importhook
+from . import audit, importhook
 from .importhook import after_import
-from .runconfig import cppo_config_from, is_cppo
+from .runconfig import PREPARED_ENV, cppo_config_from, is_cppo, unprepared_message
 from .stats import GroupRecord, record_groups
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "prune_dataproto",
     "prune_kv_batch",
     "uninstall",
+    "warn_if_unprepared",
 ]
 
 # module -> class whose ``_balance_batch`` is wrapped (the V1 base serves sync and async modes)
@@ -126,6 +129,8 @@ def prune_kv_batch(trainer, batch, metrics: dict):
     result, records = decide(uids, rewards, cfg, getattr(trainer, "global_steps", 0))
     kept = [real[j] for j in result.selection.kept.tolist()] + pads
     pruned_keys = [batch.keys[real[j]] for j in result.selection.pruned.tolist()]
+    audit.record("prune", step=int(getattr(trainer, "global_steps", 0)), loop="v1", rows=[str(k) for k in keys],
+                 uids=uids, rewards=rewards.tolist(), kept=result.selection.kept.tolist())
     if pruned_keys:
         tq.kv_clear(keys=pruned_keys, partition_id=batch.partition_id)
     record_groups(records)
@@ -191,6 +196,8 @@ def pad_dataproto_loss_free(batch, multiple: int, step: int) -> int:
             rows.batch[key] = torch.zeros_like(rows.batch[key])
     rows.non_tensor_batch["uid"] = np.array([f"cppo-pad-{step}-{i}" for i in range(pad)], dtype=object)
     rows.non_tensor_batch["cppo_is_padding"] = np.ones(pad, dtype=bool)
+    if "cppo_row" in rows.non_tensor_batch:
+        rows.non_tensor_batch["cppo_row"] = np.full(pad, -1, dtype=np.int64)
     merged = DataProto.concat([batch, rows])
     batch.batch, batch.non_tensor_batch = merged.batch, merged.non_tensor_batch
     return pad
@@ -206,7 +213,13 @@ def prune_dataproto(trainer, batch, metrics: dict):
         )
     cfg = cppo_config_from(trainer.config)
     uids = [str(u) for u in batch.non_tensor_batch["uid"]]
-    result, records = decide(uids, _row_rewards(batch.batch["rm_scores"]), cfg, getattr(trainer, "global_steps", 0))
+    rewards = _row_rewards(batch.batch["rm_scores"])
+    result, records = decide(uids, rewards, cfg, getattr(trainer, "global_steps", 0))
+    if audit.enabled():  # row identities for the audit records of the later passes
+        batch.non_tensor_batch["cppo_row"] = np.arange(len(uids), dtype=np.int64)
+        audit.record("prune", step=int(getattr(trainer, "global_steps", 0)), loop="legacy",
+                     rows=list(range(len(uids))), uids=uids, rewards=rewards.tolist(),
+                     kept=result.selection.kept.tolist())
     kept = batch.select_idxs(result.selection.kept.to(torch.int64))
     batch.batch, batch.non_tensor_batch = kept.batch, kept.non_tensor_batch
     dp_size = trainer._get_dp_size(trainer.actor_rollout_wg, "actor")
@@ -249,6 +262,7 @@ def _wrap(original, prune_fn, v1: bool):
     def _balance_batch(self, batch, metrics, *args, **kwargs):
         if not is_cppo(self.config):
             return original(self, batch, metrics, *args, **kwargs)
+        warn_if_unprepared(self.config)
         before = len(batch)
         batch = prune_fn(self, batch, metrics)
         kept = len(batch)
@@ -278,6 +292,21 @@ def _wrap(original, prune_fn, v1: bool):
 
     setattr(_balance_batch, _MARK, original)
     return _balance_batch
+
+
+_UNPREPARED_WARNED = False
+
+
+def warn_if_unprepared(config) -> bool:
+    """Warn once per process when the run skipped ``runconfig.prepare`` (veRL's own
+    ``main_ppo`` with the plugin loaded): allocation was not applied. True when it warned."""
+    global _UNPREPARED_WARNED
+    if _UNPREPARED_WARNED or os.environ.get(PREPARED_ENV):
+        return False
+    _UNPREPARED_WARNED = True
+    # a Ray worker's stderr (where warnings go) reaches the driver's console
+    warnings.warn(unprepared_message(config), stacklevel=3)
+    return True
 
 
 def _patch_module(module) -> bool:

@@ -57,14 +57,23 @@ def run(config, *, dry_run: bool = False):
     return plan
 
 
+# where a recipe file's defaults are found: this package's configs (cppo_trainer, the CPU
+# base), veRL's own, and the recipe's directory (hydra adds the config path itself)
+SEARCHPATH = "hydra.searchpath=[pkg://cppo_megatron.integrations.verl.config,pkg://verl.trainer.config]"
+
+
 def recipe_args(argv: list[str]) -> list[str]:
-    """``RECIPE.yaml [overrides]`` -> hydra's ``--config-path=DIR --config-name=STEM [overrides]``."""
+    """``RECIPE.yaml [overrides]`` -> hydra's ``--config-path=DIR --config-name=STEM [overrides]``,
+    plus the search path when the recipe sets none (so a recipe may build on another one)."""
     if argv and argv[0].endswith((".yaml", ".yml")) and not argv[0].startswith("-"):
         path = os.path.abspath(argv[0])
         if not os.path.isfile(path):
             raise FileNotFoundError(f"veRL recipe {argv[0]!r} not found")
         stem = os.path.splitext(os.path.basename(path))[0]
-        return [f"--config-path={os.path.dirname(path)}", f"--config-name={stem}", *argv[1:]]
+        with open(path) as f:
+            has_hydra = any(line.startswith("hydra:") for line in f)
+        extra = [] if has_hydra else [SEARCHPATH]
+        return [f"--config-path={os.path.dirname(path)}", f"--config-name={stem}", *extra, *argv[1:]]
     return argv
 
 

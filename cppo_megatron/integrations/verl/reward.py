@@ -21,8 +21,11 @@ SCORERS = {DATA_SOURCE: score_arithmetic}
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None,
-                  w_correct: float = 1.0, w_format: float = 0.1, **kwargs) -> float:
-    """Reward of one decoded completion ``solution_str`` against ``ground_truth``.
+                  w_correct: float = 1.0, w_format: float = 0.1, **kwargs) -> dict[str, float]:
+    """Reward of one decoded completion ``solution_str`` against ``ground_truth``:
+    ``{"score": reward, "acc": correct, "formatted": formatted}``. veRL trains on ``score``
+    and logs the others per data source (validation: ``val-core/cppo_arithmetic/acc/mean@1``
+    is held-out greedy accuracy, the embedded trainer's ``eval/accuracy``).
 
     Raises ValueError for a ``data_source`` this module does not score (naming it), so a
     data file from another task fails loudly instead of training on zeros.
@@ -34,4 +37,5 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
             "`cppo-megatron verl-data` or point reward.custom_reward_function at your own scorer"
         )
     score = scorer(str(solution_str), Problem(question="", answer=str(ground_truth)))
-    return float(combine_reward(score, float(w_correct), float(w_format)))
+    return {"score": float(combine_reward(score, float(w_correct), float(w_format))),
+            "acc": float(score.correct), "formatted": float(score.formatted)}

@@ -9,25 +9,33 @@ by k/G instead, so they still follow the kept count.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from ...config import FIELD_NAMES, CPPOConfig
+from ...config import ESTIMATOR_NAME, FIELD_NAMES, CPPOConfig
 
 __all__ = [
     "ESTIMATOR",
     "PLUGIN_MODULE",
+    "PREPARED_ENV",
     "AllocationPlan",
     "apply_allocation",
+    "noop_warning",
     "cppo_config_from",
     "is_cppo",
     "check_compatible",
     "export_plugin_to_workers",
+    "host_warnings",
     "prepare",
+    "unprepared_message",
 ]
 
-ESTIMATOR = "cppo"
+ESTIMATOR = ESTIMATOR_NAME  # the name veRL configs select it by (defined in cppo_megatron.config)
 PLUGIN_MODULE = "cppo_megatron.integrations.verl"
+# set in the Ray workers' environment by ``prepare``: the hook knows allocation was applied
+PREPARED_ENV = "CPPO_VERL_PREPARED"
 
 
 def is_cppo(config: Any) -> bool:
@@ -63,14 +71,27 @@ class AllocationPlan:
     actor_mini_batch: int
     kept_per_step: int
     allocation: bool
+    warning: str = ""  # set when the settings ask for pruning that cannot happen (G = 1, k = G)
 
     def describe(self) -> str:
-        return (
+        line = (
             f"CPPO allocation={self.allocation}: keep {self.keep} of G={self.group_size}; "
             f"data.train_batch_size {self.train_batch_size_before} -> {self.train_batch_size} prompts; "
             f"actor.ppo_mini_batch_size {self.actor_mini_batch_before} -> {self.actor_mini_batch}; "
             f"{self.kept_per_step} completions kept per step"
         )
+        return f"{line}\n{self.warning}" if self.warning else line
+
+
+def noop_warning(cfg: CPPOConfig, group_size: int) -> str:
+    """The warning line for settings that prune nothing (empty when they do prune)."""
+    reason = cfg.noop_reason(group_size)
+    if reason is None:
+        return ""
+    return (
+        f"warning: cppo {reason}. Set actor_rollout_ref.rollout.n (G) > 1 and cppo.pruning_rate >= 1/G, "
+        "or run plain GRPO (algorithm.adv_estimator=grpo)"
+    )
 
 
 def check_compatible(config: Any) -> None:
@@ -112,6 +133,55 @@ def check_compatible(config: Any) -> None:
             "algorithm.filter_groups.enable=True (DAPO dynamic sampling) together with cppo is not "
             "supported by this plugin: set cppo.dynamic_sampling in the embedded trainer instead."
         )
+    # CPPO settings veRL cannot honour are refused rather than ignored
+    if cfg.dynamic_sampling:
+        raise ValueError(
+            "cppo.dynamic_sampling=true is not supported under veRL: the plugin prunes at _balance_batch, "
+            "after veRL generated the step's batch, and cannot draw replacement prompts; set "
+            "cppo.dynamic_sampling=false (groups with equal rewards have zero advantage and are pruned "
+            "first with cppo.metric=smallest), or use the embedded trainer (cppo-megatron train)"
+        )
+    node = config.get("cppo", None)
+    if node is not None and node.get("equal_size", None) is False:
+        raise ValueError(
+            "cppo.equal_size=false cannot be honoured under veRL: veRL gives every data-parallel rank "
+            "the same number of sequences, so the core balancer always runs with equal sizes; set "
+            "cppo.equal_size=true"
+        )
+
+
+def host_warnings(config: Any) -> list[str]:
+    """CPPO settings that are valid but have no effect in a veRL run (one line each)."""
+    cfg = cppo_config_from(config)
+    default = {f.name: f.default for f in dataclasses.fields(CPPOConfig)}["max_refill_rounds"]
+    out = []
+    if not cfg.dynamic_sampling and cfg.max_refill_rounds != default:
+        out.append(
+            f"cppo.max_refill_rounds={cfg.max_refill_rounds} has no effect under veRL: refill rounds belong to "
+            "cppo.dynamic_sampling, which veRL runs do not support; remove it"
+        )
+    return out
+
+
+def unprepared_message(config: Any) -> str:
+    """What a CPPO run launched by veRL's own ``main_ppo`` (plugin loaded, ``prepare`` never
+    called) misses, and what to do: one line."""
+    cfg = cppo_config_from(config)
+    group_size = int(config.actor_rollout_ref.rollout.n)
+    keep = cfg.keep_for_group(group_size)
+    b = int(config.data.train_batch_size)
+    mini = int(config.actor_rollout_ref.actor.ppo_mini_batch_size)
+    if cfg.allocation:
+        missing = (f"allocation was not applied: data.train_batch_size={b} prompts keep {keep} of G={group_size} "
+                   f"completions each, {b * keep} per step instead of {b * group_size} (the paper's setting draws "
+                   f"data.train_batch_size={b * group_size / keep:g})")
+    else:
+        missing = (f"with cppo.allocation=false the mini-batches were not shrunk to the kept count: "
+                   f"actor.ppo_mini_batch_size={mini} prompts where {mini * keep / group_size:g} would follow "
+                   f"the {keep} of {group_size} kept completions")
+    return (f"cppo: this veRL run did not start through `cppo-megatron verl` (python -m "
+            f"cppo_megatron.integrations.verl.main), so {missing}; run it through that entry point with the same "
+            f"overrides, or set the sizes yourself and export {PREPARED_ENV}=1 to silence this")
 
 
 def apply_allocation(config: Any) -> AllocationPlan:
@@ -160,10 +230,11 @@ def apply_allocation(config: Any) -> AllocationPlan:
                     raise ValueError(f"allocation=false: critic.ppo_mini_batch_size={cm} x {keep} / {group_size}")
                 config.critic.ppo_mini_batch_size = cm * keep // group_size
             kept = b * keep
-    return AllocationPlan(group_size, keep, b, new_b, mini, new_mini, kept, cfg.allocation)
+    return AllocationPlan(group_size, keep, b, new_b, mini, new_mini, kept, cfg.allocation,
+                          noop_warning(cfg, group_size))
 
 
-def export_plugin_to_workers(config: Any) -> None:
+def export_plugin_to_workers(config: Any, extra_env: dict[str, str] | None = None) -> None:
     """Add ``VERL_USE_EXTERNAL_MODULES=cppo_megatron.integrations.verl`` to the Ray runtime env
     so every Ray process (the TaskRunner above all) loads the plugin even where entry points
     are not scanned."""
@@ -184,6 +255,8 @@ def export_plugin_to_workers(config: Any) -> None:
         if PLUGIN_MODULE not in mods:
             mods.append(PLUGIN_MODULE)
         env.env_vars.VERL_USE_EXTERNAL_MODULES = ",".join(mods)
+        for name, value in (extra_env or {}).items():
+            env.env_vars[name] = value
 
 
 def prepare(config: Any) -> AllocationPlan | None:
@@ -195,7 +268,15 @@ def prepare(config: Any) -> AllocationPlan | None:
         return None
     cppo_config_from(config)
     check_compatible(config)
-    return apply_allocation(config)
+    for message in host_warnings(config):
+        warnings.warn(message, stacklevel=2)
+    plan = apply_allocation(config)
+    export_plugin_to_workers(config, {PREPARED_ENV: "1"})
+    return plan
+
+
+# mappings veRL hands on verbatim (to ray.init, to the HF model config): any key is valid there
+FREE_FORM = ("ray_kwargs.ray_init.", "actor_rollout_ref.model.override_config.")
 
 
 def overlay_mismatches(overlay: Any, base: Any, prefix: str = "") -> list[str]:
@@ -206,9 +287,11 @@ def overlay_mismatches(overlay: Any, base: Any, prefix: str = "") -> list[str]:
 
     problems = []
     for key in overlay:
-        if not prefix and key in ("hydra", "defaults", "cppo"):
+        if not prefix and key in ("hydra", "defaults", "cppo", "cppo_cpu"):
             continue
         path = f"{prefix}{key}"
+        if path.startswith(FREE_FORM):
+            continue
         if key not in base.keys():  # `in` is False for veRL's mandatory "???" values
             problems.append(f"{path}: not a key of veRL's config")
             continue

@@ -13,7 +13,7 @@ import pytest
 
 from cppo_megatron import CPPOConfig
 from cppo_megatron.integrations.openrlhf import hook
-from cppo_megatron.integrations.openrlhf.train import parse_openrlhf_args, plan, ray_runtime_env, split_argv
+from cppo_megatron.integrations.openrlhf.train import allocate, parse_openrlhf_args, plan, ray_runtime_env, split_argv
 
 pytestmark = pytest.mark.openrlhf
 ROOT = Path(__file__).resolve().parents[3]
@@ -25,6 +25,8 @@ def test_split_argv_separates_cppo_from_openrlhf_arguments():
     )
     assert values == {"pruning_rate": 0.75, "scope": "batch"} and dry and fwd == ["--rollout.batch_size", "8", "--x"]
     assert split_argv(["--cppo.off", "--a", "1"]) == (None, False, ["--a", "1"])
+    assert split_argv(["--cppo.eps", "1e-9", "--cppo.seed", "3", "--cppo.metric", "random"])[0] == {
+        "eps": 1e-9, "seed": 3, "metric": "random"}  # YAML 1.1 alone reads 1e-9 as a string
     with pytest.raises(ValueError, match="needs a value"):
         split_argv(["--cppo.seed"])
     with pytest.raises(ValueError, match="--cppo.off together"):
@@ -42,6 +44,52 @@ def test_plan_reports_topping_up_and_refuses_model_rewards():
         plan(CPPOConfig(), parse_openrlhf_args(base + ["--reward.model_name_or_path", "rm"]))
 
 
+@pytest.fixture
+def dry_run(capsys):
+    """`cppo-megatron openrlhf RECIPE --dry-run EXTRA...` in this process: (exit status, stdout, stderr)."""
+    from cppo_megatron import cli
+
+    def run(*extra: str):
+        rc = cli.main(["openrlhf", str(ROOT / "recipes/openrlhf/qwen2.5-1.5b-gsm8k-cppo.yaml"), "--dry-run", *extra])
+        out = capsys.readouterr()
+        return rc, out.out, out.err
+
+    return run
+
+
+def test_override_of_the_rate_re_derives_the_prompts(dry_run):
+    """The doc's own example: P 0.875 -> 0.75 keeps 4 of 16, so 1 x 16/4 = 4 prompts (not 8)
+    and the same 16 completions train; a later --rollout.batch_size is the GRPO count."""
+    out = dry_run("--cppo.pruning_rate", "0.75")[1]
+    assert "--rollout.batch_size 1 -> 4 prompts (x G/k = 16/4)" in out
+    assert "4 prompts x 16 = 64 completions generated, 16 selected, 16 kept" in out and "2 optimizer steps" in out
+    command = next(line for line in out.splitlines() if line.startswith("openrlhf: python -m"))
+    assert command.count("--rollout.batch_size") == 1 and command.endswith("--rollout.batch_size 4")
+    out = dry_run("--rollout.batch_size", "2", "--cppo.keep_per_group", "4", "--cppo.pruning_rate", "null")[1]
+    assert "--rollout.batch_size 2 -> 8 prompts" in out and "8 prompts x 16 = 128 completions generated, 32 selected" in out
+    assert "warning" not in out
+    # without allocation 1 prompt x 16 selects 2, which OpenRLHF's multiple of 16 rounds up to all 16
+    out = dry_run("--cppo.allocation", "false")[1]
+    assert "--rollout.batch_size 1 -> 1 prompts (unchanged)" in out and "1 prompts x 16 = 16 completions generated" in out
+    assert "warning: cppo keeps all 16 completions after rounding up to OpenRLHF's multiple of 16" in out
+
+
+def test_settings_that_prune_nothing_warn(dry_run):
+    out = dry_run("--cppo.pruning_rate", "null", "--cppo.keep_per_group", "16")[1]
+    assert "warning: cppo keep_per_group=16 keeps 16 of G=16 completions per prompt: nothing is pruned" in out
+    assert "--rollout.n_samples_per_prompt (G) > 1" in out
+    assert "warning" not in dry_run("--cppo.pruning_rate", "0")[1]  # P = 0: plain GRPO through the hook
+    rc, _, err = dry_run("--rollout.n_samples_per_prompt", "1")  # G = 1 is refused outright by the hook's checks
+    assert rc == 2 and "--rollout.n_samples_per_prompt must be >= 2, got 1" in err
+
+
+def test_allocation_that_does_not_divide_is_named():
+    args = parse_openrlhf_args(["--actor.model_name_or_path", "m", "--rollout.n_samples_per_prompt", "6",
+                                "--rollout.batch_size", "1", "--reward.remote_url", "r.py"])
+    with pytest.raises(ValueError, match="rollout.batch_size=1 x --rollout.n_samples_per_prompt=6 / keep=4"):
+        allocate(CPPOConfig(keep_per_group=4), ["--rollout.batch_size", "1"], args)
+
+
 def test_cli_dry_run_of_a_recipe():
     recipe = ROOT / "recipes/openrlhf/qwen2.5-1.5b-gsm8k-cppo.yaml"
     out = subprocess.run(
@@ -51,7 +99,7 @@ def test_cli_dry_run_of_a_recipe():
     ).stdout
     assert "scope=batch" in out and "128 completions generated, 16 selected, 16 kept" in out
     command = next(line for line in out.splitlines() if line.startswith("openrlhf: python -m openrlhf.cli.train_ppo_ray"))
-    assert command.endswith("--train.max_epochs 1")  # the later flag wins in argparse
+    assert command.index("--train.max_epochs 1") > command.index("--train.max_epochs 2")  # the later flag wins
     exported = next(line for line in out.splitlines() if line.startswith("patched checkout instead: export"))
     cfg = CPPOConfig.from_dict(json.loads(exported.split("=", 1)[1].strip("'")))
     assert cfg.scope == "batch" and cfg.pruning_rate == 0.875
@@ -120,3 +168,30 @@ def test_launch_runs_openrlhfs_own_main_with_the_forwarded_arguments(monkeypatch
     with pytest.raises(SystemExit) as failed:
         launch(["--rollout.no_such_flag", "1"], None)
     assert failed.value.code == 2 and "--rollout.no_such_flag" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cppo.dynamic_sampling", "true"],
+     "error: cppo.dynamic_sampling=true is not supported under OpenRLHF: the hook prunes a finished rollout and "
+     "cannot draw replacement prompts; remove it and use OpenRLHF's own --algo.dynamic_filtering_enable, which "
+     "replaces filtered prompts before the hook sees the rollout"),
+    (["--cppo.equal_size", "false"],
+     "error: cppo.equal_size=false cannot be honoured under OpenRLHF: each actor gets an equal consecutive chunk "
+     "of the survivors, so they are always balanced into equal-size parts; remove it"),
+    (["--cppo.adv_norm", "none"],
+     "error: cppo.adv_norm=none conflicts with --algo.advantage.estimator group_norm, whose advantage "
+     "normalisation (std) the hook follows; remove cppo.adv_norm or use --algo.advantage.estimator dr_grpo"),
+])
+def test_settings_openrlhf_cannot_honour_are_refused(flags, message, capsys):
+    """These were accepted and silently ignored (adv_norm silently replaced by the estimator's)."""
+    from cppo_megatron.integrations.openrlhf.train import main
+
+    recipe = ["--actor.model_name_or_path", "m", "--algo.advantage.estimator", "group_norm",
+              "--rollout.n_samples_per_prompt", "8", "--rollout.batch_size", "4", "--reward.remote_url", "r.py"]
+    assert main([*flags, "--dry-run", *recipe]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == message
+    assert main(["--cppo.max_refill_rounds", "5", "--dry-run", *recipe]) == 0
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "warning: cppo.max_refill_rounds=5 has no effect under OpenRLHF: refill rounds belong to "
+        "cppo.dynamic_sampling, which OpenRLHF runs do not support; remove it")
+    assert main(["--cppo.equal_size", "true", "--cppo.adv_norm", "std", "--dry-run", *recipe]) == 0  # honoured

@@ -10,7 +10,7 @@ import yaml
 
 from cppo_megatron.integrations.openrlhf import pinned
 from cppo_megatron.integrations.openrlhf.recipe import launcher_argv, load_recipe, openrlhf_flags
-from cppo_megatron.integrations.openrlhf.train import parse_openrlhf_args, plan, split_argv
+from cppo_megatron.integrations.openrlhf.train import allocate, parse_openrlhf_args, plan, split_argv
 from cppo_megatron import CPPOConfig
 
 pytestmark = pytest.mark.openrlhf
@@ -76,8 +76,11 @@ def test_every_recipe_flag_exists_in_the_pinned_parser(recipe_path):
     assert args.rollout.n_samples_per_prompt == 16
     assert Path(args.reward.remote_url).name == "reward_math.py" and Path(args.reward.remote_url).is_file()
     if values is not None:
-        counts = plan(CPPOConfig.from_dict(values), args)
+        cfg = CPPOConfig.from_dict(values)
+        forwarded, before, after = allocate(cfg, forwarded, args)
+        counts = plan(cfg, parse_openrlhf_args(forwarded))
         # allocation: the survivors fill the update batch exactly, nothing topped up
+        assert after == before * 8
         assert counts["kept_per_step"] == counts["selected_per_step"] == args.train.batch_size
 
 
@@ -89,8 +92,8 @@ def test_recipes_pair_grpo_and_cppo_with_the_same_update_batch():
             cppo = by_stem[stem]
             assert grpo["cppo"] is None and cppo["cppo"]["pruning_rate"] == 0.875
             g, c = grpo["openrlhf"], cppo["openrlhf"]
-            assert c["rollout.batch_size"] == g["rollout.batch_size"] * 8  # 1 / (1 - P) more prompts
-            same = {k for k in g if k not in ("rollout.batch_size", "ckpt.output_dir")}
+            # the same GRPO prompt count: the launcher's allocation draws 1 / (1 - P) times more
+            same = {k for k in g if k != "ckpt.output_dir"}
             assert {k: g[k] for k in same} == {k: c[k] for k in same}
 
 

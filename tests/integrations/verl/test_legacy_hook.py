@@ -143,3 +143,43 @@ def test_with_allocation_kept_rows_fill_mini_batches_without_padding(plugin, con
     assert not batch.non_tensor_batch["cppo_is_padding"].any()
     assert len(batch) % (config.actor_rollout_ref.actor.ppo_mini_batch_size * G) == 0
     assert sorted(np.unique(batch.non_tensor_batch["uid"], return_counts=True)[1].tolist()) == [2] * 16
+
+
+def test_run_without_our_entry_point_warns_that_allocation_was_skipped(plugin, config, monkeypatch):
+    """veRL's own main_ppo with the plugin loaded never calls prepare(): the hook says so once,
+    with the numbers, instead of training k/G of the completions without a word."""
+    import warnings
+
+    from omegaconf import open_dict
+
+    from cppo_megatron.integrations.verl import hook
+    from cppo_megatron.integrations.verl.runconfig import PREPARED_ENV
+
+    monkeypatch.delenv(PREPARED_ENV, raising=False)
+    monkeypatch.setattr(hook, "_UNPREPARED_WARNED", False)
+    batch = make_dataproto(rewards_table(seed=2, prompts=B, group=G), seed=2)
+    with pytest.warns(UserWarning) as caught:
+        bare_trainer(config, dp_size=2)._balance_batch(batch, metrics={})
+    # (a first import of veRL's trainer may warn about other things: keep ours)
+    assert [str(w.message) for w in caught if str(w.message).startswith("cppo:")] == [
+        "cppo: this veRL run did not start through `cppo-megatron verl` (python -m "
+        "cppo_megatron.integrations.verl.main), so allocation was not applied: data.train_batch_size=4 prompts "
+        "keep 2 of G=8 completions each, 8 per step instead of 32 (the paper's setting draws "
+        "data.train_batch_size=16); run it through that entry point with the same overrides, or set the sizes "
+        f"yourself and export {PREPARED_ENV}=1 to silence this"]
+    with warnings.catch_warnings(record=True) as again:  # once per process
+        warnings.simplefilter("always")
+        bare_trainer(config, dp_size=2)._balance_batch(make_dataproto(rewards_table(seed=2, prompts=B, group=G),
+                                                                      seed=2), metrics={})
+    assert not [w for w in again if str(w.message).startswith("cppo:")]
+    # a run prepared by our entry point carries the variable into every Ray worker: silent
+    monkeypatch.setattr(hook, "_UNPREPARED_WARNED", False)
+    monkeypatch.setenv(PREPARED_ENV, "1")
+    assert hook.warn_if_unprepared(config) is False
+    monkeypatch.delenv(PREPARED_ENV)
+    with open_dict(config):
+        config.cppo.allocation = False
+        config.actor_rollout_ref.actor.ppo_mini_batch_size = 4
+    with pytest.warns(UserWarning, match=r"the mini-batches were not shrunk to the kept count: "
+                                         r"actor.ppo_mini_batch_size=4 prompts where 1 would follow"):
+        assert hook.warn_if_unprepared(config) is True

@@ -66,3 +66,30 @@ def test_main_dry_run_applies_allocation(plugin, tmp_path, monkeypatch, capsys):
     assert cfg.data.train_batch_size == 128 and cfg.algorithm.adv_estimator == "cppo"
     assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 8
     assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES == "cppo_megatron.integrations.verl"
+
+
+def test_dry_run_without_a_recipe_warns_that_g1_prunes_nothing(plugin, tmp_path, monkeypatch, capsys):
+    """The bare entry point has veRL's default rollout.n = 1: P = 0.875 would prune nothing."""
+    from cppo_megatron import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["verl", "--cppo-dry-run"]) == 0
+    plan, warning = capsys.readouterr().out.splitlines()[:2]
+    assert "keep 1 of G=1" in plan
+    assert warning.startswith("warning: cppo P=0.875 with G=1") and "actor_rollout_ref.rollout.n" in warning
+
+
+def test_dry_run_of_a_recipe_re_derives_allocation_from_an_overridden_rate(plugin, tmp_path, monkeypatch, capsys):
+    """The recipe declares 16 prompts (the GRPO batch) and P = 0.875 (x8); P = 0.75 on the
+    command line keeps 4 of 16, so 16 x 16/4 = 64 prompts and still 256 kept."""
+    from pathlib import Path
+
+    from cppo_megatron import cli
+
+    monkeypatch.chdir(tmp_path)
+    recipes = Path(__file__).resolve().parents[3] / "recipes" / "verl"
+    assert cli.main(["verl", "--cppo-dry-run", f"--config-path={recipes}", "--config-name=qwen2.5-1.5b-gsm8k-cppo",
+                     "cppo.pruning_rate=0.75"]) == 0
+    plan = capsys.readouterr().out.splitlines()[0]
+    assert plan == ("CPPO allocation=True: keep 4 of G=16; data.train_batch_size 16 -> 64 prompts; "
+                    "actor.ppo_mini_batch_size 16 -> 16; 256 completions kept per step")

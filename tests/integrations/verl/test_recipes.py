@@ -14,8 +14,9 @@ from cppo_megatron.integrations.verl.runconfig import overlay_mismatches, prepar
 
 from .conftest import RECIPES, compose
 
-NAMES = sorted(p.stem for p in RECIPES.glob("*.yaml"))
+NAMES = sorted(p.stem for p in RECIPES.glob("*.yaml") if not p.stem.startswith("tiny_cpu"))  # GPU clusters
 PAIRS = sorted({re.sub(r"-(grpo|cppo)$", "", n) for n in NAMES})
+CPU = ["tiny_cpu_grpo", "tiny_cpu_cppo"]  # veRL's CPU mode (test_cpu_e2e.py runs them)
 
 
 def test_recipe_set_is_complete():
@@ -74,3 +75,22 @@ def test_overlay_check_catches_typos(bases):
     assert any(p.startswith("actor_rollout_ref.actor.ppo_epoch:") for p in problems)
     assert any(p.startswith("actor_rollout_ref.actor.ppo_epochs:") and "'two'" in p for p in problems)
     assert any(p.startswith("datta:") for p in problems)
+
+
+def test_cpu_recipes_compose_and_allocate(bases, plugin, monkeypatch):
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from cppo_megatron.integrations.verl.main import SEARCHPATH
+
+    assert sorted(p.stem for p in RECIPES.glob("tiny_cpu*.yaml")) == sorted(CPU)
+    raw = OmegaConf.load(RECIPES / "tiny_cpu_grpo.yaml")
+    assert overlay_mismatches(raw, bases[raw.defaults[0]]) == []
+    grpo, cppo = (compose(RECIPES, n, [SEARCHPATH]) for n in CPU)
+    assert grpo.trainer.device == cppo.trainer.device == "cpu"
+    assert grpo.actor_rollout_ref.rollout.name == "hf" and cppo.algorithm.adv_estimator == "cppo"
+    assert prepare(grpo) is None
+    plan = prepare(cppo)
+    assert (plan.train_batch_size_before, plan.train_batch_size, plan.kept_per_step) == (16, 128, 256)
+    assert plan.kept_per_step == grpo.data.train_batch_size * grpo.actor_rollout_ref.rollout.n
+    validate_config(cppo, use_reference_policy=need_reference_policy(cppo), use_critic=need_critic(cppo))

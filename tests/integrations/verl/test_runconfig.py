@@ -21,9 +21,10 @@ def test_yaml_group_matches_cppo_config_defaults(plugin):
     assert node == mega
     defaults = {f.name: f.default for f in dataclasses.fields(CPPOConfig)}
     assert set(node) == set(defaults)
+    # None means the default rate; veRL splits batches into equal per-rank parts
+    host = {"pruning_rate": 0.875, "equal_size": True}
     for key, value in defaults.items():
-        expected = 0.875 if key == "pruning_rate" else value  # None means the default rate
-        assert node[key] == expected, key
+        assert node[key] == host.get(key, value), key
 
 
 def test_allocation_grows_prompts(config):
@@ -111,3 +112,62 @@ def test_multi_output_sessions_rejected():
     _check_single_output_sessions(["u1_0_0", "u1_1_0", "u2_0_0"])
     with pytest.raises(ValueError, match="two outputs of one agent session"):
         _check_single_output_sessions(["u1_0_0", "u1_0_1"])
+
+
+def test_settings_veRL_cannot_honour_are_refused(config):
+    """cppo.dynamic_sampling and cppo.equal_size=false were accepted and ignored; now refused."""
+    with open_dict(config):
+        config.cppo.dynamic_sampling = True
+    with pytest.raises(ValueError, match=r"^cppo.dynamic_sampling=true is not supported under veRL: .* set "
+                                         r"cppo.dynamic_sampling=false"):
+        prepare(config)
+    with open_dict(config):
+        config.cppo.dynamic_sampling = False
+        config.cppo.equal_size = False
+    with pytest.raises(ValueError, match=r"^cppo.equal_size=false cannot be honoured under veRL: .* set "
+                                         r"cppo.equal_size=true$"):
+        prepare(config)
+    assert config.data.train_batch_size == 4  # refused before anything changed
+
+
+def test_refill_rounds_without_dynamic_sampling_warn_and_prepare_marks_the_workers(config):
+    import warnings
+
+    from cppo_megatron.integrations.verl.runconfig import PREPARED_ENV
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prepare(config)
+    assert not [w for w in caught if "cppo." in str(w.message)]  # the packaged defaults warn about nothing
+    assert config.ray_kwargs.ray_init.runtime_env.env_vars[PREPARED_ENV] == "1"
+    with open_dict(config):
+        config.cppo.max_refill_rounds = 5
+        config.data.train_batch_size = 4
+    with pytest.warns(UserWarning) as caught:
+        prepare(config)
+    assert [str(w.message) for w in caught if "cppo." in str(w.message)] == [
+        "cppo.max_refill_rounds=5 has no effect under veRL: refill rounds belong to cppo.dynamic_sampling, which "
+        "veRL runs do not support; remove it"]
+
+
+def test_settings_that_prune_nothing_warn(config):
+    assert apply_allocation(copy_of(config)).warning == ""  # G = 8, P = 0.75: keeps 2 of 8
+    with open_dict(config):
+        config.actor_rollout_ref.rollout.n = 1
+    plan = apply_allocation(copy_of(config))
+    assert plan.keep == 1 and "G=1" in plan.warning and plan.describe().endswith(plan.warning)
+    with open_dict(config):
+        config.actor_rollout_ref.rollout.n = 8
+        config.cppo.pruning_rate = None
+        config.cppo.keep_per_group = 8
+    assert "keeps 8 of G=8" in apply_allocation(copy_of(config)).warning
+    with open_dict(config):
+        config.cppo.pruning_rate = 0.0  # plain GRPO through the same path: nothing to warn about
+        config.cppo.keep_per_group = None
+    assert apply_allocation(copy_of(config)).warning == ""
+
+
+def copy_of(config):
+    import copy
+
+    return copy.deepcopy(config)

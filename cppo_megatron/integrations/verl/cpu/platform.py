@@ -49,14 +49,12 @@ def _device_module() -> types.ModuleType:
     """``torch.cpu`` plus what veRL calls on ``torch.cuda`` (grep of veRL 0.9.1:
     empty_cache, synchronize, streams, RNG state, memory statistics, ipc_collect, ...)."""
     mod = types.ModuleType("cppo_verl_cpu_device")
-    for name in ("Event", "Stream", "StreamContext", "current_stream", "stream", "synchronize", "is_available",
-                 "device_count", "current_device", "set_device"):
+    for name in ("Event", "Stream", "StreamContext", "current_stream", "stream", "synchronize", "is_available"):
         setattr(mod, name, getattr(torch.cpu, name))
     mod.device_count = lambda: 1
     mod.set_device = _noop  # torch.cpu.set_device rejects ints; veRL passes a local rank
     mod.current_device = lambda: torch.device("cpu")
-    for name in ("empty_cache", "ipc_collect", "set_per_process_memory_fraction", "reset_peak_memory_stats",
-                 "manual_seed", "manual_seed_all"):
+    for name in ("empty_cache", "ipc_collect", "set_per_process_memory_fraction", "reset_peak_memory_stats"):
         setattr(mod, name, _noop)
     mod.manual_seed = torch.manual_seed
     mod.manual_seed_all = torch.manual_seed

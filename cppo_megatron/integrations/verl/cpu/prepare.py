@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from ..audit import ENV as AUDIT_ENV
+
 __all__ = ["CPU_ENV", "CpuRun", "build_start_model", "is_cpu_run", "prepare_cpu_run", "write_data"]
 
 RECIPES_DIR = Path(__file__).resolve().parents[4] / "recipes"
@@ -118,6 +120,8 @@ def prepare_cpu_run(config: Any) -> Optional[CpuRun]:
         write_data(group.warmup_recipe, data_dir, group.get("eval_problems"))
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**CPU_ENV, "VERL_FILE_LOGGER_PATH": str(run_dir / "metrics.jsonl")}
+    if os.environ.get(AUDIT_ENV):
+        env[AUDIT_ENV] = str(Path(os.environ[AUDIT_ENV]).resolve())
     os.environ.update(env)
     _export_env(config, env)
     return CpuRun(model_dir, data_dir, run_dir, built, wrote)

@@ -277,6 +277,8 @@ def __getattr__(name: str):
 
 
 def _make_adapter():
+    from .. import audit
+
     BaseRollout = _adapter_base()
 
     class HFServerAdapter(BaseRollout):
@@ -326,6 +328,15 @@ def _make_adapter():
                 if self.is_leader:
                     state[name] = tensor.detach().to("cpu", copy=True)
             if self.is_leader:
-                await self._server_handle().update_weights.remote(state, kwargs.get("global_steps"))
+                server = self._server_handle()
+                await server.update_weights.remote(state, kwargs.get("global_steps"))
+                if audit.enabled():
+                    loaded = await server.state_dict.remote()
+                    missing = sorted(set(state) - set(loaded))
+                    diff = max((float((loaded[k] - v).abs().max()) for k, v in state.items() if k in loaded),
+                               default=float("nan"))
+                    audit.record("sync", role="rollout-adapter", global_steps=kwargs.get("global_steps"),
+                                 max_abs_diff=diff, num_tensors=len(state), missing=missing,
+                                 fingerprint=float(sum(float(v.double().abs().sum()) for v in state.values())))
 
     return HFServerAdapter

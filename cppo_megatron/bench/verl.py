@@ -1,0 +1,165 @@
+"""bench verl: veRL GRPO and veRL + CPPO side by side, from veRL's own step timings.
+
+Each variant is one real ``cppo-megatron verl RECIPE`` run (its own Ray session) from the
+same start model, data and seed, one after the other in this command:
+
+- ``grpo``: P = 0 through the same ``cppo`` estimator and hook (every completion kept; the
+  advantages equal veRL's ``grpo`` estimator's, tests/integrations/verl/test_cpu_e2e.py), so
+  the three runs differ only in P and allocation, and each logs its prompt count;
+- ``cppo P alloc``: the ``cppo`` estimator at P with allocation (prompts per step x 1/(1-P));
+- ``cppo P no-alloc``: the same P with the GRPO prompt count (mini-batches shrink by k/G).
+
+From each run's ``metrics.jsonl`` (veRL's ``timing_s/*``; the first ``--skip`` steps are
+dropped, then medians): seconds per prompt of a whole step and per phase. With the GRPO
+run's phase split, T_gen = ``timing_s/gen`` (rollout; rewards are computed inside veRL's
+agent loop, so they are part of it) and T_rest = old-policy + reference + update
+(``timing_s/old_log_prob``, ``ref``, ``update_actor``), the bound is
+S_max(P) = (T_gen + T_rest) / (T_gen + (1 - P) T_rest) (``bench/bound.py``).
+
+The loop defaults to the legacy ``RayPPOTrainer`` (``trainer.use_v1=false``): V1's
+``timing_s/gen`` carries a ~2 s floor from its replay buffer's poll interval, which on a tiny
+model would be most of the measured generation time.
+
+  cppo-megatron bench verl recipes/verl/tiny_cpu_grpo.yaml --rate 0.875 --steps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .bound import fraction_of_bound, speedup, speedup_bound
+from .report import Report, median
+
+GEN_KEYS = ("timing_s/gen",)
+REST_KEYS = ("timing_s/old_log_prob", "timing_s/ref", "timing_s/update_actor")
+PHASES = ("gen", "old_log_prob", "ref", "adv", "update_actor", "update_weights")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="a veRL CPU recipe (e.g. recipes/verl/tiny_cpu_grpo.yaml)")
+    parser.add_argument("overrides", nargs="*", help="veRL/hydra overrides applied to every run")
+    parser.add_argument("--rate", type=float, default=0.875, help="pruning rate P of the CPPO runs (default 0.875)")
+    parser.add_argument("--allocation", choices=["on", "off", "both"], default="both")
+    parser.add_argument("--steps", type=int, default=6, help="training steps per run (default 6)")
+    parser.add_argument("--skip", type=int, default=1, help="first steps left out of the medians (default 1)")
+    parser.add_argument("--loop", choices=["legacy", "v1"], default="legacy",
+                        help="veRL loop (default legacy: no replay-buffer poll floor in timing_s/gen)")
+
+
+def _variants(rate: float, allocation: str) -> list[tuple[str, list[str]]]:
+    out = [("grpo", ["algorithm.adv_estimator=cppo", "cppo.pruning_rate=0.0"])]
+    for alloc in ([True, False] if allocation == "both" else [allocation == "on"]):
+        out.append((f"cppo P={rate:g} {'alloc' if alloc else 'no-alloc'}",
+                    ["algorithm.adv_estimator=cppo", f"cppo.pruning_rate={rate}", f"cppo.allocation={alloc}"]))
+    return out
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """veRL's file-logger lines -> [{step, **metrics}] in step order."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            rows.append({"step": rec["step"], **rec["data"]})
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def summarize(rows: list[dict], skip: int) -> dict:
+    """Median seconds per prompt (whole step and per phase) over the steps after ``skip``."""
+    steps = [r for r in rows if "timing_s/step" in r][skip:]
+    if not steps:
+        raise ValueError(f"no timed steps left after skipping {skip}: raise --steps")
+    missing = [r["step"] for r in steps if "cppo/num_groups" not in r]
+    if missing:
+        raise ValueError(f"steps {missing} logged no cppo/num_groups: was the run made with adv_estimator=cppo?")
+    prompts = [r["cppo/num_groups"] for r in steps]
+    out = {"steps": len(steps), "prompts_per_step": median(prompts),
+           "trained_per_step": median([r["cppo/num_kept"] for r in steps]),
+           "s_per_prompt": median([r["timing_s/step"] / p for r, p in zip(steps, prompts)])}
+    for phase in PHASES:
+        key = f"timing_s/{phase}"
+        out[f"{phase}_s_per_prompt"] = median([r.get(key, 0.0) / p for r, p in zip(steps, prompts)])
+    return out
+
+
+def _run_one(recipe: str, overrides: list[str], run_dir: Path, steps: int, loop: str, log_path: Path) -> list[dict]:
+    args = [sys.executable, "-m", "cppo_megatron.integrations.verl.main", recipe, *overrides,
+            f"cppo_cpu.run_dir={run_dir}", f"trainer.total_training_steps={steps}",
+            "trainer.val_before_train=false", "trainer.test_freq=-1", f"trainer.use_v1={loop == 'v1'}"]
+    with open(log_path, "w") as log:
+        proc = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench verl: the run {' '.join(overrides)} failed (exit {proc.returncode}); log: {log_path}")
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+def run(args: argparse.Namespace) -> Report:
+    if not 0.0 < args.rate < 1.0:
+        raise ValueError(f"--rate must be in (0, 1), got {args.rate}")
+    if args.steps <= args.skip:
+        raise ValueError(f"--steps ({args.steps}) must exceed --skip ({args.skip})")
+    if not Path(args.recipe).is_file():
+        raise ValueError(f"recipe {args.recipe!r} not found")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    results = {}
+    for name, extra in _variants(args.rate, args.allocation):
+        slug = name.replace(" ", "_").replace("=", "")
+        print(f"bench verl: running {name} ({args.steps} steps, {args.loop} loop)", flush=True)
+        rows = _run_one(args.recipe, [*args.overrides, *extra], (out / "verl_runs" / slug).resolve(),
+                        args.steps, args.loop, out / f"verl_{slug}.log")
+        results[name] = (rows, summarize(rows, args.skip))
+    base = results["grpo"][1]
+    t_gen = sum(base.get(f"{k.split('/')[1]}_s_per_prompt", 0.0) for k in GEN_KEYS)
+    t_rest = sum(base.get(f"{k.split('/')[1]}_s_per_prompt", 0.0) for k in REST_KEYS)
+    table = []
+    for name, (_, s) in results.items():
+        rate = 0.0 if name == "grpo" else args.rate
+        bound = speedup_bound(rate, t_gen, t_rest)
+        sp = speedup(base["s_per_prompt"], s["s_per_prompt"])
+        table.append({"run": name, "prompts/step": s["prompts_per_step"], "trained/step": s["trained_per_step"],
+                      "ms/prompt": 1e3 * s["s_per_prompt"], "speedup": sp, "bound": bound,
+                      "of bound": fraction_of_bound(sp, bound) if rate > 0 else 1.0,
+                      "ms/prompt gen": 1e3 * s["gen_s_per_prompt"],
+                      "ms/prompt update": 1e3 * s["update_actor_s_per_prompt"], **{f"raw_{k}": v for k, v in s.items()}})
+    return Report(
+        name="verl_speedup",
+        title=f"veRL {args.loop} loop: GRPO vs CPPO P={args.rate:g}, {Path(args.recipe).name} "
+              f"({args.steps} steps per run, first {args.skip} skipped)",
+        params={"recipe": args.recipe, "overrides": args.overrides, "rate": args.rate, "allocation": args.allocation,
+                "steps": args.steps, "skip": args.skip, "loop": args.loop},
+        columns=["run", "prompts/step", "trained/step", "ms/prompt", "speedup", "bound", "of bound",
+                 "ms/prompt gen", "ms/prompt update"],
+        rows=table,
+        notes=[
+            f"GRPO phase split per prompt: T_gen (timing_s/gen) {1e3 * t_gen:.2f} ms, "
+            f"T_rest (old_log_prob + ref + update_actor) {1e3 * t_rest:.2f} ms",
+            "bound S_max(P) = (T_gen + T_rest) / (T_gen + (1-P) T_rest); 'of bound' = speedup / S_max",
+            "runs are sequential veRL processes from the same start model and seed (not interleaved)",
+            f"total bench time {time.perf_counter() - t0:.0f} s",
+        ],
+        extras={"phase_split": {"t_gen_per_prompt_s": t_gen, "t_rest_per_prompt_s": t_rest},
+                "runs": {k: v[0] for k, v in results.items()}},
+        plot=lambda fig: _plot(fig, table),
+    )
+
+
+def _plot(fig, table: list[dict]) -> None:
+    ax = fig.add_subplot(1, 1, 1)
+    names = [r["run"] for r in table]
+    gen = [r["ms/prompt gen"] for r in table]
+    rest = [r["ms/prompt"] - r["ms/prompt gen"] for r in table]
+    ax.bar(names, gen, label="generation (timing_s/gen)")
+    ax.bar(names, rest, bottom=gen, label="everything else in the step")
+    for i, r in enumerate(table):
+        ax.text(i, r["ms/prompt"], f"{r['speedup']:.2f}x (bound {r['bound']:.2f}x)", ha="center", va="bottom")
+    ax.set_ylabel("ms per prompt")
+    ax.set_title("veRL step time per prompt")
+    ax.legend()

@@ -1,0 +1,191 @@
+"""Audit mode: record what each veRL pass saw, so a run can be checked against the core.
+
+``CPPO_VERL_AUDIT=DIR`` (exported to every Ray process by ``cppo-megatron verl``) makes the
+plugin append JSON lines to ``DIR/<role>-<pid>.jsonl``:
+
+- ``prune`` (the pruning hook): every row of the step — its id (V1: TransferQueue key;
+  legacy loop: ``cppo_row``, the row's index in the batch that reached the seam), ``uid`` and
+  reward — and which rows the core kept;
+- ``old_log_prob`` (``_compute_old_log_prob``): the row ids and padding flags that entered the
+  old-policy pass;
+- ``update`` (``_update_actor``): the row ids with their uid, reward and advantage (mean over
+  the response tokens; GRPO-type advantages are constant along a response) as the update read
+  them;
+- ``sync`` (the ``hf`` rollout adapter, leader rank): after each weight sync, the largest
+  difference between the server's weights and the actor's tensors it was sent, and a
+  fingerprint (sum of |w|) of those tensors.
+
+Off (the default) it installs nothing. It reads the batch; it never changes what trains.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from .importhook import after_import
+
+__all__ = ["ENV", "enabled", "install", "read", "record"]
+
+ENV = "CPPO_VERL_AUDIT"
+_MARK = "__cppo_audit__"
+V1 = ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer")
+LEGACY = ("verl.trainer.ppo.ray_trainer", "RayPPOTrainer")
+
+
+def enabled() -> bool:
+    return bool(os.environ.get(ENV))
+
+
+def record(kind: str, role: str = "trainer", **fields: Any) -> None:
+    """Append one record to this process's audit file (no-op when audit mode is off)."""
+    root = os.environ.get(ENV)
+    if not root:
+        return
+    Path(root).mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"kind": kind, "time": time.time(), **fields}, default=_jsonable)
+    with open(Path(root) / f"{role}-{os.getpid()}.jsonl", "a") as f:
+        f.write(line + "\n")
+
+
+def read(root: str | Path, kind: Optional[str] = None) -> list[dict]:
+    """All records under ``root`` (every process), in time order; only ``kind`` when given."""
+    out = []
+    for path in sorted(Path(root).glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                if kind is None or rec["kind"] == kind:
+                    out.append(rec)
+    return sorted(out, key=lambda r: r["time"])
+
+
+def _jsonable(x):
+    if isinstance(x, (np.generic,)):
+        return x.item()
+    if isinstance(x, (np.ndarray, torch.Tensor)):
+        return x.tolist()
+    return str(x)
+
+
+def _row_means(values, mask) -> list[float]:
+    """[N] masked means of [N, T] (or jagged) per-token values."""
+    if getattr(values, "is_nested", False):
+        values = values.to_padded_tensor(0.0)
+    if getattr(mask, "is_nested", False):
+        mask = mask.to_padded_tensor(0)
+    v, m = torch.as_tensor(values).float(), torch.as_tensor(mask).float()
+    return ((v * m).sum(-1) / m.sum(-1).clamp(min=1)).tolist()
+
+
+def _row_sums(values) -> list[float]:
+    if getattr(values, "is_nested", False):
+        values = values.to_padded_tensor(0.0)
+    t = torch.as_tensor(values).float()
+    return (t.sum(-1) if t.dim() > 1 else t).tolist()
+
+
+# ------------------------------------------------------------------------------ V1 (TransferQueue)
+def _v1_rows(batch) -> tuple[list[str], list[bool]]:
+    return [str(k) for k in batch.keys], [bool(t.get("is_padding", False)) for t in batch.tags]
+
+
+def _v1_old_log_prob(original):
+    @functools.wraps(original)
+    def _compute_old_log_prob(self, batch, *args, **kwargs):
+        rows, pad = _v1_rows(batch)
+        record("old_log_prob", step=int(self.global_steps), loop="v1", rows=rows, padding=pad)
+        return original(self, batch, *args, **kwargs)
+
+    return _compute_old_log_prob
+
+
+def _v1_update(original):
+    @functools.wraps(original)
+    def _update_actor(self, batch, *args, **kwargs):
+        import transfer_queue as tq
+
+        rows, pad = _v1_rows(batch)
+        real = [k for k, p in zip(batch.keys, pad) if not p]
+        data = tq.kv_batch_get(keys=real, partition_id=batch.partition_id,
+                               select_fields=["uid", "rm_scores", "advantages", "response_mask"])
+        record("update", step=int(self.global_steps), loop="v1", rows=[str(k) for k in real],
+               uids=[str(u) for u in list(data["uid"])], rewards=_row_sums(data["rm_scores"]),
+               advantages=_row_means(data["advantages"], data["response_mask"]), padding_rows=sum(pad))
+        return original(self, batch, *args, **kwargs)
+
+    return _update_actor
+
+
+# ------------------------------------------------------------------------------ legacy (DataProto)
+def _legacy_rows(batch) -> tuple[list[int], list[bool]]:
+    nt = batch.non_tensor_batch
+    n = len(batch)
+    rows = [int(r) for r in nt["cppo_row"]] if "cppo_row" in nt else list(range(n))
+    pad = [bool(p) for p in nt["cppo_is_padding"]] if "cppo_is_padding" in nt else [False] * n
+    return rows, pad
+
+
+def _legacy_old_log_prob(original):
+    @functools.wraps(original)
+    def _compute_old_log_prob(self, batch, *args, **kwargs):
+        rows, pad = _legacy_rows(batch)
+        record("old_log_prob", step=int(self.global_steps), loop="legacy", rows=rows, padding=pad,
+               uids=[str(u) for u in batch.non_tensor_batch["uid"]])
+        return original(self, batch, *args, **kwargs)
+
+    return _compute_old_log_prob
+
+
+def _legacy_update(original):
+    @functools.wraps(original)
+    def _update_actor(self, batch, *args, **kwargs):
+        rows, pad = _legacy_rows(batch)
+        keep = [i for i, p in enumerate(pad) if not p]
+        uids = [str(batch.non_tensor_batch["uid"][i]) for i in keep]
+        scores = batch.batch["token_level_scores"] if "token_level_scores" in batch.batch.keys() else batch.batch["rm_scores"]
+        mask = batch.batch["response_mask"]
+        adv = _row_means(batch.batch["advantages"], mask)
+        rew = _row_sums(scores)
+        record("update", step=int(self.global_steps), loop="legacy", rows=[rows[i] for i in keep], uids=uids,
+               rewards=[rew[i] for i in keep], advantages=[adv[i] for i in keep], padding_rows=len(pad) - len(keep))
+        return original(self, batch, *args, **kwargs)
+
+    return _update_actor
+
+
+_WRAPPERS = {
+    V1: {"_compute_old_log_prob": _v1_old_log_prob, "_update_actor": _v1_update},
+    LEGACY: {"_compute_old_log_prob": _legacy_old_log_prob, "_update_actor": _legacy_update},
+}
+
+
+def _patch(module) -> None:
+    for (mod_name, cls_name), wrappers in _WRAPPERS.items():
+        if module.__name__ != mod_name:
+            continue
+        cls = getattr(module, cls_name)
+        for meth, wrap in wrappers.items():
+            current = cls.__dict__.get(meth)
+            if current is None:
+                raise RuntimeError(f"cppo audit: {cls_name}.{meth} is gone; veRL changed (pinned 0.9.1)")
+            if not hasattr(current, _MARK):
+                wrapped = wrap(current)
+                setattr(wrapped, _MARK, current)
+                setattr(cls, meth, wrapped)
+
+
+def install() -> bool:
+    """Install the trainer-side recorders when ``CPPO_VERL_AUDIT`` is set; returns whether."""
+    if not enabled():
+        return False
+    for mod_name, _ in _WRAPPERS:
+        after_import(mod_name, _patch)
+    return True

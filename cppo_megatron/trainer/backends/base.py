@@ -1,0 +1,104 @@
+"""The policy-backend interface: what the step pipeline asks of a policy.
+
+A backend receives the step's survivors (``Survivors`` over a ``RolloutBatch``) and runs
+the expensive passes on them — it never sees a pruned row:
+
+    place(batch, kept, advantages, weights=, full_denominators=)
+                                    -> TrainRows   this rank's share of the survivors
+    logprobs(rows, reference=...)   -> PassResult  old-policy or reference log-probs
+    update(rows, old, ref, step=)   -> UpdateResult  mu optimizer steps
+    export_weights()                -> full HF state dict (the rollout engine's weights)
+    state_dict() / load_state_dict()   this rank's part of a checkpoint
+
+Implementations: ``HFBackend`` (one process, an HF causal LM) and ``MegatronBackend``
+(megatron-core TP / PP / DP shards; ``place`` redistributes the survivors over DP ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+import torch
+
+__all__ = ["PassResult", "PolicyBackend", "TrainRows", "UpdateResult"]
+
+
+@dataclass(frozen=True)
+class TrainRows:
+    """The survivors this rank trains on (m rows).
+
+    prompts / completions: m token-id lists; advantages: [m] float32 full-group
+    advantages; rows: [m] int64 row of each in the ``RolloutBatch`` (draw order);
+    sampler_logprobs: m tensors [len(completion)] (vLLM) or None; placement: the
+    ``cppo/exchange_*`` metrics of how survivors were spread over DP ranks; owned: rows
+    this rank generated before pruning; payload: the backend's own prepared form;
+    weights: [m] float32 per-row loss weights (1/pi under ``metric=importance``) or None
+    (unweighted); full_denominators: (response tokens, sequences) of the full batch over
+    all ranks that replace the survivors' loss denominators, or None.
+    """
+
+    prompts: list
+    completions: list
+    advantages: torch.Tensor
+    rows: torch.Tensor
+    sampler_logprobs: Optional[list]
+    placement: dict
+    owned: int
+    payload: Any = None
+    weights: Optional[torch.Tensor] = None
+    full_denominators: Optional[tuple] = None
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """Log-probs of a forward-only pass. values: m tensors [len(completion_i)] float32
+    (completion tokens only); raw: the backend's own layout for ``update``; forwarded /
+    padded_tokens: rows and padded tokens that entered the pass on this rank."""
+
+    values: list
+    raw: Any
+    forwarded: int
+    padded_tokens: int
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """mu optimizer steps. iterations: one dict per step with ``loss``, ``pg_loss``, ``kl``,
+    ``clipfrac``, ``ratio_max``, ``grad_norm`` (global over DP ranks); behaviour: m
+    tensors [len(completion_i)] of the first pass's log-probs (the behaviour policy when no
+    old-policy pass ran) or None; lr: of the last step; tokens / sequences: the kept set's
+    response tokens and rows over all ranks; micro_batches: per optimizer step."""
+
+    iterations: list
+    behaviour: Optional[list]
+    lr: float
+    tokens: float
+    sequences: float
+    micro_batches: int
+    forwarded: int
+    padded_tokens: int
+    extra: dict = field(default_factory=dict)
+
+
+class PolicyBackend(Protocol):
+    name: str
+
+    def needs_old_logprobs(self, mu: int) -> bool: ...
+
+    def place(self, batch, kept: torch.Tensor, advantages: torch.Tensor, *, weights: Optional[torch.Tensor] = None,
+              full_denominators: Optional[tuple] = None) -> TrainRows: ...
+
+    def logprobs(self, rows: TrainRows, *, reference: bool = False) -> PassResult: ...
+
+    def update(self, rows: TrainRows, old: Optional[PassResult], ref: Optional[PassResult], *,
+               step: int) -> UpdateResult: ...
+
+    def export_weights(self) -> dict: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...

@@ -1,0 +1,277 @@
+"""The step pipeline both policy backends share, up to the expensive passes.
+
+    collect_groups     draw -> generate -> score -> refill rounds (dynamic sampling); one
+                       ``RolloutBatch`` that every rank sees the same way (rewards of all
+                       rows, in draw order) plus the rows this rank holds
+    select_survivors   full-group advantages -> survivors -> allocation accounting, once
+
+``Trainer._rl_step`` (loop.py) runs these, then hands the survivors to a policy backend
+(backends/) for the log-prob passes, the update and the weight export. Where the rows
+are generated (one process, or the first rank of each model-parallel group) is the
+rollout distribution's business (distribution.py), not this module's.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from ..core import AllocationPlanner, PromptSampler, PruneResult, prune
+from ..tasks import combine_reward
+from .metrics import PHASES
+
+__all__ = ["PhaseTimer", "RolloutBatch", "RoundRows", "Survivors", "collect_groups", "score_completions",
+           "select_survivors"]
+
+
+@dataclass(frozen=True)
+class RoundRows:
+    """One generation round as this rank sees it. Per-row lists cover every row of the
+    round (all ranks, draw order: prompt-major, G completions per prompt); ``prompts`` /
+    ``completions`` / ``logprobs`` are this rank's rows, starting at row ``local_start``."""
+
+    rewards: list
+    correct: list
+    formatted: list
+    prompt_lengths: list
+    completion_lengths: list
+    truncated: list
+    owner: list  # data-parallel rank that holds each row
+    local_start: int
+    prompts: list
+    completions: list
+    logprobs: Optional[list] = None  # [len(completion)] float32 sampler log-probs per local row
+    seconds: float = 0.0  # this rank's generation time
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """Everything a step generated, after its refill rounds.
+
+    Global (identical on every rank; N rows in draw order, group g = rows g*G .. g*G+G-1):
+    ``rewards`` / ``correct`` / ``formatted`` [N] float32, ``prompt_lengths`` /
+    ``completion_lengths`` [N] int64, ``truncated`` [N] bool, ``owner`` [N] int64 (the
+    data-parallel rank holding the row), ``valid_groups`` [V] int64 ascending (groups that
+    go to selection), ``dropped_prompts`` (zero-variance groups dynamic sampling removed).
+    Local: ``local_rows`` [n] int64 ascending global row of each row this rank holds, with
+    its ``prompts`` / ``completions`` token ids and ``sampler_logprobs`` (vLLM only).
+    """
+
+    group_size: int
+    rewards: torch.Tensor
+    correct: torch.Tensor
+    formatted: torch.Tensor
+    prompt_lengths: torch.Tensor
+    completion_lengths: torch.Tensor
+    truncated: torch.Tensor
+    owner: torch.Tensor
+    valid_groups: torch.Tensor
+    dropped_prompts: int
+    local_rows: torch.Tensor
+    prompts: list
+    completions: list
+    sampler_logprobs: Optional[list]
+    rounds: int
+    seconds: float
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.rewards.numel())
+
+    @property
+    def group_ids(self) -> torch.Tensor:
+        """[N] int64 group (prompt) of every row."""
+        return torch.arange(self.num_rows) // self.group_size
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[N] int64 tokens each row costs in the passes (prompt + completion)."""
+        return self.prompt_lengths + self.completion_lengths
+
+    @property
+    def valid_rows(self) -> torch.Tensor:
+        """[R] int64 ascending rows of the groups that go to selection."""
+        G = self.group_size
+        return (self.valid_groups.unsqueeze(1) * G + torch.arange(G)).reshape(-1)
+
+
+def score_completions(task, tok, problems: Sequence, tokens: Sequence[Sequence[int]], group_size: int,
+                      reward_cfg) -> tuple[list, list, list]:
+    """Rewards of ``tokens`` (prompt-major, ``group_size`` per problem): (reward, correct,
+    formatted) lists of floats, one per completion."""
+    if len(tokens) != len(problems) * group_size:
+        raise ValueError(f"{len(tokens)} completions for {len(problems)} prompts x G={group_size}")
+    rewards, correct, formatted = [], [], []
+    for j, toks in enumerate(tokens):
+        s = task.score(tok.decode(toks), problems[j // group_size])
+        rewards.append(combine_reward(s, reward_cfg.correct, reward_cfg.format))
+        correct.append(float(s.correct))
+        formatted.append(float(s.formatted))
+    return rewards, correct, formatted
+
+
+class PhaseTimer:
+    """Seconds per step phase (``PHASES``); ``on_enter(phase)`` runs as each phase starts
+    (the trainer records the current phase for interrupts and failure messages)."""
+
+    def __init__(self, device: torch.device, on_enter: Optional[Callable[[str], None]] = None) -> None:
+        self.seconds = {p: 0.0 for p in PHASES}
+        self.device = device
+        self.on_enter = on_enter
+
+    def add(self, phase: str, seconds: float) -> None:
+        if phase not in self.seconds:
+            raise ValueError(f"unknown phase {phase!r}; phases are {list(PHASES)}")
+        self.seconds[phase] += seconds
+
+    @contextmanager
+    def phase(self, name: str):
+        if name not in self.seconds:
+            raise ValueError(f"unknown phase {name!r}; phases are {list(PHASES)}")
+        if self.on_enter is not None:
+            self.on_enter(name)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.seconds[name] += time.perf_counter() - t0
+
+
+def collect_groups(rollout: Any, planner: AllocationPlanner, sampler: PromptSampler, *, group_size: int,
+                   dynamic_sampling: bool, step: int, timer: PhaseTimer, cppo_cfg: Any = None) -> RolloutBatch:
+    """Draw the step's prompts, generate and score G completions each (``rollout.round``),
+    and with dynamic sampling drop zero-variance groups and draw replacements until the
+    planner is satisfied. Opens the planner's step (``select_survivors`` closes it).
+
+    With ``cppo.keep_mass`` and allocation (``planner.adaptive``) survivors per prompt
+    vary, so fill rounds draw more prompts until a selection over everything drawn so far
+    (by ``cppo_cfg``, the step's ``CPPOConfig``, which the planner then needs) keeps
+    enough completions to fill the update capacity."""
+    if planner.adaptive and cppo_cfg is None:
+        raise ValueError("collect_groups: the planner is adaptive (cppo.keep_mass): pass cppo_cfg, the CPPOConfig "
+                         "whose selection decides the fill rounds")
+    G = group_size
+    parts: list[RoundRows] = []
+    valid: list[int] = []
+    dropped = 0
+    drawn = 0
+    rounds = 0
+    to_draw = planner.begin_step()
+    while to_draw > 0:
+        ids = sampler.draw(to_draw)
+        part = rollout.round(ids, step=step, round_=rounds, timer=timer)
+        if len(part.rewards) != len(ids) * G:
+            raise RuntimeError(f"rollout round {rounds}: {len(part.rewards)} rewards for {len(ids)} prompts x G={G}")
+        planner.record_round(len(ids), len(ids) * G)
+        for g in range(len(ids)):
+            group = part.rewards[g * G : (g + 1) * G]
+            if dynamic_sampling and max(group) == min(group):
+                dropped += 1
+            else:
+                valid.append(drawn + g)
+        parts.append(part)
+        drawn += len(ids)
+        rounds += 1
+        to_draw = planner.next_refill(len(valid))
+        if to_draw == 0 and planner.adaptive and valid:
+            # keep_mass: survivors per prompt vary; draw until they fill the capacity
+            rewards = torch.tensor([x for p in parts for x in p.rewards], dtype=torch.float32)
+            to_draw = planner.next_fill(_num_kept(rewards, valid, G, cppo_cfg, step))
+    return _assemble(parts, G, valid, dropped, rounds)
+
+
+def _num_kept(rewards: torch.Tensor, valid: list[int], G: int, cfg: Any, step: int) -> int:
+    """Survivors of a selection over the valid groups drawn so far (keep_mass fill rounds).
+    rewards: [N] float32 every row drawn this step (draw order); valid: ascending groups."""
+    rows = (torch.tensor(valid, dtype=torch.int64).unsqueeze(1) * G + torch.arange(G)).reshape(-1)
+    return prune(rewards[rows], rows // G, cfg, step=step).selection.num_kept
+
+
+def _assemble(parts: list[RoundRows], G: int, valid: list[int], dropped: int, rounds: int) -> RolloutBatch:
+    def cat(name, dtype):
+        return torch.tensor([x for p in parts for x in getattr(p, name)], dtype=dtype)
+
+    local: list[int] = []
+    prompts: list = []
+    completions: list = []
+    logprobs: Optional[list] = [] if parts and parts[0].logprobs is not None else None
+    offset = 0
+    for p in parts:
+        local.extend(range(offset + p.local_start, offset + p.local_start + len(p.completions)))
+        prompts.extend(p.prompts)
+        completions.extend(p.completions)
+        if logprobs is not None:
+            logprobs.extend(p.logprobs)
+        offset += len(p.rewards)
+    return RolloutBatch(
+        group_size=G,
+        rewards=cat("rewards", torch.float32),
+        correct=cat("correct", torch.float32),
+        formatted=cat("formatted", torch.float32),
+        prompt_lengths=cat("prompt_lengths", torch.int64),
+        completion_lengths=cat("completion_lengths", torch.int64),
+        truncated=cat("truncated", torch.bool),
+        owner=cat("owner", torch.int64),
+        valid_groups=torch.tensor(valid, dtype=torch.int64),
+        dropped_prompts=dropped,
+        local_rows=torch.tensor(local, dtype=torch.int64),
+        prompts=prompts,
+        completions=completions,
+        sampler_logprobs=logprobs,
+        rounds=rounds,
+        seconds=sum(p.seconds for p in parts),
+    )
+
+
+@dataclass(frozen=True)
+class Survivors:
+    """The step's CPPO decision, identical on every rank.
+
+    kept: [K] int64 ascending rows (``RolloutBatch`` order) that go to the passes.
+    advantages: [N] float32 full-group advantage of every row (0 for dropped groups).
+    prune: the ``PruneResult`` over the valid rows. alloc: ``alloc/*`` step metrics.
+    weights: [N] float32 loss weight of every row (1/pi of the kept rows under
+        ``metric=importance``, 1 elsewhere), or None when the selection is unweighted.
+    full_denominators: (response tokens, sequences) of every valid row, kept or pruned
+        (the full batch an importance-weighted loss estimates), or None when unweighted.
+    """
+
+    kept: torch.Tensor
+    advantages: torch.Tensor
+    prune: PruneResult
+    alloc: dict = field(default_factory=dict)
+    weights: Optional[torch.Tensor] = None
+    full_denominators: Optional[tuple] = None
+
+
+def select_survivors(batch: RolloutBatch, cfg: Any, planner: AllocationPlanner, *, step: int) -> Survivors:
+    """Full-group advantages over the valid groups, the survivors by ``cfg`` (a
+    ``CPPOConfig``), then the planner's accounting (closes its step). Under
+    ``metric=importance`` the survivors carry their 1/pi weights and the full batch's
+    denominators, which the backends pass to the loss."""
+    rows = batch.valid_rows
+    if rows.numel() == 0:
+        raise RuntimeError("every group was dropped for zero reward variance; raise cppo.max_refill_rounds or "
+                           "disable cppo.dynamic_sampling")
+    res = prune(batch.rewards[rows], batch.group_ids[rows], cfg, step=step)
+    alloc = planner.end_step(res.selection, dropped_prompts=batch.dropped_prompts,
+                             dropped_completions=batch.dropped_prompts * batch.group_size)
+    kept = rows[res.selection.kept]
+    if kept.numel() == 0:  # keep_mass: every group had equal rewards
+        raise RuntimeError("no completion survived (every group had equal rewards under cppo.keep_mass); enable "
+                           "cppo.allocation so the planner draws more prompts, or cppo.dynamic_sampling")
+    advantages = torch.zeros(batch.num_rows, dtype=torch.float32)
+    advantages[rows] = res.advantages.to(torch.float32)
+    weights = full = None
+    if res.selection.weighted:
+        # importance: 1/pi weights and the full batch's denominators (the unbiased HT loss)
+        weights = torch.ones(batch.num_rows, dtype=torch.float32)
+        weights[kept] = res.selection.weights.to(torch.float32)
+        full = (float(batch.completion_lengths[rows].sum()), float(rows.numel()))
+    return Survivors(kept, advantages, res, alloc, weights, full)
