@@ -97,20 +97,21 @@ class CPPOConfig:
     keep_per_group: int | None = setting(None, """k, an alternative to pruning_rate: keep exactly k completions
         of every group (scope=group) or k * num_groups across the batch (scope=batch). Set either this or
         pruning_rate, not both.""")
-    keep_mass: float | None = setting(None, """f, an adaptive alternative to pruning_rate /
-        keep_per_group (beyond the paper): per group keep the fewest completions whose A^2 reaches f of the
-        group's A^2 total (scope=batch: of the batch's); zero-variance groups keep none. A^2, not |A|: if the
-        completions' score-function gradients are roughly orthogonal and of similar norm, the squared norm of a
-        group's policy gradient is proportional to sum A_i^2, so f is the share of gradient energy kept (relative
-        norm error about sqrt(1 - f)). With allocation the planner draws prompts in rounds until the survivors
-        fill the update capacity. Works with metric smallest (top-k_g by |A|) or importance (a PPS sample of
-        k_g).""", check="(0, 1]")
+    keep_mass: float | None = setting(None, """f in (0, 1], an adaptive alternative to pruning_rate /
+        keep_per_group (beyond the paper): per group keep the fewest completions whose A^2 reaches f of the group's
+        A^2 total (scope=batch: of the batch's); zero-variance groups keep none. A^2, not |A|: if the completions'
+        score-function gradients are roughly orthogonal and of similar norm, the squared norm of a group's policy
+        gradient is proportional to sum A_i^2, so f is the share of gradient energy kept (relative norm error
+        about sqrt(1 - f)); |A| mass would make a 1-of-16 group need 8 completions to reach f = 0.5 although its
+        single correct answer carries 94% of the A^2. With allocation the planner draws prompts in fill rounds
+        until the survivors fill the update capacity. Works with metric smallest (top-k_g by |A|) or importance
+        (a PPS sample of k_g).""")
     metric: str = setting("smallest", """which completions to prune. smallest (CPPO):
         prune the smallest score, keep the completions whose advantage teaches the most. largest: prune the
         largest score (the paper's worst ablation). random: prune uniformly at random (seeded). importance
         (beyond the paper): keep exactly k by randomised systematic sampling with inclusion probabilities pi
-        proportional to |A| (capped at 1) and weight each survivor's loss by 1/pi, an unbiased (Horvitz-Thompson)
-        estimate of the full-group loss (core.sampling).""", choices=METRICS)
+        proportional to |A| (capped at 1) and weight each survivor's loss by 1/pi, an unbiased
+        (Horvitz-Thompson) estimate of the full-group loss (core.sampling).""", choices=METRICS)
     use_abs: bool = setting(True, """score = |A| when true (CPPO). false scores by the signed advantage A, the
         paper's "raw advantage" ablation (keeps the best completions, drops the worst).""")
     scope: str = setting("group", """group keeps k = floor(G (1 - P)) per prompt, as
@@ -235,7 +236,7 @@ class CPPOConfig:
         G = 1: a lone completion's advantage is 0, nothing tells survivors apart. k >= G
         (group scope): every completion is kept. Launchers print it as a warning.
         """
-        if self.is_grpo:
+        if self.is_grpo or self.keep_mass is not None:  # keep_mass: k is decided per group at run time
             return None
         what = f"keep_per_group={self.keep_per_group}" if self.keep_per_group is not None else f"P={self.rate:g}"
         if group_size == 1:

@@ -172,7 +172,7 @@ def measure_batch(trainer, prompts_rep, completions, rewards, sets: list[KeptSet
     full_batch = KeptBatch(prompts_rep, completions)
     n_prompts = rewards.numel() // G
     common = dict(pad_id=trainer.tok.pad_id, device=trainer.device, norm_constant=float(r.rollout.max_new_tokens),
-                  ref_model=getattr(trainer.policy, "ref_model", None))  # HFBackend builds it
+                  ref_model=getattr(trainer.policy, "ref_model", None))
     full_res = prune(rewards, gids, replace(r.cppo, pruning_rate=0.0, keep_per_group=None, keep_mass=None,
                                             metric="smallest"), step=step)
     t0 = time.perf_counter()

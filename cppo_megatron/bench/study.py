@@ -89,13 +89,15 @@ def grid(args) -> list[dict]:
                 for m in ([per_p[0]] if p == 0 else [m for m in metrics if m != "keep_mass"]):
                     if p == 0 and a != allocs[0]:
                         continue
-                    runs.append({"kind": "rl", "P": p, "metric": "grpo" if p == 0 else m, "allocation": a, "seed": seed})
+                    runs.append({"kind": "rl", "P": p, "metric": "grpo" if p == 0 else m, "allocation": a, "seed": seed,
+                                 "keep_mass": None})
         if "keep_mass" in metrics:
             for a in allocs:
                 runs.append({"kind": "rl", "P": None, "metric": "keep_mass", "allocation": a, "seed": seed,
                              "keep_mass": f})
         if not args.no_control:
-            runs.append({"kind": "control", "P": None, "metric": "sft", "allocation": None, "seed": seed})
+            runs.append({"kind": "control", "P": None, "metric": "sft", "allocation": None, "seed": seed,
+                         "keep_mass": None})
     return runs
 
 
@@ -281,15 +283,14 @@ def _findings(table: list[dict]) -> list[str]:
         if cppo and t["metric"] in ("importance", "keep_mass") and t["allocation"]:
             verdict, diff, noise = compare(t, cppo)
             sd = f"combined seed sd {noise:.3f}" if math.isfinite(noise) else "combined seed sd unknown"
-            head = (f"{t['config']} {verdict} CPPO {cppo['config']} at equal time"
-                    if verdict in ("beats", "trails") else f"{t['config']} vs CPPO {cppo['config']} at equal time: "
-                    f"{verdict}")
+            head = (f"{t['config']} {verdict} CPPO {cppo['config']} at equal time" if verdict in ("beats", "trails")
+                    else f"{t['config']} vs CPPO {cppo['config']} at equal time: {verdict}")
             out.append(f"{head}: {t['final acc (mean)']:.3f} vs {cppo['final acc (mean)']:.3f} "
                        f"(difference {diff:+.3f}, {sd})")
     if grpo:
         key = "acc @ GRPO's prompts"
         eq = [f"{t['config']} {t[key]:.3f}" for t in table if t.get(key) is not None and t["metric"] != "sft"]
-        if eq:
+        if len(eq) > 1:  # GRPO and at least one pruned run were read at GRPO's prompts
             out.append("at equal prompts drawn (GRPO's final count, the paper's comparison): " + ", ".join(eq))
     ctrl = next((t for t in table if t["metric"] == "sft"), None)
     if ctrl:

@@ -50,6 +50,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip", type=int, default=1, help="first steps left out of the medians (default 1)")
     parser.add_argument("--loop", choices=["legacy", "v1"], default="legacy",
                         help="veRL loop (default legacy: no replay-buffer poll floor in timing_s/gen)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="reuse a variant whose run in --out already logged --steps steps (rerun only the others)")
 
 
 def _variants(rate: float, allocation: str) -> list[tuple[str, list[str]]]:
@@ -89,6 +91,9 @@ def summarize(rows: list[dict], skip: int) -> dict:
 
 
 def _run_one(recipe: str, overrides: list[str], run_dir: Path, steps: int, loop: str, log_path: Path) -> list[dict]:
+    print(f"bench verl: running {' '.join(overrides)} ({steps} steps, {loop} loop; log {log_path})", flush=True)
+    if (run_dir / "metrics.jsonl").exists():
+        (run_dir / "metrics.jsonl").unlink()  # veRL's file logger appends
     args = [sys.executable, "-m", "cppo_megatron.integrations.verl.main", recipe, *overrides,
             f"cppo_cpu.run_dir={run_dir}", f"trainer.total_training_steps={steps}",
             "trainer.val_before_train=false", "trainer.test_freq=-1", f"trainer.use_v1={loop == 'v1'}"]
@@ -112,9 +117,14 @@ def run(args: argparse.Namespace) -> Report:
     results = {}
     for name, extra in _variants(args.rate, args.allocation):
         slug = name.replace(" ", "_").replace("=", "")
-        print(f"bench verl: running {name} ({args.steps} steps, {args.loop} loop)", flush=True)
-        rows = _run_one(args.recipe, [*args.overrides, *extra], (out / "verl_runs" / slug).resolve(),
-                        args.steps, args.loop, out / f"verl_{slug}.log")
+        run_dir = (out / "verl_runs" / slug).resolve()
+        done = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
+        if args.reuse and sum("timing_s/step" in r for r in done) >= args.steps:
+            print(f"bench verl: reusing {name} from {run_dir}", flush=True)
+            rows = done
+        else:
+            rows = _run_one(args.recipe, [*args.overrides, *extra], run_dir, args.steps, args.loop,
+                            out / f"verl_{slug}.log")
         results[name] = (rows, summarize(rows, args.skip))
     base = results["grpo"][1]
     t_gen = sum(base.get(f"{k.split('/')[1]}_s_per_prompt", 0.0) for k in GEN_KEYS)

@@ -257,7 +257,8 @@ def select_completions(
 
     Returns:
         a ``Selection``: ``kept`` [K] int64 and ``pruned`` [N - K] int64 indices into the
-        N rows, both ascending, together covering range(N) once; per-group counts [M].
+        N rows, both ascending, together covering range(N) once; per-group counts [M];
+        ``weights`` [K] float32 (1/pi for ``importance``, else 1.0).
 
     How many: group scope keeps k_g = floor(G_g (1 - P)) (at least 1) per group; batch
     scope keeps floor(N (1 - P)) (at least 1) across the batch (or k * num_groups with
@@ -269,14 +270,13 @@ def select_completions(
     scores, ``largest`` the highest, ``random`` ignores the score; ``importance`` draws the
     k by randomised systematic sampling with inclusion probabilities pi proportional to |A|
     (capped at 1) within each group (batch scope: across the batch) and sets
-    ``weights = 1 / pi`` (``core.sampling``). Returned ``weights`` [K] float32 align with
-    ``kept`` (all ones for the deterministic metrics).
+    ``weights = 1 / pi`` (``core.sampling``).
     """
     a = as_1d_float("advantages", advantages)
     g = as_group_ids("group_ids", group_ids, a.numel()).cpu()
     metric, use_abs, seed = _ranking_settings(cfg, step)  # validates every field of cfg
     pruning_rate, keep_per_group, scope = cfg.pruning_rate, cfg.keep_per_group, cfg.scope
-    keep_mass = None if cfg.keep_mass is None else float(cfg.keep_mass)
+    keep_mass = cfg.keep_mass
 
     n = a.numel()
     a_cpu = a.detach().to("cpu", torch.float64)

@@ -603,9 +603,9 @@ class ExchangeResult:
         fields: the received rows of every field, in global order.
         global_index: [m] int64 global index of each received row (``meta`` order), ascending.
         advantages: [m] float32 full-group advantages of the received rows.
-        weights: [m] float32 loss weights of the received rows: ``Selection.weights``
-            (1/pi for ``metric=importance``, 1.0 otherwise). They need no transfer: every
-            rank made the same global decision, so each indexes it by ``global_index``.
+        weights: [m] float32 loss weights of the received rows: ``Selection.weights`` (1/pi
+            for ``metric=importance``, 1.0 otherwise). They need no transfer: every rank made
+            the same global decision, so each indexes it by ``global_index``.
         group_ids: [m] int64 and rewards: [m] float64 of the received rows.
         handle: ``return_to_owners`` sends results back.
         prune: the global ``PruneResult`` (same on every rank).

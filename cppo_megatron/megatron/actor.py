@@ -125,11 +125,9 @@ class MegatronActor:
             advantages: [m] float full-group advantages; old_logprobs / ref_logprobs: m
                 tensors [L_i - 1] (ref needed when ``loss.kl_coef > 0``).
             lrs: the learning rate of each of the mu steps (default: unchanged).
-            weights: [m] float32 per-sequence loss weights (``metric=importance``: 1/pi,
-                ``ExchangeResult.weights``); None weighs every survivor 1.
-            full_denominators: (response tokens, sequences) of the FULL generated batch on
-                all DP ranks, replacing the survivors' denominators (the unbiased
-                Horvitz-Thompson loss, ``core.aggregate_loss``); None keeps the survivors'.
+            weights: [m] optional per-sequence loss weights (``ExchangeResult.weights``, 1/pi
+                for ``metric=importance``); full_denominators: (response tokens, sequences)
+                of the full generated batch on all DP ranks, replacing the kept set's.
 
         Returns one metrics dict per optimizer step (``policy_update``'s global metrics).
         """
@@ -209,16 +207,15 @@ class MegatronActor:
         t_old = time.perf_counter()
         ref = self.logprobs(toks, counter, reference=True) if self.ref is not None else None
         t_ref = time.perf_counter()
-        weights, full = None, None
+        weighting = {}
         if res.weighted:
             # importance: 1/pi weights and the full generated batch's denominators (HT loss)
             from ..distributed import global_sum
 
             full_tokens = global_sum(sum(float(torch.as_tensor(m).float().sum()) for m in loss_masks),
                                      group=self.dp_group)
-            weights, full = res.weights, (full_tokens, float(res.num_total))
-        upd = self.update(toks, masks, res.advantages, old, ref, counter=counter, weights=weights,
-                          full_denominators=full)[-1]
+            weighting = dict(weights=res.weights, full_denominators=(full_tokens, float(res.num_total)))
+        upd = self.update(toks, masks, res.advantages, old, ref, counter=counter, **weighting)[-1]
         t2 = time.perf_counter()
         metrics: dict = {f"train/{k}": float(v) for k, v in upd.items()}
         metrics.update(res.metrics)

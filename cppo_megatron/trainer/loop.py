@@ -26,6 +26,7 @@ no checkpoint is written (resume continues from the previous one).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
@@ -95,7 +96,7 @@ class Trainer:
     def __init__(self, recipe: Recipe, *, resume: bool = False, task: Optional[Task] = None) -> None:
         import torch.distributed as dist
 
-        r = self.r = recipe
+        self.r = recipe
         self.out = Path(recipe.out_dir)
         self.distributed = recipe.backend == "megatron"
         if self.distributed and not dist.is_initialized():
@@ -341,8 +342,10 @@ class Trainer:
                                cppo_cfg=r.cppo)
         with timer.phase("cppo"):
             surv = select_survivors(batch, r.cppo, self.planner, step=self.step)
-            rows = self.policy.place(batch, surv.kept, surv.advantages, weights=surv.weights,
-                                     full_denominators=surv.full_denominators)
+            rows = self.policy.place(batch, surv.kept, surv.advantages)
+            if surv.full_denominators is not None:  # importance: the weights travel with the placed rows
+                rows = dataclasses.replace(rows, weights=surv.weights[rows.rows],
+                                           full_denominators=surv.full_denominators)
         old = ref = None
         if self.policy.needs_old_logprobs(r.train.mu):
             with timer.phase("old_logprob"):
@@ -376,9 +379,9 @@ class Trainer:
 
         rec: dict = {f"time/{k}": v for k, v in seconds.items()}
         rec["time/step"] = time.perf_counter() - t_step
-        rec["reward/mean"] = float(batch.rewards.mean())
-        rec["reward/correct_rate"] = float(batch.correct.mean())
-        rec["reward/format_rate"] = float(batch.formatted.mean())
+        rec["reward/mean"] = float(batch.rewards.double().mean())  # float64: a float32 sum drifts at 1e-9
+        rec["reward/correct_rate"] = float(batch.correct.double().mean())
+        rec["reward/format_rate"] = float(batch.formatted.double().mean())
         rec["reward/mean_kept"] = float(batch.rewards[surv.kept].mean())
         rec.update(surv.prune.metrics())
         rec.update(surv.alloc)

@@ -161,10 +161,9 @@ class HFPolicy:
         the micro-batch gradients add up to the gradient of the full-batch loss.
 
         advantages: [N] float; old_logprobs / ref_logprobs: [N, T] (T = longest completion).
-        weights: [N] float32 per-sequence loss weights (``Selection.weights``, 1/pi for
-        ``metric=importance``); None weighs every row 1. num_tokens / num_seqs replace the
-        kept set's denominators (importance passes the full batch's, for the unbiased
-        Horvitz-Thompson loss); the returned ``tokens`` / ``sequences`` are those used.
+        weights: [N] float per-sequence loss weights (``Selection.weights``, 1/pi for
+        ``metric=importance``); num_tokens / num_seqs replace the kept set's denominators
+        (importance passes the full batch's, for the unbiased HT loss).
         """
         cfg = self.cfg
         if cfg.mu > 1 and old_logprobs is None:
@@ -187,6 +186,7 @@ class HFPolicy:
             self.optimizer.zero_grad(set_to_none=True)
             stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipfrac": 0.0, "ratio_max": 0.0}
             for rows in mbs:
+                mb_agg = agg if weights is None else dict(agg, weights=weights[rows].to(self.device))
                 lp = forward_logprobs(self.model, batch, rows, self.pad_id, self.device)
                 if it == 0:
                     first[rows, : lp.shape[1]] = lp.detach().float().cpu()
@@ -196,16 +196,15 @@ class HFPolicy:
                     lp, old, advantages[rows].to(self.device), clip_low=cfg.clip_low, clip_high=cfg.clip_high
                 )
                 per_token = pg
-                agg_mb = agg if weights is None else {**agg, "weights": weights[rows].to(self.device)}
                 if cfg.beta > 0:
                     kl = kl_penalty(lp, ref_logprobs[rows, : lp.shape[1]].to(self.device), cfg.kl_type)
                     per_token = pg + cfg.beta * kl
-                    stats["kl"] += float(aggregate_loss(kl.detach(), m, cfg.loss_agg, **agg_mb))
-                loss = aggregate_loss(per_token, m, cfg.loss_agg, **agg_mb)
+                    stats["kl"] += float(aggregate_loss(kl.detach(), m, cfg.loss_agg, **mb_agg))
+                loss = aggregate_loss(per_token, m, cfg.loss_agg, **mb_agg)
                 loss.backward()
                 self.rows_seen["update"] += len(rows)
                 stats["loss"] += loss.item()
-                stats["pg_loss"] += float(aggregate_loss(pg.detach(), m, cfg.loss_agg, **agg_mb))
+                stats["pg_loss"] += float(aggregate_loss(pg.detach(), m, cfg.loss_agg, **mb_agg))
                 stats["clipfrac"] += float((clipped.float() * m).sum()) / num_tokens
                 ratio = torch.exp(lp.detach() - old) * m
                 stats["ratio_max"] = max(stats["ratio_max"], float(ratio.max()))

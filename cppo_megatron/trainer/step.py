@@ -149,13 +149,9 @@ def collect_groups(rollout: Any, planner: AllocationPlanner, sampler: PromptSamp
     and with dynamic sampling drop zero-variance groups and draw replacements until the
     planner is satisfied. Opens the planner's step (``select_survivors`` closes it).
 
-    With ``cppo.keep_mass`` and allocation (``planner.adaptive``) survivors per prompt
-    vary, so fill rounds draw more prompts until a selection over everything drawn so far
-    (by ``cppo_cfg``, the step's ``CPPOConfig``, which the planner then needs) keeps
-    enough completions to fill the update capacity."""
-    if planner.adaptive and cppo_cfg is None:
-        raise ValueError("collect_groups: the planner is adaptive (cppo.keep_mass): pass cppo_cfg, the CPPOConfig "
-                         "whose selection decides the fill rounds")
+    With ``cppo.keep_mass`` and allocation (``planner.adaptive``; ``cppo_cfg`` given) the
+    survivors per prompt vary: fill rounds draw more prompts until the selection over the
+    valid groups so far fills the planner's capacity."""
     G = group_size
     parts: list[RoundRows] = []
     valid: list[int] = []
@@ -179,18 +175,12 @@ def collect_groups(rollout: Any, planner: AllocationPlanner, sampler: PromptSamp
         drawn += len(ids)
         rounds += 1
         to_draw = planner.next_refill(len(valid))
-        if to_draw == 0 and planner.adaptive and valid:
-            # keep_mass: survivors per prompt vary; draw until they fill the capacity
+        if to_draw == 0 and planner.adaptive and cppo_cfg is not None and valid:
             rewards = torch.tensor([x for p in parts for x in p.rewards], dtype=torch.float32)
-            to_draw = planner.next_fill(_num_kept(rewards, valid, G, cppo_cfg, step))
+            rows = (torch.tensor(valid, dtype=torch.int64)[:, None] * G + torch.arange(G)).reshape(-1)
+            kept = prune(rewards[rows], rows // G, cppo_cfg, step=step).selection.num_kept
+            to_draw = planner.next_fill(kept)
     return _assemble(parts, G, valid, dropped, rounds)
-
-
-def _num_kept(rewards: torch.Tensor, valid: list[int], G: int, cfg: Any, step: int) -> int:
-    """Survivors of a selection over the valid groups drawn so far (keep_mass fill rounds).
-    rewards: [N] float32 every row drawn this step (draw order); valid: ascending groups."""
-    rows = (torch.tensor(valid, dtype=torch.int64).unsqueeze(1) * G + torch.arange(G)).reshape(-1)
-    return prune(rewards[rows], rows // G, cfg, step=step).selection.num_kept
 
 
 def _assemble(parts: list[RoundRows], G: int, valid: list[int], dropped: int, rounds: int) -> RolloutBatch:
@@ -236,10 +226,11 @@ class Survivors:
     kept: [K] int64 ascending rows (``RolloutBatch`` order) that go to the passes.
     advantages: [N] float32 full-group advantage of every row (0 for dropped groups).
     prune: the ``PruneResult`` over the valid rows. alloc: ``alloc/*`` step metrics.
-    weights: [N] float32 loss weight of every row (1/pi of the kept rows under
-        ``metric=importance``, 1 elsewhere), or None when the selection is unweighted.
-    full_denominators: (response tokens, sequences) of every valid row, kept or pruned
-        (the full batch an importance-weighted loss estimates), or None when unweighted.
+    weights: [N] float32 loss weight of every row (``Selection.weights`` on the kept rows:
+        1/pi for ``metric=importance``; 1.0 elsewhere).
+    full_denominators: (response tokens, rows) of every valid row when the weights must
+        reach the loss (importance: the unbiased HT loss divides by the full batch's
+        counts, ``core.aggregate_loss``); None otherwise.
     """
 
     kept: torch.Tensor
@@ -252,9 +243,7 @@ class Survivors:
 
 def select_survivors(batch: RolloutBatch, cfg: Any, planner: AllocationPlanner, *, step: int) -> Survivors:
     """Full-group advantages over the valid groups, the survivors by ``cfg`` (a
-    ``CPPOConfig``), then the planner's accounting (closes its step). Under
-    ``metric=importance`` the survivors carry their 1/pi weights and the full batch's
-    denominators, which the backends pass to the loss."""
+    ``CPPOConfig``), then the planner's accounting (closes its step)."""
     rows = batch.valid_rows
     if rows.numel() == 0:
         raise RuntimeError("every group was dropped for zero reward variance; raise cppo.max_refill_rounds or "
@@ -262,16 +251,15 @@ def select_survivors(batch: RolloutBatch, cfg: Any, planner: AllocationPlanner, 
     res = prune(batch.rewards[rows], batch.group_ids[rows], cfg, step=step)
     alloc = planner.end_step(res.selection, dropped_prompts=batch.dropped_prompts,
                              dropped_completions=batch.dropped_prompts * batch.group_size)
-    kept = rows[res.selection.kept]
-    if kept.numel() == 0:  # keep_mass: every group had equal rewards
-        raise RuntimeError("no completion survived (every group had equal rewards under cppo.keep_mass); enable "
-                           "cppo.allocation so the planner draws more prompts, or cppo.dynamic_sampling")
     advantages = torch.zeros(batch.num_rows, dtype=torch.float32)
     advantages[rows] = res.advantages.to(torch.float32)
-    weights = full = None
+    kept = rows[res.selection.kept]
+    if kept.numel() == 0:  # keep_mass: every valid group had equal rewards
+        raise RuntimeError("no completion survived (every group had equal rewards under cppo.keep_mass); enable "
+                           "cppo.allocation so fill rounds draw more prompts, or cppo.dynamic_sampling")
+    weights = torch.ones(batch.num_rows, dtype=torch.float32)
+    weights[kept] = res.selection.weights
+    full = None
     if res.selection.weighted:
-        # importance: 1/pi weights and the full batch's denominators (the unbiased HT loss)
-        weights = torch.ones(batch.num_rows, dtype=torch.float32)
-        weights[kept] = res.selection.weights.to(torch.float32)
         full = (float(batch.completion_lengths[rows].sum()), float(rows.numel()))
     return Survivors(kept, advantages, res, alloc, weights, full)

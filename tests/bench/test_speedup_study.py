@@ -90,7 +90,8 @@ def test_study_runs_importance_and_keep_mass_and_reads_equal_prompts(tmp_path):
         assert float(r["prompts_drawn"]) >= float(r["prompts_at_grpo_prompts"])
         assert 0.0 <= float(r["accuracy_at_grpo_prompts"]) <= 1.0
     notes = json.loads((out / "study.json").read_text())["notes"]
-    assert any(n.startswith("P=0.5 importance") and "CPPO P=0.5 smallest at equal time" in n for n in notes)
+    # one seed: the verdict against CPPO names no winner and says why
+    assert any(n.startswith("P=0.5 importance vs CPPO P=0.5 smallest at equal time: no winner") for n in notes)
     assert any(n.startswith("keep_mass f=0.8") for n in notes)
     assert any("at equal prompts drawn" in n for n in notes)
 

@@ -245,10 +245,10 @@ def test_config_refuses_bad_combinations():
         CPPOConfig(metric="importance", use_abs=False)
     with pytest.raises(ValueError, match="no fixed k per group"):
         CPPOConfig(keep_mass=0.9).keep_for_group(16)
+    # a config whose fields were reassigned after construction is validated again
+    cfg = CPPOConfig(keep_mass=0.5)
+    cfg.pruning_rate = 0.5
     adv, _ = group_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]))
-
-    cfg = CPPOConfig(pruning_rate=0.5)
-    cfg.keep_mass = 0.5  # reassigned after construction: select_completions validates again
     with pytest.raises(ValueError, match="unset pruning_rate"):
         select_completions(adv, torch.tensor([0, 0]), cfg)
 

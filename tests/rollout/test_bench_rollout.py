@@ -3,9 +3,11 @@ import json
 import pytest
 
 from cppo_megatron.cli import main
+from tests.recipes import REPO
 
 
-def test_hf_rollout_benchmark_reports_real_throughput(tmp_path, capsys):
+def test_hf_rollout_benchmark_reports_real_throughput(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)  # the workload names recipes/tiny_cpu.yaml relative to a checkout
     assert main(["bench", "rollout", "--models", "tiny", "--engines", "hf", "--repeats", "1", "--prompts", "3",
                  "--group", "2", "--new-tokens", "3", "--out", str(tmp_path), "--no-plot"]) == 0
     assert "| tiny |" in capsys.readouterr().out

@@ -72,6 +72,8 @@ class AllocationPlan:
     kept_per_step: int
     allocation: bool
     warning: str = ""  # set when the settings ask for pruning that cannot happen (G = 1, k = G)
+    # allocation=false: micro-batch sizes shrunk so they divide the kept sequences per rank
+    micro_batches: tuple[tuple[str, int, int], ...] = ()
 
     def describe(self) -> str:
         line = (
@@ -80,6 +82,7 @@ class AllocationPlan:
             f"actor.ppo_mini_batch_size {self.actor_mini_batch_before} -> {self.actor_mini_batch}; "
             f"{self.kept_per_step} completions kept per step"
         )
+        line += "".join(f"; {key} {a} -> {b}" for key, a, b in self.micro_batches)
         return f"{line}\n{self.warning}" if self.warning else line
 
 
@@ -230,8 +233,43 @@ def apply_allocation(config: Any) -> AllocationPlan:
                     raise ValueError(f"allocation=false: critic.ppo_mini_batch_size={cm} x {keep} / {group_size}")
                 config.critic.ppo_mini_batch_size = cm * keep // group_size
             kept = b * keep
+            micro = _shrink_micro_batches(config, kept, new_mini * group_size)
     return AllocationPlan(group_size, keep, b, new_b, mini, new_mini, kept, cfg.allocation,
-                          noop_warning(cfg, group_size))
+                          noop_warning(cfg, group_size), tuple(micro) if not cfg.allocation else ())
+
+
+# per-GPU micro-batch sizes (sequences) that must divide the sequences a rank gets per pass
+MICRO_BATCH_KEYS = (
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+)
+
+
+def _shrink_micro_batches(config: Any, kept_rows: int, mini_rows: int) -> list[tuple[str, int, int]]:
+    """allocation=false keeps only ``kept_rows`` sequences per step (``mini_rows`` per
+    mini-batch): a micro-batch size set for the full batch may no longer divide a rank's share
+    (veRL asserts it does). Shrink each fixed size to its gcd with the rank's share; dynamic
+    batch sizes (token budgets) need nothing. Returns (key, before, after) for each change."""
+    import math
+
+    from omegaconf import OmegaConf
+
+    if bool(OmegaConf.select(config, "actor_rollout_ref.actor.use_dynamic_bsz", default=False)):
+        return []
+    world = int(OmegaConf.select(config, "trainer.n_gpus_per_node", default=1) or 1) * int(
+        OmegaConf.select(config, "trainer.nnodes", default=1) or 1)
+    share = math.gcd(kept_rows // max(world, 1), mini_rows // max(world, 1)) or 1
+    changed = []
+    for key in MICRO_BATCH_KEYS:
+        value = OmegaConf.select(config, key, default=None)
+        if value is None or int(value) <= 0:
+            continue
+        new = math.gcd(int(value), share)
+        if new != int(value):
+            OmegaConf.update(config, key, new, merge=False)
+            changed.append((key.split(".", 1)[1], int(value), new))
+    return changed
 
 
 def export_plugin_to_workers(config: Any, extra_env: dict[str, str] | None = None) -> None:

@@ -3,8 +3,7 @@
 A backend receives the step's survivors (``Survivors`` over a ``RolloutBatch``) and runs
 the expensive passes on them — it never sees a pruned row:
 
-    place(batch, kept, advantages, weights=, full_denominators=)
-                                    -> TrainRows   this rank's share of the survivors
+    place(batch, kept, advantages)  -> TrainRows   this rank's share of the survivors
     logprobs(rows, reference=...)   -> PassResult  old-policy or reference log-probs
     update(rows, old, ref, step=)   -> UpdateResult  mu optimizer steps
     export_weights()                -> full HF state dict (the rollout engine's weights)
@@ -32,10 +31,10 @@ class TrainRows:
     advantages; rows: [m] int64 row of each in the ``RolloutBatch`` (draw order);
     sampler_logprobs: m tensors [len(completion)] (vLLM) or None; placement: the
     ``cppo/exchange_*`` metrics of how survivors were spread over DP ranks; owned: rows
-    this rank generated before pruning; payload: the backend's own prepared form;
-    weights: [m] float32 per-row loss weights (1/pi under ``metric=importance``) or None
-    (unweighted); full_denominators: (response tokens, sequences) of the full batch over
-    all ranks that replace the survivors' loss denominators, or None.
+    this rank generated before pruning; payload: the backend's own prepared form.
+    weights: [m] float32 loss weights (1/pi for ``metric=importance``) or None (all 1);
+    full_denominators: (response tokens, rows) of the full generated batch, replacing the
+    kept set's loss denominators (importance), or None.
     """
 
     prompts: list
@@ -89,8 +88,7 @@ class PolicyBackend(Protocol):
 
     def needs_old_logprobs(self, mu: int) -> bool: ...
 
-    def place(self, batch, kept: torch.Tensor, advantages: torch.Tensor, *, weights: Optional[torch.Tensor] = None,
-              full_denominators: Optional[tuple] = None) -> TrainRows: ...
+    def place(self, batch, kept: torch.Tensor, advantages: torch.Tensor) -> TrainRows: ...
 
     def logprobs(self, rows: TrainRows, *, reference: bool = False) -> PassResult: ...
 

@@ -40,10 +40,7 @@ class HFBackend:
     def needs_old_logprobs(self, mu: int) -> bool:
         return mu > 1  # with mu = 1 the first update pass is the behaviour policy
 
-    def place(self, batch, kept: torch.Tensor, advantages: torch.Tensor, *, weights: Optional[torch.Tensor] = None,
-              full_denominators: Optional[tuple] = None) -> TrainRows:
-        """kept: [K] int64 ascending rows; advantages / weights: [N] float32 over every row
-        (weights None: unweighted); full_denominators as ``Survivors.full_denominators``."""
+    def place(self, batch, kept: torch.Tensor, advantages: torch.Tensor) -> TrainRows:
         if not torch.equal(batch.local_rows, torch.arange(batch.num_rows)):
             raise ValueError("HFBackend: this process must hold every row of the step")
         meta = GlobalMetadata([batch.num_rows], batch.rewards.double(), batch.group_ids, batch.lengths)
@@ -54,8 +51,7 @@ class HFBackend:
         kb = KeptBatch(prompts, completions)
         lp = None if batch.sampler_logprobs is None else [batch.sampler_logprobs[i] for i in idx]
         return TrainRows(prompts, completions, advantages[kept], kept.clone(), lp, plan.metrics(),
-                         owned=batch.num_rows, payload=(kb, micro_batches(kb, self.r.train.micro_batch_tokens)),
-                         weights=None if weights is None else weights[kept], full_denominators=full_denominators)
+                         owned=batch.num_rows, payload=(kb, micro_batches(kb, self.r.train.micro_batch_tokens)))
 
     def logprobs(self, rows: TrainRows, *, reference: bool = False) -> PassResult:
         kb, mbs = rows.payload
@@ -70,9 +66,11 @@ class HFBackend:
     def update(self, rows: TrainRows, old: Optional[PassResult], ref: Optional[PassResult], *,
                step: int) -> UpdateResult:
         kb, mbs = rows.payload
+        full = rows.full_denominators
         res = self.hf.update(kb, mbs, rows.advantages, None if old is None else old.raw,
                              None if ref is None else ref.raw, norm_constant=float(self.r.rollout.max_new_tokens),
-                             **_weighting(rows))
+                             weights=rows.weights, num_tokens=None if full is None else full[0],
+                             num_seqs=None if full is None else full[1])
         mu = self.r.train.mu
         return UpdateResult(res.iterations, _per_row(res.first_pass, kb), res.lr, res.tokens, res.sequences,
                             len(mbs), mu * len(kb), mu * _padded(kb, mbs))
@@ -91,16 +89,6 @@ class HFBackend:
             self.ref_model = copy.deepcopy(self.model)
             self.ref_model.load_state_dict(state["ref_model"])
             self.ref_model.eval().requires_grad_(False)
-
-
-def _weighting(rows: TrainRows) -> dict:
-    """HFPolicy.update's importance arguments: 1/pi weights and the full batch's denominators."""
-    if rows.weights is None:
-        return {}
-    out: dict = {"weights": rows.weights}
-    if rows.full_denominators is not None:
-        out["num_tokens"], out["num_seqs"] = rows.full_denominators
-    return out
 
 
 def _per_row(values: torch.Tensor, kb: KeptBatch) -> list:

@@ -52,11 +52,7 @@ class MegatronBackend:
     def needs_old_logprobs(self, mu: int) -> bool:
         return True  # Megatron's update takes the behaviour log-probs as an input
 
-    def place(self, batch, kept: torch.Tensor, advantages: torch.Tensor, *, weights: Optional[torch.Tensor] = None,
-              full_denominators: Optional[tuple] = None) -> TrainRows:
-        """kept: [K] int64 ascending rows (the same on every rank); advantages / weights:
-        [N] float32 over every row (weights None: unweighted; they need no transfer, every
-        rank indexes the same global vector by the rows it received)."""
+    def place(self, batch, kept: torch.Tensor, advantages: torch.Tensor) -> TrainRows:
         # the exchange's global order is rank-major (rank 0's rows, then rank 1's); a rank's
         # rows in ascending draw order are exactly its local rows
         order = torch.sort(batch.owner, stable=True).indices
@@ -85,8 +81,6 @@ class MegatronBackend:
             placement=placement,
             owned=int(batch.local_rows.numel()),
             payload=(toks, [m.cpu() for m in moved["mask"]], plens),
-            weights=None if weights is None else weights[rows],
-            full_denominators=full_denominators,
         )
 
     def logprobs(self, rows: TrainRows, *, reference: bool = False) -> PassResult:

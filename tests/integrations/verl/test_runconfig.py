@@ -44,6 +44,25 @@ def test_no_allocation_shrinks_mini_batches(config):
     assert plan.kept_per_step == 8
 
 
+def test_no_allocation_shrinks_micro_batches_that_no_longer_divide(config):
+    # 4 prompts x G=8 keep 2 -> 8 sequences per step, mini-batch 1 prompt x 8 = 8 sequences (1 GPU):
+    # a micro-batch of 32 (sized for the unpruned 32 rows) would fail veRL's divisibility assert
+    with open_dict(config):
+        config.cppo.allocation = False
+        config.actor_rollout_ref.actor.ppo_mini_batch_size = 4
+        config.trainer.n_gpus_per_node = 1
+        config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 32
+        config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = 4
+        config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu = 12
+    plan = apply_allocation(config)
+    assert config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 8
+    assert config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu == 4  # divides 8: kept
+    assert config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu == 4
+    assert plan.micro_batches == (("actor.ppo_micro_batch_size_per_gpu", 32, 8),
+                                  ("ref.log_prob_micro_batch_size_per_gpu", 12, 4))
+    assert "actor.ppo_micro_batch_size_per_gpu 32 -> 8" in plan.describe()
+
+
 def test_allocation_errors_name_the_value(config):
     with open_dict(config):
         config.cppo.allocation = False
