@@ -229,7 +229,7 @@ class CPPOConfig:
         """The effective pruning rate 1 - k/G for groups of ``group_size`` completions."""
         return 1.0 - self.keep_for_group(group_size) / group_size
 
-    def noop_reason(self, group_size: int) -> Optional[str]:
+    def noop_reason(self, group_size: int) -> str | None:
         """Why this config, which asks for pruning (P > 0 or keep_per_group), cannot prune
         anything useful in groups of ``group_size`` completions; None when it can (or P = 0).
 

@@ -223,6 +223,9 @@ def run(args: argparse.Namespace) -> Report:
     if args.batches < 1 or args.prompts < 1:
         raise ValueError(f"--batches and --prompts must be >= 1, got {args.batches}, {args.prompts}")
     recipe = load_recipe(args.recipe, args.overrides)
+    if recipe.backend != "hf":
+        raise ValueError(f"bench gradient measures gradients of the HF policy in one process; got backend="
+                         f"{recipe.backend}: run it with backend=hf (the kept sets are the same on both backends)")
     out = Path(args.out)
     t_start = time.perf_counter()
     warm = warm_start(recipe, out, args.warmup_checkpoint)

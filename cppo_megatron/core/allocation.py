@@ -88,7 +88,7 @@ class AllocationPlanner:
         allocation: bool = True,
         dynamic_sampling: bool = False,
         max_refill_rounds: int = 3,
-        keep_mass: Optional[float] = None,
+        keep_mass: float | None = None,
     ) -> None:
         self.capacity = check_int("capacity", capacity, minimum=1)
         self.group_size = check_int("group_size", group_size, minimum=1)

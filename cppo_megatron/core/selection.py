@@ -164,6 +164,7 @@ class Selection:
         n = max(self.num_total, 1)
         kpg = self.kept_per_group.to(torch.float64)
         sq_total = float(a.square().sum())
+        assert self.weights is not None  # __post_init__ fills None with ones
         w = self.weights.to(torch.float64)
         out = {
             f"{prefix}num_completions": float(self.num_total),

@@ -687,6 +687,7 @@ def prune_and_exchange(
     metrics = {**result.metrics(), **plan.metrics()}
     sel = result.selection
     weight_full = torch.ones(sel.num_total, dtype=torch.float32)
+    assert sel.weights is not None  # Selection.__post_init__ fills None with ones
     weight_full[sel.kept] = sel.weights
     return ExchangeResult(
         fields=moved,

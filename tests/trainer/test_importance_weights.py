@@ -91,3 +91,64 @@ def test_keep_mass_trains_with_fill_rounds(micro_recipe):
         assert rec["cppo/num_kept"] >= 16 or rec["alloc/fill_rounds"] == t.r.cppo.max_refill_rounds
         assert rec["alloc/prompts_drawn"] * 4 == rec["cppo/num_completions"]
         assert rec["cppo/kept_per_group_max"] <= 4 and rec["cppo/weight_max"] == 1.0
+
+
+def _megatron_importance_worker(rank, world, root):
+    """One importance step on DP 2 (backend=megatron): what the step decided and what
+    reached ``MegatronActor.update`` on this rank."""
+    import cppo_megatron.trainer.loop as loop
+    from cppo_megatron.megatron import MegatronActor
+    from cppo_megatron.trainer.backends.megatron import MegatronBackend
+    from cppo_megatron.trainer.config import load_recipe
+    from tests.recipes import MICRO
+
+    seen: dict = {}
+    real_select, real_update, real_place = loop.select_survivors, MegatronActor.update, MegatronBackend.place
+
+    def select(batch, cfg, planner, *, step):
+        surv = real_select(batch, cfg, planner, step=step)
+        seen["surv"], seen["batch"] = surv, batch
+        return surv
+
+    def update(self, sequences, masks, advantages, *a, **kw):
+        seen["kw"], seen["n"] = kw, len(sequences)
+        return real_update(self, sequences, masks, advantages, *a, **kw)
+
+    def place(self, *a, **kw):
+        seen["rows"] = real_place(self, *a, **kw)
+        return seen["rows"]
+
+    loop.select_survivors = select
+    MegatronActor.update = update
+    MegatronBackend.place = place
+    try:
+        over = [o for o in MICRO if not o.startswith("train.steps")]
+        t = Trainer(load_recipe(None, over + ["backend=megatron", "megatron.tp=1", "megatron.pp=1", "train.steps=1",
+                                              "cppo.metric=importance", f"out_dir={root}"]))
+        t.prepare(initial_eval=False)
+        rec = t.step_once()
+    finally:
+        loop.select_survivors, MegatronActor.update, MegatronBackend.place = real_select, real_update, real_place
+    surv, batch, kw = seen["surv"], seen["batch"], seen["kw"]
+    valid = batch.valid_rows
+    return {"weights": kw["weights"].tolist(), "n": seen["n"], "full": kw["full_denominators"],
+            "row_weights": surv.weights[seen["rows"].rows].tolist(),
+            "expected_full": (float(batch.completion_lengths[valid].sum()), float(valid.numel())),
+            "sel_weights": sorted(surv.prune.selection.weights.tolist()), "num_kept": rec["cppo/num_kept"]}
+
+
+def test_megatron_backend_passes_importance_weights_and_full_denominators(tmp_path):
+    """backend=megatron (DP 2): each rank's update gets the 1/pi weights of exactly the
+    survivors it received and the full generated batch's (tokens, sequences)."""
+    pytest.importorskip("megatron.core")
+    from cppo_megatron.distributed import run_local
+
+    results = run_local(_megatron_importance_worker, 2, tmp_path / "run", timeout=300)
+    received = sorted(w for r in results for w in r["weights"])
+    assert received == pytest.approx(results[0]["sel_weights"])  # every survivor once, with its 1/pi
+    assert sum(r["n"] for r in results) == results[0]["num_kept"]
+    assert max(received) > 1.0  # P = 0.5 of G = 4: some pi < 1
+    for r in results:
+        assert r["weights"] == r["row_weights"]  # aligned with the rows this rank received
+        assert r["full"] == r["expected_full"] == results[0]["expected_full"]
+        assert r["full"][1] == 32.0  # every generated row, kept or pruned: 16 / k=2 prompts x G=4
