@@ -1,7 +1,7 @@
 """Write a small GSM8K-format data set (train.jsonl, test.jsonl) to try bring-your-own data.
 
-  cppo-megatron example-data runs/byod_data
-  cppo-megatron train recipes/byod_gsm8k_cpu.yaml task.path=runs/byod_data/train.jsonl task.test_path=runs/byod_data/test.jsonl
+  cppo-megatron example-data DIR
+  cppo-megatron train recipes/byod_gsm8k_cpu.yaml task.path=DIR/train.jsonl task.test_path=DIR/test.jsonl
 
 Rows are short arithmetic word problems generated offline, with the fields a real GSM8K
 file has: {"question": "Mia has 23 pens. Mia gets 45 more. How many pens now?",

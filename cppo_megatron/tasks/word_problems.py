@@ -83,6 +83,6 @@ def write_gsm8k_example(out_dir: str | Path, *, train_size: int = 4000, test_siz
     train, test = word_problem_rows(train_size=train_size, test_size=test_size, seed=seed)
     out.mkdir(parents=True, exist_ok=True)
     paths = out / "train.jsonl", out / "test.jsonl"
-    for path, rows in zip(paths, (train, test)):
+    for path, rows in zip(paths, (train, test), strict=True):
         path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return paths

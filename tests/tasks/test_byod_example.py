@@ -45,7 +45,7 @@ def test_command_writes_files_the_gsm8k_loader_reads(tmp_path, capsys):
     rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
     problems = load_gsm8k(out / "train.jsonl")
     assert len(problems) == 200 and len(load_gsm8k(out / "test.jsonl")) == 40
-    for row, p in zip(rows, problems):
+    for row, p in zip(rows, problems, strict=True):
         reasoning, final = row["answer"].split("\n#### ")
         assert (p.question, p.answer, p.meta["reasoning"]) == (row["question"], final, reasoning)
 
