@@ -124,9 +124,7 @@ def test_shell_command(snippet, mode, argv, workdir, monkeypatch, capsys):
     if mode == "check" and argv[0] not in ("train", "verl", "openrlhf", "openrlhf-launcher"):
         _, args = cli.parse_command(argv[0], argv[1:])  # argparse exits 2 on a bad option
         if getattr(args, "recipe", None):
-            from cppo_megatron.trainer.config import load_recipe
-
-            load_recipe(args.recipe, args.overrides)
+            load_any_recipe(args)
         return
     if argv[0] == "openrlhf-launcher":
         from cppo_megatron.integrations.openrlhf.train import main as launcher
@@ -211,6 +209,20 @@ def _help_examples() -> list:
     return params
 
 
+def load_any_recipe(args) -> None:
+    """Load a command's recipe with its overrides: an embedded-trainer recipe, or for
+    `bench verl` a veRL recipe composed by hydra (the dry run of `cppo-megatron verl`)."""
+    if getattr(args, "benchmark", None) == "verl":
+        pytest.importorskip("verl")
+        from cppo_megatron import cli
+
+        assert cli.main(["verl", "--cppo-dry-run", args.recipe, *args.overrides]) == 0
+        return
+    from cppo_megatron.trainer.config import load_recipe
+
+    load_recipe(args.recipe, args.overrides)
+
+
 @pytest.mark.parametrize("line", _help_examples())
 def test_help_example_parses(line, workdir, monkeypatch):
     """Every example a --help text shows is accepted by its command's parser, and its recipe
@@ -222,9 +234,7 @@ def test_help_example_parses(line, workdir, monkeypatch):
     _, args = cli.parse_command(argv[0], argv[1:])  # argparse exits 2 on a bad option
     recipe = getattr(args, "recipe", None)
     if recipe and argv[0] in ("train", "study", "bench"):
-        from cppo_megatron.trainer.config import load_recipe
-
-        load_recipe(recipe, args.overrides)
+        load_any_recipe(args)
     elif recipe and argv[0] == "openrlhf":
         from cppo_megatron.integrations.openrlhf.recipe import load_recipe as load_openrlhf_recipe
 
