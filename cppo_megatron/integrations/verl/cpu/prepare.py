@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..audit import ENV as AUDIT_ENV
+from ..runconfig import export_plugin_to_workers
 
 __all__ = ["CPU_ENV", "CpuRun", "build_start_model", "is_cpu_run", "prepare_cpu_run", "write_data"]
 
@@ -123,16 +124,6 @@ def prepare_cpu_run(config: Any) -> Optional[CpuRun]:
     if os.environ.get(AUDIT_ENV):
         env[AUDIT_ENV] = str(Path(os.environ[AUDIT_ENV]).resolve())
     os.environ.update(env)
-    _export_env(config, env)
+    export_plugin_to_workers(config, env)  # the Ray runtime env every Ray process starts with
     return CpuRun(model_dir, data_dir, run_dir, built, wrote)
 
-
-def _export_env(config: Any, env: dict[str, str]) -> None:
-    from omegaconf import open_dict
-
-    with open_dict(config):
-        ray_init = config.ray_kwargs.setdefault("ray_init", {})
-        runtime_env = ray_init.setdefault("runtime_env", {})
-        env_vars = runtime_env.setdefault("env_vars", {})
-        for k, v in env.items():
-            env_vars[k] = v
