@@ -28,10 +28,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..audit import ENV as AUDIT_ENV
+from ..clock import ENV as CLOCK_ENV
 from ..runconfig import export_plugin_to_workers
 from .phases import Phases, choose_threads, machine_load
 
-__all__ = ["CPU_ENV", "CpuRun", "build_start_model", "is_cpu_run", "prepare_cpu_run", "write_data"]
+__all__ = ["CPU_ENV", "CpuRun", "build_start_model", "ensure_inputs", "is_cpu_run", "prepare_cpu_run", "start_model_info",
+           "write_data"]
 
 RECIPES_DIR = Path(__file__).resolve().parents[4] / "recipes"
 # set in the driver and in every Ray process of a CPU run
@@ -140,28 +142,10 @@ def write_data(warmup_recipe: str | Path, data_dir: str | Path, eval_problems: O
                               test_rows=eval_problems)
 
 
-def prepare_cpu_run(config: Any, phases: Optional[Phases] = None) -> Optional[CpuRun]:
-    """Prepare a CPU run in place (see the module docstring); None when ``trainer.device`` is
-    not ``cpu``. Also sets ``CPU_ENV`` in this process and in ``ray_kwargs`` for Ray's.
-    ``phases`` times and prints the parts that do work (a new one when not given)."""
-    from omegaconf import open_dict
-
-    if not is_cpu_run(config):
-        return None
-    group = config.get(GROUP, None)
-    if group is None:
-        raise ValueError(
-            f"trainer.device=cpu needs a {GROUP} group (warmup_recipe, model_dir, data_dir, run_dir): "
-            "start from recipes/verl/tiny_cpu_cppo.yaml"
-        )
-    for key in ("warmup_recipe", "model_dir", "data_dir", "run_dir"):
-        if not group.get(key):
-            raise ValueError(f"{GROUP}.{key} is not set; see recipes/verl/tiny_cpu_cppo.yaml")
-    with open_dict(config):
-        for key in ("model_dir", "data_dir", "run_dir"):
-            group[key] = str(Path(group[key]).expanduser().resolve())
-    model_dir, data_dir, run_dir = (Path(group[k]) for k in ("model_dir", "data_dir", "run_dir"))
-    phases = phases or Phases()
+def ensure_inputs(group: Any, model_dir: Path, data_dir: Path, phases: Phases) -> tuple[bool, bool]:
+    """Build the start model (``group.warmup_recipe`` + ``group.warmup_overrides``) when
+    ``model_dir`` has none and write the parquet data when ``data_dir`` lacks it, each as a
+    timed phase; returns (built the model, wrote the data)."""
     built = not (model_dir / "config.json").is_file()
     if built:
         overrides = [str(o) for o in (group.get("warmup_overrides", None) or [])]
@@ -184,10 +168,36 @@ def prepare_cpu_run(config: Any, phases: Optional[Phases] = None) -> Optional[Cp
         with phases.phase("data", f"writing the data as veRL parquet to {data_dir}", "writing the data") as note:
             d = write_data(group.warmup_recipe, data_dir, group.get("eval_problems"))
             note["result"] = f"{d.train_rows} train, {d.test_rows} test problems"
+    return built, wrote
+
+
+def prepare_cpu_run(config: Any, phases: Optional[Phases] = None) -> Optional[CpuRun]:
+    """Prepare a CPU run in place (see the module docstring); None when ``trainer.device`` is
+    not ``cpu``. Also sets ``CPU_ENV`` in this process and in ``ray_kwargs`` for Ray's.
+    ``phases`` times and prints the parts that do work (a new one when not given)."""
+    from omegaconf import open_dict
+
+    if not is_cpu_run(config):
+        return None
+    group = config.get(GROUP, None)
+    if group is None:
+        raise ValueError(
+            f"trainer.device=cpu needs a {GROUP} group (warmup_recipe, model_dir, data_dir, run_dir): "
+            "start from recipes/verl/tiny_cpu_cppo.yaml"
+        )
+    for key in ("warmup_recipe", "model_dir", "data_dir", "run_dir"):
+        if not group.get(key):
+            raise ValueError(f"{GROUP}.{key} is not set; see recipes/verl/tiny_cpu_cppo.yaml")
+    with open_dict(config):
+        for key in ("model_dir", "data_dir", "run_dir"):
+            group[key] = str(Path(group[key]).expanduser().resolve())
+    model_dir, data_dir, run_dir = (Path(group[k]) for k in ("model_dir", "data_dir", "run_dir"))
+    built, wrote = ensure_inputs(group, model_dir, data_dir, phases or Phases())
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**CPU_ENV, "VERL_FILE_LOGGER_PATH": str(run_dir / "metrics.jsonl")}
-    if os.environ.get(AUDIT_ENV):
-        env[AUDIT_ENV] = str(Path(os.environ[AUDIT_ENV]).resolve())
+    for name in (AUDIT_ENV, CLOCK_ENV):  # audit records, wall-clock mode: every process writes there
+        if os.environ.get(name):
+            env[name] = str(Path(os.environ[name]).resolve())
     os.environ.update(env)
     export_plugin_to_workers(config, env)  # the Ray runtime env every Ray process starts with
     return CpuRun(model_dir, data_dir, run_dir, built, wrote, start_model_info(model_dir))
