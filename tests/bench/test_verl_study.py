@@ -98,9 +98,10 @@ def fake_run(out: Path, spec: dict, syncs: list[tuple[int, float]], budget: floa
         snaps.before_update(lambda: loaded["s"], g)
         loaded["s"] = weights(g)
         snaps.after_update(lambda: loaded["s"], g, {"generate_s": 0.5 * i})
+    step_s = per_step["step"] if isinstance(per_step["step"], list) else [per_step["step"]] * len(syncs)
     with open(run_dir / "metrics.jsonl", "w") as f:
-        for g, _ in syncs[1:]:
-            f.write(json.dumps({"step": g, "data": {"timing_s/step": per_step["step"], "timing_s/gen": per_step["gen"],
+        for i, (g, _) in enumerate(syncs[1:]):
+            f.write(json.dumps({"step": g, "data": {"timing_s/step": step_s[i], "timing_s/gen": per_step["gen"],
                                                     "timing_s/update_actor": per_step["update"],
                                                     "cppo/num_groups": per_step["prompts"],
                                                     "cppo/num_completions": per_step["prompts"] * 16,
@@ -125,7 +126,7 @@ def test_a_run_is_read_at_its_wall_clock_marks(tmp_path):
     spec = {"kind": "rl", "P": 0.875, "metric": "smallest", "allocation": True, "seed": 1, "keep_mass": None}
     # steps end at 7, 15, 22, 31 s (the last one, after the 30 s budget, is not used)
     result = fake_run(tmp_path, spec, [(0, 0.0), (1, 7.0), (2, 15.0), (3, 22.0), (4, 31.0)], 30.0, [10.0, 20.0, 30.0],
-                      {"step": 7.5, "gen": 6.0, "update": 1.0, "prompts": 128.0})
+                      {"step": [30.0, 7.0, 8.0, 9.0], "gen": 6.0, "update": 1.0, "prompts": 128.0})
     ev = StepEvaluator()
     row = verl_study.evaluate_run(result, tmp_path, ev, ev.accuracy(None))
     # in force: step 1 at 10 s, step 2 at 20 s, step 3 at 30 s
@@ -135,7 +136,7 @@ def test_a_run_is_read_at_its_wall_clock_marks(tmp_path):
     assert row["accuracy_final"] == pytest.approx(0.23)
     assert (row["prompts_drawn"], row["completions_generated"], row["completions_trained"]) == (384.0, 6144.0, 768.0)
     assert [f.name for f in ev.files] == ["policy_step00001.pt", "policy_step00002.pt", "policy_step00003.pt"]
-    ph = row["phases"]  # medians over steps 2..3 (step 1 skipped)
+    ph = row["phases"]  # medians over steps 2..3: step 1 (start-up costs) and step 4 (past the budget) left out
     assert ph["step_s"] == 7.5 and ph["gen_s"] == 6.0 and ph["update_actor_s"] == 1.0
     assert ph["other_s"] == pytest.approx(0.5) and ph["hf_generate_s"] == pytest.approx(0.5)
     assert ph["gen_ms_per_prompt"] == pytest.approx(1e3 * 6.0 / 128)
