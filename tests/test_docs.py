@@ -211,8 +211,11 @@ def _help_examples() -> list:
 
 def load_any_recipe(args) -> None:
     """Load a command's recipe with its overrides: an embedded-trainer recipe, or for
-    `bench verl` a veRL recipe composed by hydra (the dry run of `cppo-megatron verl`)."""
-    if getattr(args, "benchmark", None) == "verl":
+    `bench verl` and a study on a veRL recipe a veRL recipe composed by hydra (the dry run of
+    `cppo-megatron verl`)."""
+    from cppo_megatron.bench.verl_study import is_verl_recipe
+
+    if getattr(args, "benchmark", None) == "verl" or is_verl_recipe(args.recipe):  # bench verl, study on veRL
         pytest.importorskip("verl")
         from cppo_megatron import cli
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from cppo_megatron.bench import study, verl_study
+from tests.doc_keys import missing_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 GRPO_RECIPE = str(ROOT / "recipes" / "verl" / "tiny_cpu_grpo.yaml")
@@ -249,6 +250,7 @@ def test_study_command_on_a_verl_recipe_writes_table_figure_and_verdict(tiny_exp
     assert calls == ["p0_grpo_alloc_s0", "p0.875_smallest_alloc_s0", "p0.875_smallest_noalloc_s0",
                      "p0.875_smallest_alloc_s1", "p0.875_smallest_noalloc_s1", "p0_grpo_alloc_s1"]
     data = json.loads((out / "study_verl.json").read_text())
+    assert missing_keys(data, "study_verl.json") == []  # every key docs/benchmarks.md documents
     assert data["params"]["order"] == calls and data["marks"] == [10.0, 20.0]
     assert {r["config"] for r in data["rows"]} == {"P=0 grpo", "P=0.875 smallest", "P=0.875 smallest no-alloc"}
     assert any(n.startswith("CPPO P=0.875 smallest vs GRPO at equal wall time") or "GRPO at equal wall time" in n
