@@ -380,9 +380,10 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
             w.writerow({**r, "curve": json.dumps(r["curve"])})
 
 
-def plot_curves(ax, rows: list[dict], xlabel: str = "RL time (s)") -> None:
+def plot_curves(ax, rows: list[dict], xlabel: str = "RL time (s)", label=None) -> None:
     """Accuracy vs time per configuration (runs named ``CONFIG_sSEED``): the mean over seeds
-    at each evaluation point, with a ± sd band."""
+    at each evaluation point, with a ± sd band. ``label`` maps a configuration name to the
+    legend's text (default: the name)."""
     configs: dict = {}
     for r in rows:
         configs.setdefault(r["run"].rsplit("_s", 1)[0], []).append(r["curve"])
@@ -391,7 +392,7 @@ def plot_curves(ax, rows: list[dict], xlabel: str = "RL time (s)") -> None:
         ts = [statistics.mean(c[i][0] for c in curves) for i in range(n)]
         ms = [statistics.mean(c[i][1] for c in curves) for i in range(n)]
         sd = [statistics.stdev([c[i][1] for c in curves]) if len(curves) > 1 else 0.0 for i in range(n)]
-        line = ax.plot(ts, ms, "o-" if "control" not in name else "s--", ms=3, label=name)[0]
+        line = ax.plot(ts, ms, "o-" if "control" not in name else "s--", ms=3, label=label(name) if label else name)[0]
         ax.fill_between(ts, [m - s for m, s in zip(ms, sd)], [m + s for m, s in zip(ms, sd)], alpha=0.15,
                         color=line.get_color())
     ax.set(xlabel=xlabel, ylabel="held-out accuracy", title="accuracy vs time (mean ± sd over seeds)")

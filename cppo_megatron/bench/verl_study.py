@@ -378,6 +378,16 @@ def verdicts(table: list[dict]) -> list[str]:
                 else f"{what} vs GRPO at equal wall time: {verdict}")
         out.append(f"{head}: {t['final acc (mean)']:.3f} vs {grpo['final acc (mean)']:.3f} "
                    f"(difference {diff:+.3f}, {sd})")
+    for t in table:  # with and without allocation at the same P and metric
+        other = next((o for o in table if o["P"] == t["P"] and o["metric"] == t["metric"] and t["allocation"]
+                      and not o["allocation"]), None) if t["P"] else None
+        if other is not None:
+            verdict, diff, noise = compare(t, other)
+            sd = f"combined seed sd {noise:.3f}" if math.isfinite(noise) else "combined seed sd unknown"
+            head = (f"CPPO {t['config']} (allocation) {verdict} {other['config']}" if verdict in ("beats", "trails")
+                    else f"CPPO {t['config']} (allocation) vs {other['config']}: {verdict}")
+            out.append(f"{head}: {t['final acc (mean)']:.3f} vs {other['final acc (mean)']:.3f} "
+                       f"(difference {diff:+.3f}, {sd})")
     return out
 
 
@@ -430,14 +440,23 @@ def why_notes(table: list[dict]) -> list[str]:
     return notes
 
 
+def _label(r: dict) -> str:
+    """``GRPO``, ``CPPO P=0.875``, ``CPPO P=0.875 no-alloc`` (plus a non-default metric)."""
+    if not r["P"]:
+        return "GRPO"
+    metric = "" if r["metric"] == "smallest" else f" {r['metric']}"
+    return f"CPPO P={r['P']:g}{metric}{'' if r['allocation'] else ' no-alloc'}"
+
+
 def _plot(fig, rows: list[dict], table: list[dict], target: float) -> None:
     ax1 = fig.add_subplot(1, 2, 1)
-    plot_curves(ax1, rows, xlabel="wall time in veRL (s)")
+    names = {r["run"].rsplit("_s", 1)[0]: _label(r) for r in rows}
+    plot_curves(ax1, rows, xlabel="wall time in veRL (s)", label=lambda n: names.get(n, n))
     ax1.axhline(target, color="grey", ls=":", lw=1)
     ax2 = fig.add_subplot(1, 2, 2)
     parts = [("gen_s", "generation"), ("old_log_prob_s", "old log-prob"), ("ref_s", "ref"),
              ("update_actor_s", "update"), ("update_weights_s", "weight sync"), ("other_s", "other")]
-    names = [t["config"] for t in table if t.get("step_s")]
+    names = [_label(t) for t in table if t.get("step_s")]
     bottom = [0.0] * len(names)
     for key, label in parts:
         vals = [t.get(key) or 0.0 for t in table if t.get("step_s")]
@@ -552,7 +571,8 @@ def run(args: argparse.Namespace) -> int:
         f"warm-up {info.get('sft_steps', '?')} SFT steps)",
         f"load average during the runs (includes the run's own processes): mean "
         f"{statistics.mean(r['load_mean'] for r in rows):.1f}, max {max(r['load_max'] for r in rows):.1f}",
-        f"total study time {time.perf_counter() - t0:.0f} s",
+        f"the runs took {sum(r['wall_s'] for r in rows) / 60:.0f} min of wall time in all (each: Ray and worker "
+        f"start-up, the budget, the step in progress at its end); this command {time.perf_counter() - t0:.0f} s",
     ]
     report = Report(
         name="study_verl",

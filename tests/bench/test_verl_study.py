@@ -170,6 +170,9 @@ def test_verdict_names_no_winner_within_the_seed_spread():
     assert notes[0].startswith("CPPO P=0.875 smallest beats GRPO at equal wall time: 0.510 vs 0.420 (difference +0.090")
     assert notes[1].startswith("CPPO P=0.875 smallest no-alloc vs GRPO at equal wall time: no winner: the difference is "
                                "within the combined seed spread")
+    # 0.067 apart, beyond sqrt(0.010^2 + 0.060^2) = 0.061
+    assert notes[2] == ("CPPO P=0.875 smallest (allocation) beats P=0.875 smallest no-alloc: 0.510 vs 0.443 "
+                        "(difference +0.067, combined seed sd 0.061)")
     verl_study.enrich(table, rows, target=0.45)
     by = {t["config"]: t for t in table}
     assert by["P=0.875 smallest"]["reached"] == "3/3" and by["P=0.875 smallest"]["time to target (s)"] == 30.0
