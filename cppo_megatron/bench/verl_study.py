@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .report import Report, median, publish
-from .study import _write_csv, compare, grid, plot_curves, summarize
+from .study import _run_id, _write_csv, compare, grid, plot_curves, summarize
 
 __all__ = ["Evaluator", "arm_overrides", "default_target", "interleave", "is_verl_recipe", "phase_split", "run",
            "run_overrides", "time_to_target", "verdicts"]
@@ -288,7 +288,6 @@ def run_one(recipe: str, user_overrides: list[str], spec: dict, out: Path, model
             budget: float, marks: list[float], timeout_s: float) -> dict:
     """One arm-seed: the veRL run under the clock; returns the raw result (no evaluation)."""
     from ..integrations.verl import clock
-    from .study import _run_id
 
     run_id = _run_id(spec)
     run_dir = (out / "runs" / run_id).resolve()
@@ -323,7 +322,7 @@ def evaluate_run(result: dict, out: Path, evaluator: Evaluator, start: dict) -> 
     run_dir = out / "runs" / result["run"]
     c = clock.read_run(run_dir / "clock")
     metrics = _metrics(run_dir / "metrics.jsonl")
-    budget = c["settings"].budget_s
+    budget = c["settings"].marks[-1]  # the last mark is the budget
 
     def upto(step: int, key: str) -> float:
         return float(sum(metrics.get(s, {}).get(key, 0.0) for s in range(1, step + 1)))
@@ -539,8 +538,6 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     t0 = time.perf_counter()
     for i, spec in enumerate(runs):
-        from .study import _run_id
-
         done = out / "runs" / _run_id(spec) / "result.json"
         if a.reuse and done.is_file():
             result = json.loads(done.read_text())
