@@ -1,0 +1,147 @@
+"""One rank of veRL 0.9.1's own ``MegatronEngineWithLMHead`` on CPU (gloo), for
+test_cpu_megatron_engine.py: run as ``python -m`` in fresh processes, ``WORLD_SIZE`` ranks.
+
+    python megatron_engine_worker.py MODEL_DIR OUT_JSON TP PACKED THREAD
+
+Builds the engine as veRL's worker does (``EngineRegistry`` for device cpu, mbridge with
+``vanilla_mbridge``), then on the ranks that hold outputs writes: the engine's log-probs of a
+fixed batch (variable lengths) next to HF's (bf16, the same weights), ``get_per_tensor_param``'s
+tensors, one ``train_batch`` step's grad norm and the log-probs after it. With THREAD=1 the
+export and the step run on a second thread, as Ray runs a worker's async methods.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+
+def batch(tokenizer_vocab: int, lengths: list[int], seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, tokenizer_vocab, (n,), generator=g) for n in lengths]
+
+
+def engine_inputs(seqs, *, packed: bool):
+    import torch
+    from verl.utils import tensordict_utils as tu
+
+    nested = torch.nested.as_nested_tensor(seqs, layout=torch.jagged)
+    loss = torch.nested.as_nested_tensor([torch.ones_like(s) for s in seqs], layout=torch.jagged)
+    pos = torch.nested.as_nested_tensor([torch.arange(len(s)) for s in seqs], layout=torch.jagged)
+    return tu.get_tensordict(
+        {"input_ids": nested, "loss_mask": loss, "position_ids": pos,
+         "temperature": torch.ones(len(seqs), dtype=torch.float32)},
+        non_tensor_dict={"use_dynamic_bsz": False, "micro_batch_size_per_gpu": len(seqs),
+                         "use_remove_padding": packed, "use_fused_kernels": False},
+    )
+
+
+def hf_log_probs(model_dir: str, seqs) -> list[list[float]]:
+    """HF's log p(token_t | tokens_<t) for t >= 1, in bf16 (the engine's dtype)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            logits = model(s[None]).logits[0].float()
+            lp = torch.log_softmax(logits[:-1], -1).gather(-1, s[1:, None])[:, 0]
+            out.append(lp.tolist())
+    return out
+
+
+def engine_log_probs(engine, seqs, packed: bool) -> list[list[float]]:
+    out = engine.infer_batch(engine_inputs(seqs, packed=packed), loss_function=None)
+    lp = out["model_output"]["log_probs"]
+    # the engine's log_probs[t] is log p(token_{t+1} | tokens_<=t) (rolled labels): drop the last
+    return [row[:-1].float().tolist() for row in lp.unbind()]
+
+
+def _catch(fn, errors: list) -> None:
+    try:
+        fn()
+    except BaseException as exc:  # re-raised on the main thread
+        errors.append(exc)
+
+
+def main() -> None:
+    model_dir, out_path, tp, packed, thread = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", \
+        sys.argv[5] == "1"
+    os.environ["VERL_PLATFORM"] = "cpu"
+    import torch
+    import torch.distributed as dist
+
+    import verl  # noqa: F401 - loads the plugin and the CPU mode
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
+    from verl.workers.engine.base import EngineRegistry
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    cls = EngineRegistry.get_engine_cls("language_model", "megatron")
+    engine = cls(
+        model_config=HFModelConfig(path=model_dir),
+        engine_config=McoreEngineConfig(tensor_model_parallel_size=tp, vanilla_mbridge=True, use_mbridge=True,
+                                        use_remove_padding=packed, use_distributed_optimizer=True, seed=1,
+                                        override_transformer_config={"attention_backend": "local"}),
+        optimizer_config=McoreOptimizerConfig(lr=1e-2, clip_grad=1.0, lr_warmup_steps=0, total_training_steps=10),
+        checkpoint_config=CheckpointConfig(),
+    )
+    engine.initialize()
+    seqs = batch(19, [5, 9, 12, 7])
+    result: dict = {"rank": rank, "engine": type(engine).__name__, "dp": engine.get_data_parallel_size()}
+    with engine.eval_mode():
+        before = engine_log_probs(engine, seqs, packed)
+    sent: dict = {}
+    tstep: dict = {}
+
+    def loss_fn(model_output, data, dp_group=None):
+        lp = model_output["log_probs"]
+        values = lp.values() if lp.is_nested else lp
+        loss = -values.float().mean()
+        return loss, {"loss": float(loss.detach())}
+
+    def sync_then_step():
+        # weights as veRL's sync sends them (every rank drains: the export gathers over TP), then
+        # one update (megatron-core's optimizer: device='cuda' literals, 'torch.cuda.*Tensor' checks)
+        gen, _ = engine.get_per_tensor_param()
+        for name, t in gen:
+            sent[name] = t.detach().float().clone()
+        with engine.train_mode():
+            tstep.update(engine.train_batch(engine_inputs(seqs, packed=packed), loss_function=loss_fn))
+
+    if thread:  # as Ray runs a worker's async methods: on a thread other than the main one
+        errors: list = []
+        th = threading.Thread(target=lambda: _catch(sync_then_step, errors))
+        th.start()
+        th.join()
+        if errors:
+            raise errors[0]
+    else:
+        sync_then_step()
+    with engine.eval_mode():
+        after = engine_log_probs(engine, seqs, packed)
+    if engine.is_mp_src_rank_with_outputs():
+        from safetensors.torch import load_file
+
+        safe = {k: v.to(torch.bfloat16).float() for k, v in load_file(os.path.join(model_dir, "model.safetensors")).items()}
+        result.update(
+            log_probs=before, hf=hf_log_probs(model_dir, seqs), after=after,
+            grad_norm=float(tstep["metrics"]["grad_norm"]) if "metrics" in tstep else None,
+            sent={k: [list(v.shape), float(v.double().abs().sum())] for k, v in sent.items()},
+            sent_equal={k: bool(torch.equal(v, safe[k])) for k, v in sent.items() if k in safe},
+            safetensors=sorted(safe),
+        )
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
