@@ -13,7 +13,7 @@ plugin append JSON lines to ``DIR/<role>-<pid>.jsonl``:
   them;
 - ``sync`` (the ``hf`` rollout adapter, leader rank): after each weight sync, the largest
   difference between the server's weights and the actor's tensors it was sent, and a
-  fingerprint (sum of |w|) of those tensors.
+  fingerprint (sum of |w|) of those tensors, in all and per tensor name.
 
 Off (the default) it installs nothing. It reads the batch; it never changes what trains.
 """
