@@ -55,6 +55,20 @@ def hf_log_probs(model_dir: str, seqs) -> list[list[float]]:
     return out
 
 
+def hf_grad_norm(model_dir: str, seqs) -> float:
+    """Total gradient norm of the same loss in HF (fp32 compute on the bf16-rounded weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).float()
+    lps = []
+    for s in seqs:
+        logits = model(s[None]).logits[0]
+        lps.append(torch.log_softmax(logits[:-1], -1).gather(-1, s[1:, None])[:, 0])
+    (-torch.cat(lps).mean()).backward()
+    return float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters() if p.grad is not None)))
+
+
 def engine_log_probs(engine, seqs, packed: bool) -> list[list[float]]:
     out = engine.infer_batch(engine_inputs(seqs, packed=packed), loss_function=None)
     lp = out["model_output"]["log_probs"]
@@ -101,9 +115,9 @@ def main() -> None:
     tstep: dict = {}
 
     def loss_fn(model_output, data, dp_group=None):
-        lp = model_output["log_probs"]
-        values = lp.values() if lp.is_nested else lp
-        loss = -values.float().mean()
+        # -mean next-token log-prob (the last position's label is the rolled-in first token: out)
+        rows = model_output["log_probs"].unbind()
+        loss = -torch.cat([r[:-1] for r in rows]).float().mean()
         return loss, {"loss": float(loss.detach())}
 
     def sync_then_step():
@@ -133,6 +147,7 @@ def main() -> None:
         result.update(
             log_probs=before, hf=hf_log_probs(model_dir, seqs), after=after,
             grad_norm=float(tstep["metrics"]["grad_norm"]) if "metrics" in tstep else None,
+            hf_grad_norm=hf_grad_norm(model_dir, seqs),
             sent={k: [list(v.shape), float(v.double().abs().sum())] for k, v in sent.items()},
             sent_equal={k: bool(torch.equal(v, safe[k])) for k, v in sent.items() if k in safe},
             safetensors=sorted(safe),

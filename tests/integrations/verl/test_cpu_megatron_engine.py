@@ -4,8 +4,9 @@
 - veRL's own ``MegatronEngineWithLMHead`` at TP 2 (sequence parallel on, 2 gloo ranks) on a
   model with sharp outputs and non-trivial norm weights: log-probs equal HF's within bf16
   tolerance on packed (thd) and padded (bshd) inputs, ``get_per_tensor_param`` returns exactly
-  the HF safetensors (bf16), one ``train_batch`` moves the log-probs; the packed run drains the
-  export and trains on a second thread (Ray runs async worker methods off the main thread);
+  the HF safetensors (bf16), one ``train_batch``'s grad norm equals HF's for the same loss and
+  moves the log-probs; the packed run drains the export and trains on a second thread (Ray
+  runs async worker methods off the main thread);
 - the pieces: the per-thread mode, the masks, the norm, the RNG tracker, vocabulary padding.
 """
 
@@ -86,7 +87,9 @@ def check_engine(r, *, tp: int = 2):
     # what veRL's weight sync sends: every HF tensor, bit-identical to the safetensors in bf16
     assert sorted(r["sent"]) == r["safetensors"], (sorted(r["sent"]), r["safetensors"])
     assert all(r["sent_equal"].values()), [k for k, v in r["sent_equal"].items() if not v]
-    assert r["grad_norm"] is not None and 0 < r["grad_norm"] < 1e4
+    # TP 2 with sequence parallel: the norms' partial weight grads are summed over TP, so the
+    # total grad norm is HF's for the same loss (bf16 engine vs fp32 HF: measured 8.488 vs 8.471)
+    assert r["grad_norm"] == pytest.approx(r["hf_grad_norm"], rel=0.01)
     moved = max(abs(a - b) for x, y in zip(r["log_probs"], r["after"]) for a, b in zip(x, y))
     assert moved > 0.05  # one update with lr 1e-2 raised the batch's log-likelihood
 
