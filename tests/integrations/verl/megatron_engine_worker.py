@@ -69,6 +69,24 @@ def hf_grad_norm(model_dir: str, seqs) -> float:
     return float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters() if p.grad is not None)))
 
 
+def tp_replica_max_diff(engine, tp: int) -> float:
+    """Largest difference between TP ranks' copies of the replicated (not TP-split) parameters
+    after the step: 0 when every partial gradient (sequence-parallel norms) was summed over TP."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    diff = 0.0
+    for chunk in engine.module:
+        for _, p in chunk.named_parameters():
+            if getattr(p, "tensor_model_parallel", False):
+                continue
+            copies = [torch.empty_like(p.data) for _ in range(tp)]
+            dist.all_gather(copies, p.data.contiguous(), group=mpu.get_tensor_model_parallel_group())
+            diff = max(diff, max(float((c.float() - copies[0].float()).abs().max()) for c in copies))
+    return diff
+
+
 def engine_log_probs(engine, seqs, packed: bool) -> list[list[float]]:
     out = engine.infer_batch(engine_inputs(seqs, packed=packed), loss_function=None)
     lp = out["model_output"]["log_probs"]
@@ -140,6 +158,7 @@ def main() -> None:
         sync_then_step()
     with engine.eval_mode():
         after = engine_log_probs(engine, seqs, packed)
+    result["tp_replica_max_diff"] = tp_replica_max_diff(engine, tp)
     if engine.is_mp_src_rank_with_outputs():
         from safetensors.torch import load_file
 

@@ -90,6 +90,8 @@ def check_engine(r, *, tp: int = 2):
     # TP 2 with sequence parallel: the norms' partial weight grads are summed over TP, so the
     # total grad norm is HF's for the same loss (bf16 engine vs fp32 HF: measured 8.488 vs 8.471)
     assert r["grad_norm"] == pytest.approx(r["hf_grad_norm"], rel=0.01)
+    # ... and the TP ranks' copies of the replicated weights (norms, biases) stay identical
+    assert r["tp_replica_max_diff"] == 0.0
     moved = max(abs(a - b) for x, y in zip(r["log_probs"], r["after"]) for a, b in zip(x, y))
     assert moved > 0.05  # one update with lr 1e-2 raised the batch's log-likelihood
 
