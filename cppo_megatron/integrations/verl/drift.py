@@ -16,7 +16,9 @@ import importlib
 import inspect
 import textwrap
 
-__all__ = ["MEGATRON_PINNED", "MEGATRON_VERSIONS", "PINNED", "changed", "megatron_installed", "source_hash"]
+__all__ = [
+    "MEGATRON_PINNED", "MEGATRON_VERSIONS", "PINNED", "changed", "megatron_installed", "source_hash",
+]
 
 # "module:qualname" -> sha256[:16] of the dedented source, veRL 0.9.1
 PINNED = {

@@ -107,7 +107,6 @@ def main() -> None:
     os.environ["VERL_PLATFORM"] = "cpu"
     import torch
     import torch.distributed as dist
-
     import verl  # noqa: F401 - loads the plugin and the CPU mode
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
@@ -162,7 +161,8 @@ def main() -> None:
     if engine.is_mp_src_rank_with_outputs():
         from safetensors.torch import load_file
 
-        safe = {k: v.to(torch.bfloat16).float() for k, v in load_file(os.path.join(model_dir, "model.safetensors")).items()}
+        weights = load_file(os.path.join(model_dir, "model.safetensors"))
+        safe = {k: v.to(torch.bfloat16).float() for k, v in weights.items()}
         result.update(
             log_probs=before, hf=hf_log_probs(model_dir, seqs), after=after,
             grad_norm=float(tstep["metrics"]["grad_norm"]) if "metrics" in tstep else None,

@@ -18,7 +18,7 @@ import math
 import pytest
 
 from .conftest import ROOT
-from .test_cpu_e2e import G, PROMPTS, STEPS, by_step, core_survivors, full_group_advantages, run_verl
+from .test_cpu_e2e import PROMPTS, STEPS, G, by_step, core_survivors, full_group_advantages, run_verl
 
 pytestmark = pytest.mark.verl
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (extra: megatron)")
@@ -119,7 +119,8 @@ def check_syncs(run, model_dir):
     assert [s["global_steps"] for s in syncs] == list(range(STEPS + 1)), syncs
     for s in syncs:
         assert s["missing"] == [] and s["max_abs_diff"] == 0.0, s
-    safe = {k: float(v.to(torch.bfloat16).double().abs().sum()) for k, v in load_file(model_dir / "model.safetensors").items()}
+    weights = load_file(model_dir / "model.safetensors")
+    safe = {k: float(v.to(torch.bfloat16).double().abs().sum()) for k, v in weights.items()}
     first = syncs[0]["sums"]
     assert set(safe) <= set(first) and set(first) - set(safe) <= {"lm_head.weight"}, (sorted(first), sorted(safe))
     assert {k: first[k] for k in safe} == safe

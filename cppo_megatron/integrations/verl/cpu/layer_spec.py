@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-__all__ = ["NormedColumnParallelLinear", "SequenceParallelRMSNorm", "rms_norm", "te_free_block_spec"]
+# NormedColumnParallelLinear too (built lazily by __getattr__: it subclasses megatron-core's linear)
+__all__ = ["SequenceParallelRMSNorm", "rms_norm", "te_free_block_spec"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -56,7 +57,8 @@ class SequenceParallelRMSNorm(torch.nn.Module):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **kwargs: Any) -> None:
         super().__init__()
         if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
-            raise ValueError(f"cppo cpu mode: normalization={config.normalization!r}; the TE-free spec has RMSNorm only")
+            raise ValueError(f"cppo cpu mode: normalization={config.normalization!r}; the TE-free spec has RMSNorm "
+                             "only")
         self.eps = float(eps)
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         self.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
@@ -76,7 +78,8 @@ class _NormedMixin:
 
     def _init_norm(self, input_size: int, config) -> None:
         if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
-            raise ValueError(f"cppo cpu mode: normalization={config.normalization!r}; the TE-free spec has RMSNorm only")
+            raise ValueError(f"cppo cpu mode: normalization={config.normalization!r}; the TE-free spec has RMSNorm "
+                             "only")
         device = self.weight.device if getattr(self, "weight", None) is not None else None
         self.norm_eps = float(config.layernorm_epsilon)
         self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, dtype=config.params_dtype, device=device))
@@ -131,7 +134,7 @@ def _te_named_layer(layer_spec, normed_linear, norm):
     return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, sharded_state_dict_keys_map={}))
 
 
-def te_free_block_spec(config, vp_stage: Optional[int] = None):
+def te_free_block_spec(config, vp_stage: int | None = None):
     """The decoder block spec mbridge would build with Transformer Engine, built without it.
 
     Args:

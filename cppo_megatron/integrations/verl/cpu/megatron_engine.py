@@ -30,7 +30,7 @@ platform is ``cpu`` and CUDA is absent — on a GPU nothing changes.
    so the mode is entered on the thread where each call runs, never once at start-up.
 6. ``cpu_attention_masks``: megatron-core's non-TE ``DotProductAttention.forward``
    (``megatron/core/transformer/dot_product_attention.py:153``) refuses packed sequences and
-   cannot take veRL's 2-D ``[b, s]`` padding mask (``verl/models/mcore/model_forward.py:453``;
+   cannot take veRL's 2-D ``[b, s]`` padding mask (``verl/models/mcore/model_forward.py:455``;
    ``megatron/core/transformer/utils.py:50`` fills by a broadcastable mask). On CPU the wrapper
    builds the full mask — causal | key padding for ``[b, s]`` masks, block-diagonal causal from
    ``cu_seqlens`` for packed (``thd``) inputs — and uses megatron-core's torch softmax (its fused
@@ -44,7 +44,8 @@ import functools
 import inspect
 import random
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -155,7 +156,8 @@ def seed_cpu_rng_tracker(seed: int) -> CPURNGStatesTracker:
     tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, int(seed))
     tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, offset + mpu.get_tensor_model_parallel_rank())
     tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME,
-                int(seed) + 1024 + 100 * mpu.get_expert_model_parallel_rank() + mpu.get_expert_tensor_parallel_rank())
+                int(seed) + 1024 + 100 * mpu.get_expert_model_parallel_rank()
+                + mpu.get_expert_tensor_parallel_rank())
     mrandom._CUDA_RNG_STATE_TRACKER = tracker
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     return tracker
@@ -195,8 +197,9 @@ def _te_free_layer_spec(original):
 def _patch_llm_bridge(module) -> None:
     cls = getattr(module, "LLMBridge", None)
     current = getattr(cls, "_get_transformer_layer_spec", None) if cls is not None else None
-    if current is None:
-        raise RuntimeError("cppo cpu mode: mbridge LLMBridge._get_transformer_layer_spec is gone (pinned mbridge 0.15.1)")
+    if cls is None or current is None:
+        raise RuntimeError("cppo cpu mode: mbridge LLMBridge._get_transformer_layer_spec is gone "
+                           "(pinned mbridge 0.15.1)")
     if not hasattr(current, _MARK):
         cls._get_transformer_layer_spec = _te_free_layer_spec(current)
 
@@ -217,7 +220,7 @@ def install_cuda_device_calls() -> bool:
         return False
     if not hasattr(torch.cuda.current_device, _MARK):
         setattr(_cpu_current_device, _MARK, torch.cuda.current_device)
-        torch.cuda.current_device = _cpu_current_device
+        torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
     if not hasattr(torch.cuda.synchronize, _MARK):
         setattr(_noop, _MARK, torch.cuda.synchronize)
         torch.cuda.synchronize = _noop
@@ -389,7 +392,7 @@ def _cpu_attention(original):
 def _patch_attention(module) -> None:
     cls = getattr(module, "DotProductAttention", None)
     current = cls.__dict__.get("forward") if cls is not None else None
-    if current is None:
+    if cls is None or current is None:
         raise RuntimeError("cppo cpu mode: megatron-core DotProductAttention.forward is gone (pinned 0.16.1)")
     if not hasattr(current, _MARK):
         cls.forward = _cpu_attention(current)

@@ -29,7 +29,8 @@ def pad_vocab(model_dir: str | Path, multiple: int) -> int:
         raise ValueError(f"pad_vocab: multiple={multiple!r}; need an int >= 1 (e.g. the TP size, or 8)")
     model_dir = Path(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    rows = model.get_input_embeddings().weight.shape[0]
+    emb: torch.Tensor = model.get_input_embeddings().weight
+    rows = int(emb.shape[0])
     target = -(-rows // int(multiple)) * int(multiple)
     if target == rows:
         return rows
@@ -37,12 +38,14 @@ def pad_vocab(model_dir: str | Path, multiple: int) -> int:
     if pad_id is None:
         raise ValueError(f"pad_vocab: {model_dir}/config.json has no pad_token_id to copy the new rows from")
     head = model.get_output_embeddings()
-    tied = head is not None and head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    tied = head is not None and head.weight.data_ptr() == emb.data_ptr()
     model.resize_token_embeddings(target, mean_resizing=False)
     with torch.no_grad():
-        model.get_input_embeddings().weight[rows:] = model.get_input_embeddings().weight[pad_id]
+        new_emb: torch.Tensor = model.get_input_embeddings().weight
+        new_emb[rows:] = new_emb[pad_id]
         if head is not None and not tied:
-            model.get_output_embeddings().weight[rows:] = model.get_output_embeddings().weight[pad_id]
+            new_head: torch.Tensor = model.get_output_embeddings().weight
+            new_head[rows:] = new_head[pad_id]
     model.config.vocab_size = target
     model.save_pretrained(model_dir, safe_serialization=True)
     note = model_dir / "cppo_export.json"
