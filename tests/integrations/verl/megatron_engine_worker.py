@@ -94,6 +94,26 @@ def engine_log_probs(engine, seqs, packed: bool) -> list[list[float]]:
     return [row[:-1].float().tolist() for row in lp.unbind()]
 
 
+def seams_installed() -> dict:
+    """Which of the CPU mode's Megatron seams this process has (test_cpu_megatron_engine.PROBE)."""
+    import megatron.core.transformer.dot_product_attention as dpa
+    import torch
+    import verl.workers.engine.megatron.transformer_impl as impl
+    from mbridge.core import llm_bridge as llm
+    from verl.workers.engine.base import EngineRegistry
+
+    return {
+        "cpu_engine": "cpu" in EngineRegistry._engines["language_model"].get("megatron", {}),
+        "cpu_value_engine": "cpu" in EngineRegistry._engines["value_model"].get("megatron", {}),
+        "layer_spec": hasattr(llm.LLMBridge._get_transformer_layer_spec, "__cppo_cpu__"),
+        "attention": hasattr(dpa.DotProductAttention.forward, "__cppo_cpu__"),
+        "seed": hasattr(impl.set_random_seed, "__cppo_cpu__"),
+        "methods": hasattr(impl.MegatronEngine.forward_backward_batch, "__cppo_cpu__"),
+        "current_device": str(torch.cuda.current_device()) if hasattr(torch.cuda.current_device, "__cppo_cpu__")
+        else None,
+    }
+
+
 def _catch(fn, errors: list) -> None:
     try:
         fn()
@@ -125,7 +145,8 @@ def main() -> None:
     )
     engine.initialize()
     seqs = batch(19, [5, 9, 12, 7])
-    result: dict = {"rank": rank, "engine": type(engine).__name__, "dp": engine.get_data_parallel_size()}
+    result: dict = {"rank": rank, "engine": type(engine).__name__, "dp": engine.get_data_parallel_size(),
+                    "seams": seams_installed()}
     with engine.eval_mode():
         before = engine_log_probs(engine, seqs, packed)
     sent: dict = {}

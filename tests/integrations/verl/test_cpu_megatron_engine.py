@@ -123,21 +123,11 @@ def test_engine_tp2_padded_log_probs_export_and_step(padded, packed_on_thread):
 
 PROBE = r"""
 import json
-import torch
+import sys
+sys.path.insert(0, sys.argv[1])
 import verl
-import verl.workers.engine.megatron.transformer_impl as impl
-import mbridge.core.llm_bridge as llm
-import megatron.core.transformer.dot_product_attention as dpa
-from verl.workers.engine.base import EngineRegistry
-print(json.dumps({
-    "cpu_engine": "cpu" in EngineRegistry._engines["language_model"].get("megatron", {}),
-    "cpu_value_engine": "cpu" in EngineRegistry._engines["value_model"].get("megatron", {}),
-    "layer_spec": hasattr(llm.LLMBridge._get_transformer_layer_spec, "__cppo_cpu__"),
-    "attention": hasattr(dpa.DotProductAttention.forward, "__cppo_cpu__"),
-    "seed": hasattr(impl.set_random_seed, "__cppo_cpu__"),
-    "methods": hasattr(impl.MegatronEngine.forward_backward_batch, "__cppo_cpu__"),
-    "current_device": str(torch.cuda.current_device()) if hasattr(torch.cuda.current_device, "__cppo_cpu__") else None,
-}))
+from megatron_engine_worker import seams_installed
+print(json.dumps(seams_installed()))
 """
 
 
@@ -145,15 +135,16 @@ def probe(platform):
     env = {k: v for k, v in os.environ.items() if k != "VERL_PLATFORM"}
     if platform:
         env["VERL_PLATFORM"] = platform
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run([sys.executable, "-c", PROBE, HERE], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_megatron_seams_installed_only_in_cpu_mode():
-    assert probe("cpu") == {"cpu_engine": True, "cpu_value_engine": True, "layer_spec": True, "attention": True,
-                            "seed": True, "methods": True, "current_device": "cpu"}
-    off = probe(None)  # a GPU machine's veRL: nothing of it
+def test_megatron_seams_installed_only_in_cpu_mode(packed_on_thread):
+    # with VERL_PLATFORM=cpu (the engine run's processes): all six
+    assert packed_on_thread["seams"] == {"cpu_engine": True, "cpu_value_engine": True, "layer_spec": True,
+                                         "attention": True, "seed": True, "methods": True, "current_device": "cpu"}
+    off = probe(None)  # a GPU machine's veRL (no VERL_PLATFORM): nothing of it
     assert off == {"cpu_engine": False, "cpu_value_engine": False, "layer_spec": False, "attention": False,
                    "seed": False, "methods": False, "current_device": None}
 
