@@ -90,6 +90,18 @@ MEGATRON_PINNED = {
     "megatron.core.tensor_parallel.layers:ColumnParallelLinear.forward": "df951b1d7e79db39",
     "megatron.core.distributed.finalize_model_grads:_allreduce_non_tensor_model_parallel_grads": "591de3cbdd75c68e",
     "megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__": "fe98719f827f4f1e",
+    # the tracker globals set by seed_cpu_rng_tracker and who reads them
+    "megatron.core.tensor_parallel.random:get_cuda_rng_tracker": "6b91df8078dcd24b",
+    "megatron.core.tensor_parallel.random:initialize_rng_tracker": "4bc461df7c7f7a43",
+    # the fused-softmax switch the attention seam turns off, and its kernel check
+    "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.forward": "2f187ec89f647f80",
+    "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.is_kernel_available": "e6f289693d6cfc22",
+    # how the TE-free spec's modules are built: the linear subclassed, the modules building
+    # linear_qkv / linear_fc1 and the final norm
+    "megatron.core.tensor_parallel.layers:ColumnParallelLinear.__init__": "35b869813df05fca",
+    "megatron.core.transformer.attention:SelfAttention.__init__": "653e96b767fb9a20",
+    "megatron.core.transformer.mlp:MLP.__init__": "e9ce346b844fd757",
+    "megatron.core.transformer.transformer_block:TransformerBlock._build_layers": "3b2014d35d684f03",
 }
 
 
