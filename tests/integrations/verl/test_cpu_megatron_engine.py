@@ -7,6 +7,7 @@
   the HF safetensors (bf16), one ``train_batch``'s grad norm equals HF's for the same loss and
   moves the log-probs; the packed run drains the export and trains on a second thread (Ray
   runs async worker methods off the main thread);
+- TP 2 x DP 2 with the distributed optimizer: the same step as DP 1;
 - the pieces: the per-thread mode, the masks, the norm, the RNG tracker, vocabulary padding.
 """
 
@@ -66,12 +67,12 @@ def sharp_model(tmp_path_factory):
     return make_sharp_model(tmp_path_factory.mktemp("sharp"))
 
 
-def run_engine(model_dir, tmp, *, packed: bool, thread: bool, tp: int = 2) -> dict:
+def run_engine(model_dir, tmp, *, packed: bool, thread: bool, tp: int = 2, world: int = 2) -> dict:
     from cppo_megatron.distributed.launch import free_port
 
-    out = tmp / f"engine_{int(packed)}{int(thread)}.json"
+    out = tmp / f"engine_{int(packed)}{int(thread)}_{world}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VERL_PLATFORM": "cpu", "RAY_AUTH_MODE": "disabled"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
            str(free_port()), os.path.join(HERE, "megatron_engine_worker.py"), str(model_dir), str(out), str(tp),
            str(int(packed)), str(int(thread))]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -119,6 +120,18 @@ def test_engine_tp2_padded_log_probs_export_and_step(padded, packed_on_thread):
     d = max(abs(a - b) for x, y in zip(padded["log_probs"], packed_on_thread["log_probs"]) for a, b in zip(x, y))
     assert d <= LOGPROB_MAX_ABS
     assert padded["grad_norm"] == pytest.approx(packed_on_thread["grad_norm"], rel=0.05)
+
+
+def test_engine_tp2_dp2_distributed_optimizer_steps_like_dp1(padded, sharp_model, tmp_path_factory):
+    """TP 2 x DP 2 (4 ranks) with veRL's default distributed optimizer (optimizer state and the
+    fp32 main weights sharded over DP, gradients reduce-scattered, weights all-gathered, on
+    gloo): both DP ranks get the same batch, so the step must equal the DP 1 run's exactly."""
+    r = run_engine(sharp_model, tmp_path_factory.mktemp("eng"), packed=False, thread=False, world=4)
+    assert r["dp"] == 2 and padded["dp"] == 1
+    assert r["log_probs"] == padded["log_probs"]
+    assert r["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-6)
+    assert max(abs(a - b) for x, y in zip(r["after"], padded["after"]) for a, b in zip(x, y)) <= 1e-6
+    assert r["tp_replica_max_diff"] == 0.0 and r["sent_equal"] == padded["sent_equal"]
 
 
 PROBE = r"""
