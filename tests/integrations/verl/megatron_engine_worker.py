@@ -1,13 +1,14 @@
 """One rank of veRL 0.9.1's own ``MegatronEngineWithLMHead`` on CPU (gloo), for
 test_cpu_megatron_engine.py: run as ``python -m`` in fresh processes, ``WORLD_SIZE`` ranks.
 
-    python megatron_engine_worker.py MODEL_DIR OUT_JSON TP PACKED THREAD
+    python megatron_engine_worker.py MODEL_DIR OUT_JSON TP PACKED:THREAD[,PACKED:THREAD...]
 
 Builds the engine as veRL's worker does (``EngineRegistry`` for device cpu, mbridge with
 ``vanilla_mbridge``), then on the ranks that hold outputs writes: the engine's log-probs of a
 fixed batch (variable lengths) next to HF's (bf16, the same weights), ``get_per_tensor_param``'s
 tensors, one ``train_batch`` step's grad norm and the log-probs after it. With THREAD=1 the
-export and the step run on a second thread, as Ray runs a worker's async methods.
+export and the step run on a second thread, as Ray runs a worker's async methods. Several
+PACKED:THREAD runs build one engine each in the same processes (veRL keeps the parallel state).
 """
 
 from __future__ import annotations
@@ -121,19 +122,14 @@ def _catch(fn, errors: list) -> None:
         errors.append(exc)
 
 
-def main() -> None:
-    model_dir, out_path, tp, packed, thread = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", \
-        sys.argv[5] == "1"
-    os.environ["VERL_PLATFORM"] = "cpu"
+def run_one(model_dir: str, tp: int, packed: bool, thread: bool) -> dict:
+    """Build the engine (veRL's way), infer, export, step, infer; the result on output ranks."""
     import torch
     import torch.distributed as dist
-    import verl  # noqa: F401 - loads the plugin and the CPU mode
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
     from verl.workers.engine.base import EngineRegistry
 
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
     cls = EngineRegistry.get_engine_cls("language_model", "megatron")
     engine = cls(
         model_config=HFModelConfig(path=model_dir),
@@ -145,8 +141,8 @@ def main() -> None:
     )
     engine.initialize()
     seqs = batch(19, [5, 9, 12, 7])
-    result: dict = {"rank": rank, "engine": type(engine).__name__, "dp": engine.get_data_parallel_size(),
-                    "seams": seams_installed()}
+    result: dict = {"rank": dist.get_rank(), "engine": type(engine).__name__, "dp": engine.get_data_parallel_size(),
+                    "packed": packed, "thread": thread}
     with engine.eval_mode():
         before = engine_log_probs(engine, seqs, packed)
     sent: dict = {}
@@ -192,8 +188,26 @@ def main() -> None:
             sent_equal={k: bool(torch.equal(v, safe[k])) for k, v in sent.items() if k in safe},
             safetensors=sorted(safe),
         )
+    return result
+
+
+def main() -> None:
+    # RUNS: comma-separated PACKED:THREAD pairs, one engine each, in this process (e.g. "1:1,0:0")
+    model_dir, out_path, tp, runs = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    os.environ["VERL_PLATFORM"] = "cpu"
+    import torch.distributed as dist
+
+    import verl  # noqa: F401 - loads the plugin and the CPU mode
+
+    dist.init_process_group("gloo")
+    out = {"seams": seams_installed(), "runs": []}
+    for spec in runs.split(","):
+        packed, thread = (x == "1" for x in spec.split(":"))
+        out["runs"].append(run_one(model_dir, tp, packed, thread))
+        dist.barrier()
+    if all("log_probs" in r for r in out["runs"]):
         with open(out_path, "w") as f:
-            json.dump(result, f)
+            json.dump(out, f)
     dist.barrier()
     dist.destroy_process_group()
 

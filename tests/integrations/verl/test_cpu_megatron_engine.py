@@ -67,14 +67,14 @@ def sharp_model(tmp_path_factory):
     return make_sharp_model(tmp_path_factory.mktemp("sharp"))
 
 
-def run_engine(model_dir, tmp, *, packed: bool, thread: bool, tp: int = 2, world: int = 2) -> dict:
+def run_engine(model_dir, tmp, runs: str, *, tp: int = 2, world: int = 2) -> dict:
+    """``runs``: PACKED:THREAD pairs (megatron_engine_worker.py), one engine each, one launch."""
     from cppo_megatron.distributed.launch import free_port
 
-    out = tmp / f"engine_{int(packed)}{int(thread)}_{world}.json"
+    out = tmp / f"engine_{world}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VERL_PLATFORM": "cpu", "RAY_AUTH_MODE": "disabled"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
-           str(free_port()), os.path.join(HERE, "megatron_engine_worker.py"), str(model_dir), str(out), str(tp),
-           str(int(packed)), str(int(thread))]
+           str(free_port()), os.path.join(HERE, "megatron_engine_worker.py"), str(model_dir), str(out), str(tp), runs]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
     return json.loads(out.read_text())
@@ -82,6 +82,7 @@ def run_engine(model_dir, tmp, *, packed: bool, thread: bool, tp: int = 2, world
 
 def check_engine(r, *, tp: int = 2):
     assert r["engine"] == "MegatronEngineWithLMHead" and r["dp"] == 1
+    assert (r["packed"], r["thread"]) in ((True, True), (False, False))
     diffs = [abs(a - b) for x, y in zip(r["log_probs"], r["hf"]) for a, b in zip(x, y)]
     assert [len(x) for x in r["log_probs"]] == [len(x) for x in r["hf"]] == [4, 8, 11, 6]
     assert max(diffs) <= LOGPROB_MAX_ABS and sum(diffs) / len(diffs) <= LOGPROB_MEAN_ABS, (max(diffs), diffs)
@@ -98,13 +99,20 @@ def check_engine(r, *, tp: int = 2):
 
 
 @pytest.fixture(scope="module")
-def packed_on_thread(sharp_model, tmp_path_factory):
-    return run_engine(sharp_model, tmp_path_factory.mktemp("eng"), packed=True, thread=True)
+def tp2(sharp_model, tmp_path_factory):
+    """One launch, 2 ranks (TP 2): a packed engine exported and stepped on a second thread,
+    then a padded engine on the main thread."""
+    return run_engine(sharp_model, tmp_path_factory.mktemp("eng"), "1:1,0:0")
 
 
 @pytest.fixture(scope="module")
-def padded(sharp_model, tmp_path_factory):
-    return run_engine(sharp_model, tmp_path_factory.mktemp("eng"), packed=False, thread=False)
+def packed_on_thread(tp2):
+    return tp2["runs"][0]
+
+
+@pytest.fixture(scope="module")
+def padded(tp2):
+    return tp2["runs"][1]
 
 
 def test_engine_tp2_packed_log_probs_export_and_step_on_a_second_thread(packed_on_thread):
@@ -126,7 +134,7 @@ def test_engine_tp2_dp2_distributed_optimizer_steps_like_dp1(padded, sharp_model
     """TP 2 x DP 2 (4 ranks) with veRL's default distributed optimizer (optimizer state and the
     fp32 main weights sharded over DP, gradients reduce-scattered, weights all-gathered, on
     gloo): both DP ranks get the same batch, so the step must equal the DP 1 run's exactly."""
-    r = run_engine(sharp_model, tmp_path_factory.mktemp("eng"), packed=False, thread=False, world=4)
+    r = run_engine(sharp_model, tmp_path_factory.mktemp("eng"), "0:0", world=4)["runs"][0]
     assert r["dp"] == 2 and padded["dp"] == 1
     assert r["log_probs"] == padded["log_probs"]
     assert r["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-6)
@@ -153,10 +161,10 @@ def probe(platform):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_megatron_seams_installed_only_in_cpu_mode(packed_on_thread):
+def test_megatron_seams_installed_only_in_cpu_mode(tp2):
     # with VERL_PLATFORM=cpu (the engine run's processes): all six
-    assert packed_on_thread["seams"] == {"cpu_engine": True, "cpu_value_engine": True, "layer_spec": True,
-                                         "attention": True, "seed": True, "methods": True, "current_device": "cpu"}
+    assert tp2["seams"] == {"cpu_engine": True, "cpu_value_engine": True, "layer_spec": True,
+                            "attention": True, "seed": True, "methods": True, "current_device": "cpu"}
     off = probe(None)  # a GPU machine's veRL (no VERL_PLATFORM): nothing of it
     assert off == {"cpu_engine": False, "cpu_value_engine": False, "layer_spec": False, "attention": False,
                    "seed": False, "methods": False, "current_device": None}
