@@ -8,6 +8,7 @@ A recipe's ``cppo_cpu`` group (not a veRL key; veRL ignores it) names them:
       data_dir: runs/verl_tiny/data     # train.parquet / test.parquet of the recipe's task
       eval_problems: 200                # rows of test.parquet
       run_dir: runs/verl_tiny/NAME      # metrics.jsonl (veRL's own metrics, every step)
+      vocab_multiple: 8                 # optional: pad the exported vocabulary (Megatron TP; cpu/vocab.py)
 
 ``prepare_cpu_run(config)`` makes the paths absolute (Ray workers do not share the driver's
 working directory), runs the warm-up and the export when ``model_dir`` has no model, writes
@@ -116,6 +117,10 @@ def prepare_cpu_run(config: Any) -> Optional[CpuRun]:
     if built:
         print(f"cpu mode: no model in {model_dir}; running the warm-up of {group.warmup_recipe} and exporting it")
         build_start_model(group.warmup_recipe, model_dir)
+        if group.get("vocab_multiple"):
+            from .vocab import pad_vocab
+
+            pad_vocab(model_dir, int(group.vocab_multiple))
     wrote = not ((data_dir / "train.parquet").is_file() and (data_dir / "test.parquet").is_file())
     if wrote:
         write_data(group.warmup_recipe, data_dir, group.get("eval_problems"))
