@@ -120,7 +120,7 @@ def _wrap_training_step(original):
         metrics = status.get("metrics", {}) if isinstance(status, dict) else {}
         loss = metrics.get("policy_loss")
         record("train", f"actor{_rank()}", step=int(getattr(self, "_cppo_audit_step", 0)), rank=_rank(),
-               rows=[int(r) for r in rows.tolist()] if rows is not None else None,
+               rows=[int(r) for r in torch.as_tensor(rows).reshape(-1).tolist()] if rows is not None else None,
                advantages=_masked_row_means(experience.advantages, mask),
                rollout_vs_old_max_abs=rollout_diff,
                policy_loss=float(loss.float().mean()) if isinstance(loss, torch.Tensor) else loss)

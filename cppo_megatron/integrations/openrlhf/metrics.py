@@ -2,16 +2,21 @@
 
 OpenRLHF logs to wandb or TensorBoard (``--logger.tensorboard_dir``). For plots, benches and
 tests we also want plain JSON: with ``CPPO_OPENRLHF_METRICS`` set (the launcher sets it for a
-recipe with a ``cpu:`` section: ``RUN_DIR/metrics.jsonl``) the trainer process appends
+recipe with a ``cpu:`` section, ``RUN_DIR/metrics.jsonl``, together with
+``--logger.tensorboard_dir RUN_DIR/tensorboard``) the trainer process appends
 
 - ``{"step": N, "kind": "train", "data": {...}}`` for every logged step (OpenRLHF's own status
   dict: ``timing/*``, ``policy_loss``, ``reward``, ``cppo/*``, ...);
 - ``{"step": N, "kind": "eval", "data": {...}}`` for every evaluation (``eval_*_pass1`` ...).
 
-``CPPO_OPENRLHF_EVAL_BEFORE_TRAIN=1`` additionally evaluates once before the first step
-(step 0), so a run's held-out accuracy has a "before" on the same evaluation path.
-Both wrap ``BasePPOTrainer`` methods (``trainer/ppo_trainer.py:384`` and ``:337``, and
-``init_checkpoint_states`` ``:433`` for the step-0 evaluation); they only read.
+Both come from OpenRLHF's ``TensorboardLogger.log_train`` / ``log_eval``
+(``utils/logging_utils.py:122,132``), wrapped to also write the line. (The trainer itself is
+a Ray actor class that Ray ships by value, so its own methods cannot be wrapped from
+outside; the logger is imported by reference.)
+
+``CPPO_OPENRLHF_EVAL_BEFORE_TRAIN=1`` evaluates once before the first step (step 0), through
+OpenRLHF's own ``SamplesGenerator.generate_eval_samples`` and ``compute_eval_metrics`` with the
+run's eval settings, so a run's held-out accuracy has a "before" on the same path.
 """
 
 from __future__ import annotations
@@ -25,28 +30,27 @@ from typing import Any
 
 from .importhook import after_import
 
-__all__ = ["ENV", "EVAL_BEFORE_ENV", "install", "read"]
+__all__ = ["ENV", "EVAL_BEFORE_ENV", "install", "read", "write"]
 
 ENV = "CPPO_OPENRLHF_METRICS"
 EVAL_BEFORE_ENV = "CPPO_OPENRLHF_EVAL_BEFORE_TRAIN"
-TRAINER_MODULE = "openrlhf.trainer.ppo_trainer"
+LOGGER_MODULE = "openrlhf.utils.logging_utils"
+GENERATOR_MODULE = "openrlhf.trainer.ppo_utils.samples_generator"
 _MARK = "__cppo_metrics__"
 
 
 def _scalar(v: Any):
-    try:
-        import torch
+    import torch
 
-        if isinstance(v, torch.Tensor):
-            return v.float().mean().item() if v.numel() else None
-    except ImportError:  # pragma: no cover
-        pass
+    if isinstance(v, torch.Tensor):
+        return v.float().mean().item() if v.numel() else None
     if isinstance(v, (int, float, bool)) or v is None:
         return v
     return None
 
 
 def write(step: int, kind: str, data: dict) -> None:
+    """Append one line (no-op without ``CPPO_OPENRLHF_METRICS``)."""
     path = os.environ.get(ENV)
     if not path:
         return
@@ -57,62 +61,66 @@ def write(step: int, kind: str, data: dict) -> None:
 
 
 def read(path: str | Path, kind: str = "train") -> list[dict]:
-    """``[{"step": N, **data}]`` of one kind, in step order."""
+    """``[{"step": N, **data}]`` of one kind, in file order."""
     rows = []
     for line in Path(path).read_text().splitlines():
         if line.strip():
             rec = json.loads(line)
             if rec["kind"] == kind:
                 rows.append({"step": rec["step"], **rec["data"]})
-    return sorted(rows, key=lambda r: r["step"])
+    return rows
 
 
-def _wrap_logs(original):
+def _wrap_log(original, kind: str):
     @functools.wraps(original)
-    def save_logs_and_checkpoints(self, global_step, logs_dict=None, client_states=None):
-        write(global_step, "train", logs_dict or {})
-        return original(self, global_step, logs_dict, client_states)
+    def log(self, global_step, logs_dict):
+        write(global_step, kind, logs_dict)
+        return original(self, global_step, logs_dict)
 
-    return save_logs_and_checkpoints
-
-
-def _wrap_best(original):
-    @functools.wraps(original)
-    def save_best_checkpoint(self, eval_metrics, global_step, client_states=None):
-        write(global_step, "eval", eval_metrics or {})
-        return original(self, eval_metrics, global_step, client_states)
-
-    return save_best_checkpoint
+    return log
 
 
-def _wrap_init_states(original):
-    @functools.wraps(original)
-    def init_checkpoint_states(self):
-        states = original(self)
-        if os.environ.get(EVAL_BEFORE_ENV) == "1" and states.get("global_step", 0) == 0 \
-                and getattr(self, "eval_dataloader", None) is not None and hasattr(self, "evaluate"):
-            kwargs = dict(self.generate_kwargs)
-            kwargs["temperature"] = self.args.eval.temperature
-            kwargs["n_samples_per_prompt"] = self.args.eval.n_samples_per_prompt
-            write(0, "eval", self.evaluate(0, **kwargs))
-        return states
-
-    return init_checkpoint_states
-
-
-def _patch(module) -> None:
-    cls = module.BasePPOTrainer
-    for name, wrap in (("save_logs_and_checkpoints", _wrap_logs), ("save_best_checkpoint", _wrap_best),
-                       ("init_checkpoint_states", _wrap_init_states)):
+def _patch_logger(module) -> None:
+    cls = module.TensorboardLogger
+    for name, kind in (("log_train", "train"), ("log_eval", "eval")):
         current = cls.__dict__[name]
         if not hasattr(current, _MARK):
-            wrapped = wrap(current)
+            wrapped = _wrap_log(current, kind)
             setattr(wrapped, _MARK, current)
             setattr(cls, name, wrapped)
+
+
+def _wrap_generate(original):
+    @functools.wraps(original)
+    def generate_samples(self, **generate_kwargs):
+        if not getattr(self, "_cppo_evaluated_before", False):
+            self._cppo_evaluated_before = True
+            if self.eval_dataloader is not None:
+                from openrlhf.trainer.ppo_trainer import compute_eval_metrics
+
+                kwargs = dict(generate_kwargs)
+                kwargs["temperature"] = self.args.eval.temperature
+                kwargs["n_samples_per_prompt"] = self.args.eval.n_samples_per_prompt
+                samples = self.generate_eval_samples(**kwargs)
+                write(0, "eval", compute_eval_metrics(self.eval_dataloader, samples, kwargs["n_samples_per_prompt"]))
+        return original(self, **generate_kwargs)
+
+    return generate_samples
+
+
+def _patch_generator(module) -> None:
+    cls = module.SamplesGenerator
+    current = cls.__dict__["generate_samples"]
+    if not hasattr(current, _MARK):
+        wrapped = _wrap_generate(current)
+        setattr(wrapped, _MARK, current)
+        cls.generate_samples = wrapped
 
 
 def install() -> bool:
     if not os.environ.get(ENV):
         return False
-    after_import(TRAINER_MODULE, _patch)
+    after_import(LOGGER_MODULE, _patch_logger)
+    if os.environ.get(EVAL_BEFORE_ENV) == "1":
+        after_import(GENERATOR_MODULE, _patch_generator)
     return True

@@ -149,7 +149,9 @@ def prepare(section: Any, *, build: bool = True) -> CpuRun:
 
 
 def required_flags(forwarded: list[str]) -> list[str]:
-    """The CPU mode's flags after the run's own; refuses what cannot work on CPU."""
+    """The CPU mode's flags after the run's own; refuses what cannot work on CPU. Also logs
+    to TensorBoard in the run directory (which writes ``metrics.jsonl`` too) unless the run
+    names its own ``--logger.tensorboard_dir``."""
     if "--vllm.sync_with_ray" in forwarded:
         raise ValueError(
             "--vllm.sync_with_ray cannot work in the OpenRLHF CPU mode: Ray's gloo collective group would reuse "
@@ -157,4 +159,7 @@ def required_flags(forwarded: list[str]) -> list[str]:
         )
     if "--ds.packing_samples" in forwarded:
         raise ValueError("--ds.packing_samples needs flash-attn, which the OpenRLHF CPU mode does not have; remove it")
-    return [*forwarded, *CPU_FLAGS]
+    logs = []
+    if "--logger.tensorboard_dir" not in forwarded and os.environ.get(PATH_VARS["run_dir"]):
+        logs = ["--logger.tensorboard_dir", os.path.join(os.environ[PATH_VARS["run_dir"]], "tensorboard")]
+    return [*forwarded, *CPU_FLAGS, *logs]
