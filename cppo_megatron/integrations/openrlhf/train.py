@@ -270,6 +270,13 @@ def run_argv(argv: list[str], cpu_num_gpus: int | None = None) -> int:
     if cfg is not None:  # after every override: the final rate decides the prompts per step
         forwarded, before, after = allocate(cfg, forwarded, args)
         args = parse_openrlhf_args(forwarded)
+    if cpu.enabled():
+        from .cpu.prepare import max_steps_flags
+
+        steps = max_steps_flags(args.rollout.batch_size)  # the CPU recipe's run length, after allocation
+        if steps:
+            forwarded = forwarded + steps
+            args = parse_openrlhf_args(forwarded)
     command = shlex.join(["python", "-m", OPENRLHF_MODULE, *forwarded])
     if cfg is None:
         print("CPPO off: plain OpenRLHF")

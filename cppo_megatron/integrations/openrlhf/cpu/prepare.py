@@ -13,6 +13,8 @@ A recipe's ``cpu:`` section switches the mode on and names the pieces (all optio
       threads: 1                            # torch threads per process
       kv_cache_gb: 1                        # vLLM's CPU KV cache per engine
       num_gpus: 16                          # logical GPUs Ray offers (slots, not hardware)
+      max_steps: 20                         # --data.max_samples = max_steps x the final
+                                            # --rollout.batch_size (after allocation)
 
 The openrlhf flags refer to the prepared paths as ``${CPPO_CPU_MODEL_DIR}``,
 ``${CPPO_CPU_DATA_DIR}`` and ``${CPPO_CPU_RUN_DIR}``.
@@ -28,14 +30,15 @@ from typing import Any, Optional
 
 from . import worker_env
 
-__all__ = ["CPU_FLAGS", "CpuRun", "FIELDS", "cache_dir", "prepare", "required_flags", "write_jsonl"]
+__all__ = ["CPU_FLAGS", "CpuRun", "FIELDS", "cache_dir", "max_steps_flags", "prepare", "required_flags", "write_jsonl"]
 
 RECIPES_DIR = Path(__file__).resolve().parents[4] / "recipes"
 FIELDS = {
     "warmup_recipe": "tiny_cpu.yaml", "model_dir": "runs/openrlhf_tiny/model", "data_dir": "runs/openrlhf_tiny/data",
     "run_dir": "runs/openrlhf_tiny/run", "eval_problems": 200, "eval_before_train": False, "threads": 1,
-    "kv_cache_gb": 1.0, "num_gpus": 16,
+    "kv_cache_gb": 1.0, "num_gpus": 16, "max_steps": None,
 }
+MAX_STEPS_ENV = "CPPO_CPU_MAX_STEPS"
 # flags every CPU run gets (after the recipe's: they win): attention without flash-attn; the
 # weight sync over gloo (OpenRLHF's default is NCCL / CUDA IPC); reward/critic groups sized 1
 # (their num_gpus_per_node default 8 would make Ray wait forever for logical GPUs)
@@ -140,6 +143,10 @@ def prepare(section: Any, *, build: bool = True) -> CpuRun:
     env[metrics.ENV] = str(run_dir / "metrics.jsonl")
     if s["eval_before_train"]:
         env[metrics.EVAL_BEFORE_ENV] = "1"
+    if s["max_steps"] is not None:
+        if not isinstance(s["max_steps"], int) or s["max_steps"] < 1:
+            raise ValueError(f"recipe: cpu.max_steps must be an integer >= 1, got {s['max_steps']!r}")
+        env[MAX_STEPS_ENV] = str(s["max_steps"])
     from .. import audit
 
     if os.environ.get(audit.ENV):
@@ -163,3 +170,12 @@ def required_flags(forwarded: list[str]) -> list[str]:
     if "--logger.tensorboard_dir" not in forwarded and os.environ.get(PATH_VARS["run_dir"]):
         logs = ["--logger.tensorboard_dir", os.path.join(os.environ[PATH_VARS["run_dir"]], "tensorboard")]
     return [*forwarded, *CPU_FLAGS, *logs]
+
+
+def max_steps_flags(rollout_batch_size: int) -> list[str]:
+    """``--data.max_samples`` for ``cpu.max_steps`` steps of ``rollout_batch_size`` prompts (the
+    final, allocated count), or nothing when the recipe sets no ``max_steps``."""
+    steps = os.environ.get(MAX_STEPS_ENV)
+    if not steps:
+        return []
+    return ["--data.max_samples", str(int(steps) * int(rollout_batch_size))]
