@@ -193,7 +193,7 @@ def ray_runtime_env(cfg: CPPOConfig | None) -> dict:
     if cpu.enabled():
         from .cpu.prepare import PATH_VARS
 
-        names = [*cpu.worker_env(), *PATH_VARS.values(), "TORCH_EXTENSIONS_DIR", metrics.EVAL_BEFORE_ENV]
+        names = [*cpu.worker_env(), *PATH_VARS.values(), "TORCH_EXTENSIONS_DIR", "PATH", metrics.EVAL_BEFORE_ENV]
         env.update({k: os.environ[k] for k in names if k in os.environ})
     for name in (audit.ENV, metrics.ENV):
         if os.environ.get(name):

