@@ -44,7 +44,7 @@ PHASES = ("generation", "make_experience", "ppo_train", "broadcast")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="an OpenRLHF CPU recipe with a cppo section (recipes/openrlhf/tiny_cpu_cppo.yaml)")
+    parser.add_argument("recipe", help="an OpenRLHF CPU recipe with a cppo section (tiny_cpu_cppo.yaml)")
     parser.add_argument("--flags", default="", metavar="'--name value ...'",
                         help="OpenRLHF flags applied to every run, one quoted string")
     parser.add_argument("--python", default=None,
@@ -77,9 +77,10 @@ def summarize(rows: list[dict], skip: int) -> dict:
     prompts = [r["cppo/num_groups"] for r in steps]
     out = {"steps": len(steps), "prompts_per_step": median(prompts),
            "trained_per_step": median([r["cppo/num_kept"] for r in steps]),
-           "s_per_prompt": median([r["timing/step_total"] / p for r, p in zip(steps, prompts)])}
+           "s_per_prompt": median([r["timing/step_total"] / p for r, p in zip(steps, prompts, strict=True)])}
     for phase in PHASES:
-        out[f"{phase}_s_per_prompt"] = median([r.get(f"timing/{phase}", 0.0) / p for r, p in zip(steps, prompts)])
+        per_prompt = [r.get(f"timing/{phase}", 0.0) / p for r, p in zip(steps, prompts, strict=True)]
+        out[f"{phase}_s_per_prompt"] = median(per_prompt)
     return out
 
 
@@ -125,7 +126,8 @@ def _run_one(python: str, recipe: Path, flags: list[str], log_path: Path) -> Non
     with open(log_path, "w") as log:
         proc = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     if proc.returncode != 0:
-        raise RuntimeError(f"bench openrlhf: the run {' '.join(flags)} failed (exit {proc.returncode}); log: {log_path}")
+        raise RuntimeError(f"bench openrlhf: the run {' '.join(flags)} failed (exit {proc.returncode}); "
+                           f"log: {log_path}")
 
 
 def run(args: argparse.Namespace) -> Report:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.abc
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["after_import", "around_import"]
 

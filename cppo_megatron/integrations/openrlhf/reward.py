@@ -35,6 +35,6 @@ def reward_func(queries, prompts, labels):
     if not len(queries) == len(prompts) == len(labels):
         raise ValueError(f"reward: {len(queries)} queries, {len(prompts)} prompts, {len(labels)} labels")
     correct = [score_arithmetic(completion_text(q, p), Problem(question="", answer=str(label))).correct
-               for q, p, label in zip(queries, prompts, labels)]
+               for q, p, label in zip(queries, prompts, labels, strict=True)]
     r = torch.tensor(correct, dtype=torch.float32)
     return {"rewards": r, "scores": r, "extra_logs": {"accuracy": r}}

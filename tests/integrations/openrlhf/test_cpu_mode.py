@@ -176,3 +176,55 @@ def test_reward_scores_the_completion_after_the_prompt():
     assert out["rewards"].tolist() == [1.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="does not start"):
         completion_text("x", prompt)
+
+
+# every OpenRLHF line a seam cites (file, line, what the line must contain)
+CITED = [
+    ("utils/deepspeed/deepspeed.py", 97, "torch.cuda.set_device("),
+    ("trainer/ray/launcher.py", 136, "torch.cuda.current_device()"),
+    ("trainer/ray/launcher.py", 190, "torch.cuda.current_device()"),
+    ("trainer/ray/ppo_actor.py", 148, "torch.cuda.current_device()"),
+    ("trainer/ray/ppo_actor.py", 171, "torch.cuda.current_device()"),
+    ("trainer/ray/ppo_actor.py", 627, "torch.cuda.current_device()"),
+    ("utils/deepspeed/deepspeed.py", 614, "torch.cuda.current_device()"),
+    ("utils/deepspeed/deepspeed.py", 633, "torch.cuda.current_device()"),
+    ("trainer/ppo_utils/replay_buffer.py", 40, 'torch.device(f"cuda:{torch.cuda.current_device()}")'),
+    ("trainer/ppo_utils/replay_buffer.py", 104, "torch.cuda.current_device()"),
+    ("utils/distributed_util.py", 10, "torch.cuda.synchronize()"),
+    ("trainer/ray/launcher.py", 65, "torch.cuda.synchronize()"),
+    ("trainer/ray/ppo_actor.py", 605, "torch.cuda.synchronize()"),
+    ("trainer/ray/ppo_actor.py", 436, "stream=torch.cuda.current_stream()"),
+    ("models/ring_attn_utils.py", 3, "from flash_attn"),
+    ("utils/distributed_util.py", 25, "PyNcclCommunicator("),
+    ("trainer/ray/ppo_actor.py", 147, "stateless_init_process_group("),
+    ("trainer/ray/vllm_worker_wrap.py", 20, "stateless_init_process_group("),
+    ("trainer/ray/vllm_worker_wrap.py", 40, 'device="cuda"'),
+    ("trainer/ray/vllm_worker_wrap.py", 46, "stream=torch.cuda.current_stream()"),
+    ("trainer/ray/vllm_worker_wrap.py", 48, "model.load_weights("),
+    ("trainer/ray/ppo_actor.py", 427, "empty_cache=count == num_params"),
+]
+
+
+@pytest.mark.parametrize(("relpath", "line", "text"), CITED, ids=[f"{p}:{n}" for p, n, _ in CITED])
+def test_each_cited_openrlhf_line_is_what_the_seam_answers(relpath, line, text):
+    from cppo_megatron.integrations.openrlhf.pinned import openrlhf_dir
+
+    source = (openrlhf_dir() / relpath).read_text().splitlines()
+    assert text in source[line - 1], f"{relpath}:{line} is now {source[line - 1].strip()!r}: OpenRLHF moved"
+
+
+def test_the_torch_cuda_calls_those_lines_make_fail_on_this_cpu_build():
+    """Why each torch.cuda seam is needed: without it the cited call raises here."""
+    out = _python("""
+        import torch
+        assert not torch.cuda.is_available()
+        for name, args in (("set_device", (0,)), ("current_device", ()), ("synchronize", ()), ("current_stream", ())):
+            try:
+                getattr(torch.cuda, name)(*args)
+                print(name, "ok")
+            except (RuntimeError, AssertionError, AttributeError):
+                print(name, "raises")
+    """)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["set_device", "raises", "current_device", "raises", "synchronize", "raises",
+                                  "current_stream", "raises"]

@@ -1,8 +1,11 @@
 """Where OpenRLHF 0.11.2 assumes a CUDA device, fixed from outside (no OpenRLHF file edited).
 
 Installed only by ``cpu.install()`` — that is, only in a process of a run that asked for the
-CPU mode and has no CUDA device. Each seam names the OpenRLHF line it answers (paths inside
-the ``openrlhf`` package of the pinned 0.11.2 release) and was shown necessary by removing it.
+CPU mode and has no CUDA device. Each seam names the OpenRLHF lines it answers (paths inside
+the ``openrlhf`` package of the pinned 0.11.2 release); why each is needed:
+tests/integrations/openrlhf/test_cpu_mode.py checks that every cited line still makes that call
+and that the call raises on a CPU build of torch (the OpenRLHF probe in the project's platform
+notes also removed each one and watched the loop fail).
 
 torch.cuda, process-wide (OpenRLHF calls these through the ``torch.cuda`` attribute):
 
@@ -24,7 +27,7 @@ OpenRLHF objects:
   placeholder whose functions raise; it is removed from ``sys.modules`` right after, so no
   other code (transformers' flash-attn detection) ever sees it.
 - weight sync: ``stateless_init_process_group`` (``utils/distributed_util.py:13-26``, called at
-  ``ppo_actor.py:147`` and ``vllm_worker_wrap.py:347``) opens a NCCL communicator; on CPU it
+  ``ppo_actor.py:147`` and ``vllm_worker_wrap.py:20``) opens a NCCL communicator; on CPU it
   opens a stateless gloo group with the same ``broadcast(tensor, src, stream)`` call. The
   rollout side (vLLM worker) is in ``vllm_sync``.
 """

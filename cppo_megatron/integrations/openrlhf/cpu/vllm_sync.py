@@ -6,9 +6,9 @@ OpenRLHF's ``WorkerWrap`` (``trainer/ray/vllm_worker_wrap.py``) mixed in; the ac
 calls its ``init_process_group`` once and ``update_weight(name, dtype, shape, empty_cache)``
 per parameter while broadcasting the tensor. On CPU two of its lines cannot work:
 
-- ``vllm_worker_wrap.py:367`` allocates the receive buffer on ``"cuda"`` and :373 passes
+- ``vllm_worker_wrap.py:40`` allocates the receive buffer on ``"cuda"`` and :46 passes
   ``torch.cuda.current_stream()``;
-- ``vllm_worker_wrap.py:375`` calls ``model.load_weights`` per tensor, but vLLM's CPU backend
+- ``vllm_worker_wrap.py:48`` calls ``model.load_weights`` per tensor, but vLLM's CPU backend
   repacks linear weights after loading (``dispatch_cpu_unquantized_gemm`` replaces them by an
   empty tensor and a packed copy), so loading into the model afterwards fails.
 
