@@ -15,9 +15,7 @@ per parameter while broadcasting the tensor. On CPU two of its lines cannot work
 So on CPU ``update_weight`` receives into a CPU buffer over the gloo group of
 ``seams.GlooBroadcaster`` and collects the tensors; at the sync's last tensor (OpenRLHF sets
 ``empty_cache=True`` only for it, ``ppo_actor.py:427,482``) it reloads them all through
-vLLM's own ``reload_weights`` (which re-runs the CPU repacking). A tied output projection gets
-the embedding's tensor under its own name as well: vLLM's reload updates a tied embedding
-only when both names come.
+vLLM's own ``reload_weights`` (which re-runs the CPU repacking).
 
 How this reaches the subprocess: vLLM loads the ``vllm.general_plugins`` entry points in
 every engine and worker process before it resolves the worker extension class
@@ -40,14 +38,6 @@ WORKER_WRAP_MODULE = "openrlhf.trainer.ray.vllm_worker_wrap"
 _MARK = "__cppo_openrlhf_cpu__"
 
 
-def _tied_names(worker) -> tuple[str, str] | None:
-    config = worker.model_config.hf_config
-    text = getattr(config, "get_text_config", lambda: config)()
-    if not getattr(text, "tie_word_embeddings", False):
-        return None
-    return "model.embed_tokens.weight", "lm_head.weight"
-
-
 def _update_weight_cpu(self, name, dtype, shape, empty_cache=False):
     """``WorkerWrap.update_weight`` on CPU: receive over gloo, reload all at the last tensor."""
     if dtype != self.model_config.dtype:
@@ -64,11 +54,6 @@ def _update_weight_cpu(self, name, dtype, shape, empty_cache=False):
     if empty_cache:  # the sync's last tensor
         weights = dict(pending)
         pending.clear()
-        tied = _tied_names(self)
-        if tied is not None:
-            source, target = tied
-            if source in weights and target not in weights:
-                weights[target] = weights[source]
         self.reload_weights(weights_iterator=list(weights.items()))
         from .. import audit
 
