@@ -8,7 +8,8 @@ the other in this command:
   group_norm, tests/integrations/openrlhf/test_cpu_e2e.py), so the runs differ only in P and
   allocation, and each logs its prompt count (``cppo/num_groups``);
 - ``cppo P alloc``: P with allocation (prompts per step x 1/(1-P));
-- ``cppo P no-alloc``: the same P with the GRPO prompt count.
+- ``cppo P no-alloc``: the same P with the GRPO prompt count (the update batch and its
+  micro-batches shrink to k/G of GRPO's, so the survivors are not topped back up).
 
 From each run's ``metrics.jsonl`` (OpenRLHF's ``timing/*``; the first ``--skip`` steps dropped,
 then medians) the seconds per prompt of a whole step (``timing/step_total``) and per phase.
@@ -58,11 +59,31 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="reuse a variant whose run in --out already logged --steps steps (rerun only the others)")
 
 
-def _variants(rate: float, allocation: str) -> list[tuple[str, list[str]]]:
+def _variants(rate: float, allocation: str, recipe: dict) -> list[tuple[str, list[str]]]:
     out = [("grpo", ["--cppo.pruning_rate", "0.0"])]
     for alloc in ([True, False] if allocation == "both" else [allocation == "on"]):
-        out.append((f"cppo P={rate:g} {'alloc' if alloc else 'no-alloc'}",
-                    ["--cppo.pruning_rate", str(rate), "--cppo.allocation", str(alloc).lower()]))
+        flags = ["--cppo.pruning_rate", str(rate), "--cppo.allocation", str(alloc).lower()]
+        if not alloc:
+            flags += _no_alloc_batches(rate, recipe)
+        out.append((f"cppo P={rate:g} {'alloc' if alloc else 'no-alloc'}", flags))
+    return out
+
+
+def _no_alloc_batches(rate: float, recipe: dict) -> list[str]:
+    """Without allocation the survivors are k/G of GRPO's batch: the update batch and the
+    micro-batches shrink with them (else OpenRLHF's multiple would top the kept count back up
+    to GRPO's and nothing would be pruned, hook.minimum_keep_multiple)."""
+    flags = recipe["openrlhf"]
+    g = int(flags["rollout.n_samples_per_prompt"])
+    keep = max(1, round(g * (1 - rate)))
+    batch = int(flags["train.batch_size"]) * keep // g
+    if batch < 1 or int(flags["train.batch_size"]) * keep % g:
+        raise ValueError(f"bench openrlhf: train.batch_size {flags['train.batch_size']} x k/G = {keep}/{g} "
+                         "is not whole")
+    out = ["--train.batch_size", str(batch)]
+    for key in ("rollout.micro_batch_size", "train.micro_batch_size"):
+        if key in flags and int(flags[key]) > batch:
+            out += [f"--{key}", str(batch)]
     return out
 
 
@@ -144,7 +165,7 @@ def run(args: argparse.Namespace) -> Report:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     results = {}
-    for name, extra in _variants(args.rate, args.allocation):
+    for name, extra in _variants(args.rate, args.allocation, yaml.safe_load(Path(args.recipe).read_text())):
         slug = name.replace(" ", "_").replace("=", "")
         run_dir = out / "openrlhf_runs" / slug
         metrics_file = run_dir / "metrics.jsonl"
