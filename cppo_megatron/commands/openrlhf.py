@@ -15,6 +15,7 @@ without starting Ray. Needs a GPU machine with OpenRLHF's own requirements to tr
 from __future__ import annotations
 
 import argparse
+import os
 
 PASSTHROUGH = True  # unknown arguments go to the launcher
 
@@ -35,11 +36,18 @@ def run(args: argparse.Namespace) -> int:
         recipe = merge_cpu_override(recipe, args.cpu)
     if recipe.get("description"):
         print(str(recipe["description"]).strip())
-    num_gpus = None
-    if "cpu" in recipe:
-        from ..integrations.openrlhf.cpu.prepare import prepare, settings
+    dry_run = "--dry-run" in args.passthrough
+    saved = dict(os.environ)
+    try:
+        num_gpus = None
+        if "cpu" in recipe:
+            from ..integrations.openrlhf.cpu.prepare import prepare, settings
 
-        num_gpus = int(settings(recipe["cpu"])["num_gpus"])
-        run = prepare(recipe["cpu"], build="--dry-run" not in args.passthrough)  # sets the CPU environment
-        print(run.describe())
-    return run_argv(launcher_argv(recipe) + list(args.passthrough), cpu_num_gpus=num_gpus)
+            num_gpus = int(settings(recipe["cpu"])["num_gpus"])
+            run = prepare(recipe["cpu"], build=not dry_run)  # sets the CPU environment in os.environ
+            print(run.describe())
+        return run_argv(launcher_argv(recipe) + list(args.passthrough), cpu_num_gpus=num_gpus)
+    finally:
+        if dry_run:  # a dry run leaves this process as it found it
+            os.environ.clear()
+            os.environ.update(saved)
