@@ -11,8 +11,8 @@ makes each process append JSON lines to ``DIR/<role>-<pid>.jsonl``:
   difference between the rollout engine's log-probs and the actor's old-policy log-probs, and
   the loss;
 - ``weights`` (``ActorPPOTrainer.ppo_train``, every actor rank): a fingerprint of the actor's
-  parameters before and after the step's update;
-- ``sync_actor`` (``ActorPPOTrainer.broadcast_to_vllm``, rank 0) and ``sync_engine`` (the vLLM
+  parameters before and after the step's update (None under ZeRO-3, whose ranks hold shards);
+- ``sync_actor`` (``ActorPPOTrainer.broadcast_to_vllm``, rank 0; not under ZeRO-3) and ``sync_engine`` (the vLLM
   worker, after reloading): a hash of every tensor sent / received, and for the engine the
   largest difference between its parameters that vLLM keeps readable (embedding, norms,
   biases) and the tensors received.
@@ -134,10 +134,12 @@ def _wrap_ppo_train(original):
     def ppo_train(self, kl_ctl):
         self._cppo_audit_step = int(getattr(self, "_cppo_audit_step", 0)) + 1
         model = self.actor.model
-        before = _fingerprint(model)
+        # ZeRO-3 partitions the parameters: a rank's module holds placeholders, not weights
+        sharded = self.args.ds.zero_stage == 3
+        before = None if sharded else _fingerprint(model)
         out = original(self, kl_ctl)
         record("weights", f"actor{_rank()}", step=self._cppo_audit_step, rank=_rank(), before=before,
-               after=_fingerprint(model))
+               after=None if sharded else _fingerprint(model))
         return out
 
     return ppo_train
