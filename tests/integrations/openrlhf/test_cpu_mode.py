@@ -228,3 +228,15 @@ def test_the_torch_cuda_calls_those_lines_make_fail_on_this_cpu_build():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["set_device", "raises", "current_device", "raises", "synchronize", "raises",
                                   "current_stream", "raises"]
+
+
+def test_vllm_plugin_entry_point_is_registered_and_inert_without_the_switch():
+    out = _python("""
+        import sys
+        from importlib.metadata import entry_points
+        (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "cppo_openrlhf_cpu"]
+        ep.load()()
+        print("finders", sum(type(f).__name__ == "_Finder" for f in sys.meta_path))
+    """)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "finders 0" in out.stdout

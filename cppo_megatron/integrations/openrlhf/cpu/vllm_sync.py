@@ -79,9 +79,10 @@ def install() -> None:
 
 
 def register() -> Any:
-    """vLLM ``general_plugins`` entry point: install when the OpenRLHF CPU mode is on."""
-    from . import enabled
+    """vLLM ``general_plugins`` entry point: install when the OpenRLHF CPU mode is on and there
+    is no CUDA device (vLLM loads it in every process, on GPUs too)."""
+    from . import _has_cuda, enabled
 
-    if enabled():
+    if enabled() and not _has_cuda():
         install()
     return None
