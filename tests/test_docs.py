@@ -212,6 +212,13 @@ def _help_examples() -> list:
 def load_any_recipe(args) -> None:
     """Load a command's recipe with its overrides: an embedded-trainer recipe, or for
     `bench verl` a veRL recipe composed by hydra (the dry run of `cppo-megatron verl`)."""
+    if getattr(args, "benchmark", None) == "openrlhf":  # its runs are OpenRLHF recipe runs: dry-run one
+        if importlib.util.find_spec("openrlhf") is None:
+            pytest.skip("OpenRLHF is not installed here")
+        from cppo_megatron import cli
+
+        assert cli.main(["openrlhf", args.recipe, *shlex.split(args.flags), "--dry-run"]) == 0
+        return
     if getattr(args, "benchmark", None) == "verl":
         pytest.importorskip("verl")
         from cppo_megatron import cli

@@ -68,18 +68,9 @@ def build_start_model(warmup_recipe: str | Path, model_dir: str | Path, *, overr
     """Run ``warmup_recipe``'s supervised warm-up (no RL step) and export the result as an HF
     model directory; returns the ``ExportResult``. The warm-up run lives beside the model
     (``MODEL_DIR/../warmup``) with its report and ``warmup.pt``."""
-    from ....trainer.config import load_recipe
-    from ....trainer.export import export_run
-    from ....trainer.loop import Trainer
+    from ....trainer.export import export_warmup
 
-    model_dir = Path(model_dir)
-    run_dir = model_dir.parent / "warmup"
-    recipe = load_recipe(_warmup_recipe(str(warmup_recipe)), [f"out_dir={run_dir}", *overrides])
-    if not recipe.warmup.enabled:
-        raise ValueError(f"{GROUP}.warmup_recipe={warmup_recipe}: its warm-up is disabled; the start model would be random")
-    trainer = Trainer(recipe)
-    trainer.prepare()
-    return export_run(run_dir / "warmup.pt", model_dir)
+    return export_warmup(_warmup_recipe(str(warmup_recipe)), model_dir, overrides=overrides)
 
 
 def write_data(warmup_recipe: str | Path, data_dir: str | Path, eval_problems: Optional[int]):
