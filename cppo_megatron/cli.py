@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verl": ("cppo_megatron.commands.verl", "train with veRL 0.9.1 + CPPO (= python -m cppo_megatron.integrations.verl.main; veRL hydra overrides)"),
     "export-hf": ("cppo_megatron.commands.export_hf", "export an embedded-trainer model (warm-up, checkpoint) as an HF model directory with a real tokenizer"),
     "bench": ("cppo_megatron.commands.bench",
-              "benchmarks (speedup, rollout, overhead, balance, verl, gradient): JSON + markdown + PNG into --out"),
+              "benchmarks (speedup, rollout, overhead, balance, verl, openrlhf, gradient): JSON + markdown + PNG into --out"),
     "simulate": ("cppo_megatron.commands.simulate", "cost model of GRPO/CPPO steps on GPU clusters; --check-paper"),
     "example-data": ("cppo_megatron.commands.example_data", "write a small GSM8K-format train/test pair (word problems, offline) to try bring-your-own data"),
     "gpu-check": ("cppo_megatron.commands.gpu_check", "prove the GPU path in minutes: env, core, megatron-core, trainer on the device (--device cpu --quick in CI)"),

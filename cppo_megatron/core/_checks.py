@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ..config import CPPOConfig
+    from .settings import CPPOConfig
 
 
 def as_1d_float(name: str, x, *, allow_empty: bool = False) -> torch.Tensor:
@@ -60,7 +60,7 @@ def as_group_ids(name: str, g, n: int) -> torch.Tensor:
 def check_config(cfg: object) -> CPPOConfig:
     """``cfg`` itself, when it is a valid ``CPPOConfig``; otherwise TypeError / ValueError
     naming the problem. (Fields can be reassigned after construction, so validate again.)"""
-    from ..config import CPPOConfig  # the config module imports the core: resolve at call time
+    from .settings import CPPOConfig  # settings imports selection, which imports this module
 
     if not isinstance(cfg, CPPOConfig):
         raise TypeError(

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import as_1d_float, as_group_ids, check_float
-
-ADV_NORMS = ("std", "none")
+from .settings import ADV_NORMS
 
 __all__ = ["ADV_NORMS", "GroupStats", "group_advantages", "advantages_from_stats"]
 

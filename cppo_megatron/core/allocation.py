@@ -25,7 +25,7 @@ from ._checks import check_config, check_int
 from .selection import DEFAULT_PRUNING_RATE, Selection, keep_count
 
 if TYPE_CHECKING:
-    from ..config import CPPOConfig
+    from .settings import CPPOConfig
 
 __all__ = ["AllocationPlanner", "AllocationTotals", "PromptSampler"]
 

@@ -12,7 +12,7 @@ from .advantage import GroupStats, group_advantages
 from .selection import Selection, select_completions
 
 if TYPE_CHECKING:
-    from ..config import CPPOConfig
+    from .settings import CPPOConfig
 
 __all__ = ["PruneResult", "prune"]
 

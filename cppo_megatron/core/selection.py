@@ -17,9 +17,10 @@ import torch
 from ._checks import as_1d_float, as_group_ids, check_config, check_int
 from .advantage import GroupStats
 from .sampling import grouped_layout, inclusion_probabilities, mass_keep_counts, systematic_sample
+from .settings import DEFAULT_PRUNING_RATE, METRICS, SCOPES
 
 if TYPE_CHECKING:
-    from ..config import CPPOConfig
+    from .settings import CPPOConfig
 
 __all__ = [
     "DEFAULT_PRUNING_RATE",
@@ -32,16 +33,8 @@ __all__ = [
     "seeded_generator",
 ]
 
-DEFAULT_PRUNING_RATE = 0.875
-METRICS = ("smallest", "largest", "random", "importance")
-# metrics that take |A| as a magnitude: use_abs=False (signed A) makes no sense for them
-MAGNITUDE_METRICS = ("importance",)
-# metrics keep_mass can decide the count for: the kept set is the top of |A| (smallest) or a
-# PPS sample of that size (importance); largest / random would not reach the mass
-KEEP_MASS_METRICS = ("smallest", "importance")
 # stream of seeded_generator used by the importance design (stream 0 is the tie-break order)
 IMPORTANCE_STREAM = 1
-SCOPES = ("group", "batch")
 
 # floor(G * (1 - P)) with this slack, so that 16 * (1 - 0.875) -> 2 even if it is 1.999...
 K_TOLERANCE = 1e-6

@@ -1,7 +1,9 @@
 """Moving sequences between data-parallel ranks (torch.distributed, gloo and NCCL).
 
 - ``exchange``: ``prune_and_exchange`` decides the survivors over all ranks and rebalances
-  them; ``ExchangeHandle.return_to_owners`` routes per-sequence results back.
+  them; ``ExchangeHandle.return_to_owners`` routes per-sequence results back. Its pieces:
+  ``metadata`` (``gather_metadata``), ``plan`` (``make_plan``: where each survivor goes),
+  ``rows`` (``exchange_rows``: point-to-point transfer).
 - ``timing``: ``rank_wait_metrics``: per-rank step times and the time each waits at the barrier.
 - ``launch``: ``run_local`` runs a function on W local gloo processes (tests, CPU runs).
 """

@@ -18,7 +18,7 @@ from typing import Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CPUModeError", "check_cpu_supported", "cpu_mode", "cpu_mode_active", "on_cpu"]
+__all__ = ["CPUModeError", "CudaToCpu", "check_cpu_supported", "cpu_mode", "cpu_mode_active", "on_cpu"]
 
 _state = threading.local()
 
@@ -44,8 +44,9 @@ def _is_cuda(dev) -> bool:
     return False
 
 
-class _CudaToCpu(TorchFunctionMode):
-    """Maps cuda device arguments to cpu and makes ``Tensor.cuda()`` a no-op."""
+class CudaToCpu(TorchFunctionMode):
+    """Maps cuda device arguments to cpu and makes ``Tensor.cuda()`` a no-op (per thread, as every
+    torch function mode; veRL's CPU mode extends it for its Megatron engine)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -78,7 +79,7 @@ def cpu_mode(enabled: bool | None = None) -> Iterator[bool]:
     }
     torch.cuda.current_device = lambda: "cpu"  # used as a device argument, never as an index
     torch.cuda.synchronize = lambda *a, **k: None
-    mode = _CudaToCpu()
+    mode = CudaToCpu()
     mode.__enter__()
     _state.depth = 1
     try:

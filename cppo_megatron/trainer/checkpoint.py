@@ -21,8 +21,8 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-__all__ = ["KEEP_LAST", "CorruptCheckpoint", "checkpoints", "load_checkpoint", "rng_state", "save_checkpoint",
-           "set_rng_state"]
+__all__ = ["KEEP_LAST", "CorruptCheckpoint", "checkpoints", "find_checkpoint", "load_checkpoint", "rng_state",
+           "save_checkpoint", "set_rng_state"]
 
 KEEP_LAST = 3
 
@@ -100,3 +100,33 @@ def load_checkpoint(path: Path, rank: int = 0) -> tuple[dict, dict]:
         except Exception as exc:  # noqa: BLE001 - truncated zip, unpickling error, ...
             raise CorruptCheckpoint(f"{f} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0]})") from exc
     return out[0], out[1]
+
+
+def find_checkpoint(out_dir: Path, rank: int = 0, *, any_rank_failed: Callable[[bool], bool] = lambda failed: failed,
+                    log: Optional[Callable[[str], None]] = None) -> tuple[Path, dict, dict]:
+    """The newest checkpoint under ``out_dir`` that every rank can read: (its path, trainer
+    state, this rank's policy state). A truncated or corrupt one is named through ``log`` and
+    skipped (its predecessor has all the accounting up to its own step).
+
+    ``any_rank_failed(failed)``: a collective that tells every rank whether any rank could not
+    read the candidate (the default, one process: this rank's own answer). FileNotFoundError
+    when there is no checkpoint, or none every rank can read."""
+    found = checkpoints(out_dir)
+    if not found:
+        raise FileNotFoundError(f"--resume: no checkpoint under {Path(out_dir) / 'checkpoints'}; "
+                                "run without --resume to start")
+    for i, path in enumerate(found):
+        try:
+            state, policy = load_checkpoint(path, rank)
+            error = None
+        except CorruptCheckpoint as exc:
+            state = policy = None
+            error = str(exc)
+        if not any_rank_failed(error is not None):
+            assert state is not None and policy is not None
+            return path, state, policy
+        if log is not None:
+            after = f"falling back to {found[i + 1].name}" if i + 1 < len(found) else "no older checkpoint left"
+            log(f"--resume: checkpoint {path.name} is truncated or corrupt "
+                f"({error or 'unreadable on another rank'}); {after}")
+    raise FileNotFoundError(f"--resume: no readable checkpoint under {Path(out_dir) / 'checkpoints'}")

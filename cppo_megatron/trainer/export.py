@@ -29,7 +29,7 @@ import torch
 
 from .tokenizer import SPECIALS, CharTokenizer
 
-__all__ = ["EXPORT_SPECIALS", "ExportResult", "char_to_hf_tokenizer", "export_hf", "export_run"]
+__all__ = ["EXPORT_SPECIALS", "ExportResult", "char_to_hf_tokenizer", "export_hf", "export_run", "export_warmup"]
 
 # CharTokenizer's pad, bos, eos in that order (ids 0, 1, 2)
 EXPORT_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -182,3 +182,20 @@ def export_run(checkpoint: str | Path, out_dir: str | Path, *, recipe_path: Opti
     model.load_state_dict(state)
     return export_hf(model, tok, out_dir, provenance={"checkpoint": str(ckpt.resolve()), "recipe": str(rpath.resolve()),
                                                        "task": recipe.task.name})
+
+
+def export_warmup(warmup_recipe: str | Path, model_dir: str | Path, *, overrides: tuple[str, ...] = ()) -> ExportResult:
+    """Run ``warmup_recipe``'s supervised warm-up (no RL step) and export the result as an HF
+    model directory — the start model other frameworks' CPU runs load. The warm-up run lives
+    beside the model (``MODEL_DIR/../warmup``) with its report and ``warmup.pt``."""
+    from .config import load_recipe
+    from .loop import Trainer
+
+    model_dir = Path(model_dir)
+    run_dir = model_dir.parent / "warmup"
+    recipe = load_recipe(Path(warmup_recipe), [f"out_dir={run_dir}", *overrides])
+    if not recipe.warmup.enabled:
+        raise ValueError(f"warm-up recipe {warmup_recipe}: its warm-up is disabled; the start model would be random")
+    trainer = Trainer(recipe)
+    trainer.prepare()
+    return export_run(run_dir / "warmup.pt", model_dir)

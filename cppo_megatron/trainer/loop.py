@@ -16,12 +16,15 @@ megatron`` on every rank of a torchrun job (``MegatronBackend``, ``ModelParallel
 ``cppo-megatron train RECIPE --nproc N``). With ``cppo.pruning_rate: 0`` every completion
 survives: plain GRPO through the same code.
 
-Signals: SIGINT / SIGTERM during a step let the step finish (every rank agrees at the
-step boundary), then write a checkpoint and the report and return ``interrupted`` (the
-CLI exits 130). A further signal more than ``REPEAT_WINDOW_S`` later abandons the step:
-with the hf backend, before the update the step's drawn prompts are put back (sampler,
-planner and RNG as at the step's start) and the checkpoint is written; during the update
-no checkpoint is written (resume continues from the previous one).
+Signals (``interrupts.py``): SIGINT / SIGTERM during a step let the step finish (every rank
+agrees at the step boundary), then write a checkpoint and the report and return
+``interrupted`` (the CLI exits 130). A further signal more than ``REPEAT_WINDOW_S`` later
+abandons the step: with the hf backend, before the update the step's drawn prompts are put
+back (sampler, planner and RNG as at the step's start) and the checkpoint is written;
+during the update no checkpoint is written (resume continues from the previous one).
+
+Elsewhere: the step record (``record.step_record``), checkpoints and resume
+(``checkpoint``), the phases before the passes (``step``), the backends (``backends/``).
 """
 
 from __future__ import annotations
@@ -29,8 +32,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import resource
-import signal
 import sys
 import time
 from pathlib import Path
@@ -39,26 +40,25 @@ from typing import Optional
 import torch
 
 from ..core import AllocationPlanner, PromptSampler
-from ..distributed import wait_stats
 from ..rollout import build_engine
 from ..tasks import Task, build_task
 from . import faults
 from .backends import HFBackend
-from .checkpoint import CorruptCheckpoint, checkpoints, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import checkpoints, find_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import Recipe, recipe_to_dict
 from .distribution import LocalRollout, ModelParallelRollout
 from .evaluate import evaluate
+from .interrupts import INTERRUPTED_MARKER, REPEAT_WINDOW_S, StopRequest
 from .logger import MetricsLogger
-from .metrics import logprob_diff, logprob_diff_sums, rollout_metrics, update_metrics
 from .models import build_model, resolve_device
+from .record import step_record
 from .report import write_report
 from .sft import sft_warmup
 from .step import PhaseTimer, collect_groups, select_survivors
 
 __all__ = ["INTERRUPTED_MARKER", "REPEAT_WINDOW_S", "Trainer", "load_weights"]
 
-INTERRUPTED_MARKER = "interrupted.json"  # written when a run stopped on a signal
-REPEAT_WINDOW_S = 3.0  # signals this close to the first are one request (torchrun forwards Ctrl-C again)
+_StopRequest = StopRequest  # the name this module used before interrupts.py held it
 
 
 class Trainer:
@@ -244,7 +244,7 @@ class Trainer:
             marker.unlink()
         self.prepare()
         bar = self._progress()
-        stop = _StopRequest()
+        stop = StopRequest()
         interrupted = checkpoint_ok = False
         try:
             with stop:
@@ -358,57 +358,8 @@ class Trainer:
         with timer.phase("sync"):
             self._sync_engine()
         self.phase = "metrics"
-        return self._step_record(batch, surv, rows, old, ref, upd, timer.seconds, t_step)
-
-    def _step_record(self, batch, surv, rows, old, ref, upd, seconds: dict, t_step: float) -> dict:
-        r = self.r
-        passes = seconds["old_logprob"] + seconds["ref_logprob"] + seconds["update"]
-        forwarded = upd.forwarded + sum(p.forwarded for p in (old, ref) if p is not None)
-        padded = upd.padded_tokens + sum(p.padded_tokens for p in (old, ref) if p is not None)
-        mine = {"pass_seconds": passes, "old_logprob_seconds": seconds["old_logprob"],
-                "forwarded_sequences": float(forwarded), "received": float(len(rows)), "owned": float(rows.owned),
-                "padded_tokens": float(padded), "dp_rank": float(self.rollout.dp_rank),
-                "generate_seconds": batch.seconds}
-        ranks = self.rollout.gather(mine)
-        diff = {}
-        if batch.sampler_logprobs is not None:  # the same on every rank (rollout.engine)
-            behaviour = old.values if old is not None else upd.behaviour
-            sums = logprob_diff_sums(rows.sampler_logprobs, behaviour)
-            sums = torch.cat([self.rollout.reduce_dp(sums[:2]), self.rollout.reduce_dp(sums[2:], op="max")])
-            diff = logprob_diff(sums, r.rollout.logprob_warn_threshold if self.is_main else None)
-
-        rec: dict = {f"time/{k}": v for k, v in seconds.items()}
-        rec["time/step"] = time.perf_counter() - t_step
-        rec["reward/mean"] = float(batch.rewards.double().mean())  # float64: a float32 sum drifts at 1e-9
-        rec["reward/correct_rate"] = float(batch.correct.double().mean())
-        rec["reward/format_rate"] = float(batch.formatted.double().mean())
-        rec["reward/mean_kept"] = float(batch.rewards[surv.kept].mean())
-        rec.update(surv.prune.metrics())
-        rec.update(surv.alloc)
-        rec.update(self.planner.metrics())
-        rec.update(rows.placement)
-        imb = rows.placement["cppo/exchange_imbalance"]
-        rec["cppo/exchange_mean_load"] = rows.placement["cppo/exchange_max_load"] / imb if imb > 0 else 0.0
-        rec.update(rollout_metrics(batch.completion_lengths, batch.truncated,
-                                   max(x["generate_seconds"] for x in ranks)))
-        rec.update(diff)
-        rec.update(update_metrics(upd.iterations, lr=upd.lr, tokens=upd.tokens, sequences=upd.sequences,
-                                  micro_batches=upd.micro_batches))
-        for key in ("pass_seconds", "old_logprob_seconds", "forwarded_sequences", "received", "owned",
-                    "padded_tokens", "dp_rank"):
-            rec[f"rank/{key}"] = [x[key] for x in ranks]
-        # The update ends in the DP gradient all-reduce, where a lighter rank idles until the
-        # heaviest arrives: that hides imbalance in pass_seconds. The old-policy pass has no
-        # DP collective, so its spread is the measured cost of unequal workloads.
-        pass_seconds = [x["pass_seconds"] for x in ranks]
-        rec.update(wait_stats(pass_seconds))
-        rec["rank/wait_seconds"] = [max(pass_seconds) - t for t in pass_seconds]
-        old_s = [x["old_logprob_seconds"] for x in ranks]
-        rec["rank/old_logprob_imbalance"] = max(old_s) / (sum(old_s) / len(old_s)) if sum(old_s) > 0 else 1.0
-        rec["rank/old_logprob_wait_mean"] = sum(max(old_s) - t for t in old_s) / len(old_s)
-        rec["data/epoch"] = self.sampler.epochs_float
-        rec["sys/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        return rec
+        return step_record(r, self.rollout, self.planner, self.sampler, batch, surv, rows, old, ref, upd,
+                           timer.seconds, t_step)
 
     # ------------------------------------------------------------------ eval, sync, checkpoints
     def _sync_engine(self) -> None:
@@ -445,28 +396,17 @@ class Trainer:
                                barrier=lambda: self.rollout.barrier(slow=True))
 
     def _resume(self) -> None:
-        """The newest checkpoint every rank can read; a truncated or corrupt one is named and
-        skipped (its predecessor has all the accounting up to its own step)."""
-        found = checkpoints(self.out)
-        if not found:
-            raise FileNotFoundError(f"--resume: no checkpoint under {self.out / 'checkpoints'}; "
-                                    "run without --resume to start")
-        for i, path in enumerate(found):
-            try:
-                state, policy = load_checkpoint(path, self.rollout.rank)
-                error = None
-            except CorruptCheckpoint as exc:
-                state = policy = None
-                error = str(exc)
-            bad = self.rollout.reduce_max(torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64))
-            if float(bad[0]) == 0:
-                break
-            if self.is_main:
-                after = f"falling back to {found[i + 1].name}" if i + 1 < len(found) else "no older checkpoint left"
-                print(f"--resume: checkpoint {path.name} is truncated or corrupt "
-                      f"({error or 'unreadable on another rank'}); {after}", file=sys.stderr, flush=True)
-        else:
-            raise FileNotFoundError(f"--resume: no readable checkpoint under {self.out / 'checkpoints'}")
+        """The newest checkpoint every rank can read (``checkpoint.find_checkpoint``: a truncated
+        or corrupt one is named and skipped)."""
+
+        def any_rank_failed(failed: bool) -> bool:
+            return float(self.rollout.reduce_max(torch.tensor([float(failed)], dtype=torch.float64))[0]) > 0
+
+        def log(line: str) -> None:
+            print(line, file=sys.stderr, flush=True)
+
+        path, state, policy = find_checkpoint(self.out, self.rollout.rank, any_rank_failed=any_rank_failed,
+                                              log=log if self.is_main else None)
         self.sampler.load_state_dict(state["sampler"])
         self.planner.load_state_dict(state["planner"])
         self.step = state["step"]
@@ -498,38 +438,6 @@ class Trainer:
 
     def close(self) -> None:
         self.rollout.close()
-
-
-class _StopRequest:
-    """SIGINT / SIGTERM while active: the first asks the loop to stop at the next step
-    boundary; repeats within ``REPEAT_WINDOW_S`` are the same request; a later one raises
-    KeyboardInterrupt (abandon the step now)."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.first_at = 0.0
-        self.previous: dict = {}
-
-    def _handler(self, signum, frame) -> None:
-        now = time.monotonic()
-        if not self.requested:
-            self.requested, self.first_at = True, now
-            print(f"\n{signal.Signals(signum).name}: finishing the current step, then a checkpoint "
-                  f"(signal again after {REPEAT_WINDOW_S:.0f} s to abandon the step)", file=sys.stderr, flush=True)
-        elif now - self.first_at > REPEAT_WINDOW_S:
-            raise KeyboardInterrupt
-
-    def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self.previous[sig] = signal.signal(sig, self._handler)
-            except ValueError:  # not the main thread: signals stay as they were
-                pass
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, prev in self.previous.items():
-            signal.signal(sig, prev)
 
 
 class _threads:

@@ -131,3 +131,50 @@ def test_many_items_use_lpt_and_stay_within_tolerance():
     assert part.method.startswith("lpt")
     _check_partition(part, 40_000, 8)
     assert part.gap_to_bound <= 1e-4
+
+
+def _lpt_reference(w: np.ndarray, k: int, equal_size: bool) -> list[list[int]]:
+    """The large-N construction as its docstring states it, one item at a time: items by
+    decreasing workload (ties: lower index); without equal_size the 8k largest go one by one to
+    the least loaded part; then rounds of k items, the round's largest to the least loaded part,
+    its second to the second least loaded, ... (ties: lower part)."""
+    order = sorted(range(w.size), key=lambda i: (-w[i], i))
+    loads = [0.0] * k
+    parts: list[list[int]] = [[] for _ in range(k)]
+    head = 0 if equal_size else min(w.size, 8 * k)
+    for i in order[:head]:
+        r = min(range(k), key=lambda r: (loads[r], r))
+        parts[r].append(i)
+        loads[r] += float(w[i])
+    for start in range(head, w.size, k):
+        chunk = order[start : start + k]
+        ranks = sorted(range(k), key=lambda r: (loads[r], r))[: len(chunk)]
+        for i, r in zip(chunk, ranks):
+            parts[r].append(i)
+            loads[r] += float(w[i])
+    return [sorted(p) for p in parts]
+
+
+@pytest.mark.parametrize("equal_size", [False, True])
+def test_large_n_initial_partition_is_the_documented_lpt(equal_size):
+    """Above KK_MAX_ITEMS items the construction (before the refinement, which would hide a
+    poor start) is the longest-processing-time placement, item by item, not a contiguous
+    split: the k largest items sit in k different parts, every round gives each part one item
+    (equal_size), and the whole partition equals the reference above."""
+    from cppo_megatron.core.balance import KK_MAX_ITEMS
+
+    k, n = 6, KK_MAX_ITEMS + 811
+    # integer workloads (exact float sums), sorted descending so a contiguous split would put
+    # all the largest items in part 0
+    w = np.sort(np.random.default_rng(3).integers(1, 10_000, n).astype(np.float64))[::-1].copy()
+    part = balance_partitions(torch.from_numpy(w), k, equal_size=equal_size, refine=False)
+    assert part.method == "lpt"
+    assert part.parts == _lpt_reference(w, k, equal_size)
+    top = np.argsort(-w, kind="stable")[:k]
+    owner = part.assignment().numpy()
+    assert sorted(owner[top].tolist()) == list(range(k))  # one of the k largest per part
+    if equal_size:
+        assert sorted(len(p) for p in part.parts) == [n // k] * (k - n % k) + [n // k + 1] * (n % k)
+    # LPT's guarantee, which a contiguous split of this input misses by far
+    assert part.max_load <= w.sum() / k + w.max()
+    assert naive_partition(w, k).max_load > 1.5 * part.max_load

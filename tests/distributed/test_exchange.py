@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cppo_megatron import CPPOConfig
-from cppo_megatron.core import prune, sequence_workload
+from cppo_megatron.core import balance_partitions, prune, sequence_workload
 from cppo_megatron.distributed import make_plan, prune_and_exchange, rank_wait_metrics, run_local
 from cppo_megatron.distributed.exchange import GlobalMetadata
 
@@ -49,6 +49,30 @@ CONFIGS = {
 }
 
 
+# 4 ranks x 5 sequences, every one kept (P = 0), equal-size parts: the balancer's parts are
+# [0 2 3 4 13], [7 16 17 18 19], [5 10 11 12 14], [1 6 8 9 15] (global indices; rank r holds
+# 5r .. 5r+4). Each has one rank holding most of it: 4 of 5 on rank 0, 4 on rank 3, 4 on rank 2,
+# 3 on rank 1. So part 0 goes to rank 0, part 1 to rank 3, part 2 to rank 2, part 3 to rank 1,
+# and exactly 5 sequences move: 1 (0 -> 1), 5 (1 -> 2), 7 (1 -> 3), 13 (2 -> 0), 15 (3 -> 1).
+DESIGNED_LENGTHS = [[117, 163, 195, 118, 7], [44, 131, 194, 34, 62], [39, 146, 167, 139, 178],
+                    [185, 120, 154, 28, 80]]
+DESIGNED_CFG = CPPOConfig(pruning_rate=0.0, equal_size=True)
+DESIGNED_RECEIVED = [[0, 2, 3, 4, 13], [1, 6, 8, 9, 15], [5, 10, 11, 12, 14], [7, 16, 17, 18, 19]]
+
+
+def majority_owner_assignment(parts, owners, world) -> list:
+    """Reference for the balanced plan: rank -> the balancer part it trains. Parts go, largest
+    overlap first, to the rank already holding most of their items (ties: lower part, then lower
+    rank); each rank takes one part."""
+    pairs = sorted((-int((owners[p] == r).sum()), i, r) for i, p in enumerate(parts) for r in range(world))
+    out, used_parts = [None] * world, set()
+    for _, i, r in pairs:
+        if out[r] is None and i not in used_parts:
+            out[r] = parts[i]
+            used_parts.add(i)
+    return out
+
+
 def _worker(rank, world):
     d = local_slice(global_data(), rank)
     out = {}
@@ -75,6 +99,14 @@ def _worker(rank, world):
             metrics=res.metrics,
         )
     out["wait"] = rank_wait_metrics(float(rank + 1))
+    # the hand-checked balanced plan (test_balanced_parts_go_to_the_rank_holding_most_of_them)
+    lengths = torch.tensor(DESIGNED_LENGTHS[rank])
+    ids = [torch.tensor([5 * rank + i]) for i in range(len(lengths))]  # each row names its global index
+    res = prune_and_exchange({"id": ids}, torch.rand(len(lengths), dtype=torch.float64),
+                             torch.full((len(lengths),), rank), lengths, DESIGNED_CFG, step=0)
+    out["designed"] = dict(global_index=res.global_index, ids=[int(t) for t in res.fields["id"]],
+                           dest=res.handle.plan.dest, method=res.handle.plan.method,
+                           transfers=res.handle.plan.transfer_counts(), metrics=res.metrics)
     return out
 
 
@@ -149,9 +181,33 @@ def test_exchange_preserves_moves_and_returns(results, name):
     if name == "importance":  # known weights: 1/pi > 1 for the sampled rows of the signal groups
         w = torch.cat([r["weights"] for r in per_rank])
         assert bool((w >= 1).all()) and bool((w > 1).any())
-    if name == "group_equal":
+    if name == "group_equal":  # the balancer's equal-size parts, each on the rank holding most of it
         sizes = [r["global_index"].numel() for r in per_rank]
         assert max(sizes) - min(sizes) <= 1
+        owners = torch.repeat_interleave(torch.arange(world), torch.tensor(COUNTS))[kept]
+        part = balance_partitions(work[kept], world, equal_size=True)
+        want = majority_owner_assignment([torch.tensor(p, dtype=torch.int64) for p in part.parts], owners, world)
+        got = [r["global_index"].tolist() for r in per_rank]
+        assert got == [sorted(kept[p].tolist()) for p in want]
+        stay = sum(int((owners[p] == rank).sum()) for rank, p in enumerate(want))
+        assert per_rank[0]["metrics"]["cppo/exchange_moved_sequences"] == kept.numel() - stay
+        assert per_rank[0]["metrics"]["cppo/exchange_keep_local_plan"] == 0.0
+
+
+def test_balanced_parts_go_to_the_rank_holding_most_of_them(results):
+    """The balanced plan (equal-size parts) on 4 real gloo ranks, by value: which rank gets which
+    rows, the rows themselves, and how many sequences move (DESIGNED_* above)."""
+    d = [r["designed"] for r in results]
+    lengths = torch.tensor(sum(DESIGNED_LENGTHS, []))
+    part = balance_partitions(sequence_workload(lengths.double()), 4, equal_size=True)
+    assert part.parts == [[0, 2, 3, 4, 13], [7, 16, 17, 18, 19], [5, 10, 11, 12, 14], [1, 6, 8, 9, 15]]
+    assert [r["method"] for r in d] == ["balanced"] * 4
+    assert [r["global_index"].tolist() for r in d] == DESIGNED_RECEIVED
+    assert [r["ids"] for r in d] == DESIGNED_RECEIVED  # the rows themselves travelled there
+    assert d[0]["dest"].tolist() == [0, 1, 0, 0, 0, 2, 1, 3, 1, 1, 2, 2, 2, 0, 2, 1, 3, 3, 3, 3]
+    assert d[0]["transfers"].tolist() == [[4, 1, 0, 0], [0, 3, 1, 1], [1, 0, 4, 0], [0, 1, 0, 4]]
+    assert [r["metrics"]["cppo/exchange_moved_sequences"] for r in d] == [5.0] * 4
+    assert d[0]["metrics"]["cppo/exchange_kept_sequences"] == 20.0
 
 
 def test_rank_wait_metrics(results):

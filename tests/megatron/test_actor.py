@@ -43,7 +43,13 @@ def _worker(rank, world):
     after = actor.logprobs(seqs)
     exported = actor.hf_state_dict()
     cm.destroy_parallel()
-    return dict(before=before, after=after, exported=exported, metrics=metrics)
+    # metric=importance through step(): one update (mu = 1, no KL) of a fresh actor
+    imp = cm.MegatronActor(hf.config, hf.state_dict(), cm.ActorConfig(lr=1e-3, mu=1, clip_grad=0.0,
+                                                                     loss=cm.PolicyLossConfig(kl_coef=0.0)))
+    res = imp.step(seqs[mine], masks[mine], rewards[mine], gids[mine], CPPOConfig(metric="importance", **CPPO), step=0)
+    importance = dict(loss=res.metrics["train/loss"], received=res.exchange.global_index.tolist())
+    cm.destroy_parallel()
+    return dict(before=before, after=after, exported=exported, metrics=metrics, importance=importance)
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +81,23 @@ def test_actor_steps_learn_and_sync(results):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     for k, v in results[1]["exported"].items():
         assert torch.equal(v, r0["exported"][k])
+
+
+def test_actor_step_trains_the_importance_weighted_loss(results):
+    """metric=importance through ``MegatronActor.step``: the survivors carry 1/pi (pi from |A|
+    within each group of G = 4, summing to k = 2) and the loss divides by every generated
+    response token, so the first update's loss (ratio 1: -A per token) is the HT estimate
+    sum_kept (1/pi_i) (-A_i) T_i / T_all, the same on both DP ranks."""
+    from cppo_megatron.core import group_advantages, inclusion_probabilities
+
+    seqs, masks, rewards, gids = rollouts()
+    kept = prune(rewards, gids, CPPOConfig(metric="importance", **CPPO), step=0).selection.kept.tolist()
+    assert sorted(i for r in results for i in r["importance"]["received"]) == kept
+    adv, _ = group_advantages(rewards, gids)
+    scores = adv.abs().double().reshape(-1, G)
+    pi = inclusion_probabilities(scores, torch.ones_like(scores, dtype=torch.bool),
+                                 torch.full((N // G,), 2, dtype=torch.int64)).reshape(-1)
+    tokens = [int(m.sum()) for m in masks]
+    want = sum(-float(adv[i]) / float(pi[i]) * tokens[i] for i in kept) / sum(tokens)
+    assert max(1.0 / float(pi[i]) for i in kept) > 1.0  # the weights are not all 1 here
+    assert [r["importance"]["loss"] for r in results] == pytest.approx([want, want], rel=1e-4, abs=1e-6)

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from cppo_megatron.core import group_advantages
+from cppo_megatron.core import group_advantages, inclusion_probabilities, prune
 from cppo_megatron.trainer import Trainer
 from cppo_megatron.trainer.policy import HFPolicy, KeptBatch, forward_logprobs
 
@@ -47,50 +47,117 @@ def test_weights_reach_the_update_loss(micro_recipe):
                         weights=torch.ones(2))
 
 
+def expected_importance(batch, cfg, k: int) -> tuple[torch.Tensor, float, float]:
+    """From first principles, for a step's ``RolloutBatch``: [N] 1/pi of every row (pi
+    proportional to |A| within its group of G, summing to k, capped at 1), and the full
+    generated batch's (response tokens, rows) — every valid row, kept or pruned."""
+    rows = batch.valid_rows
+    G = batch.group_size
+    adv, _ = group_advantages(batch.rewards[rows], batch.group_ids[rows], eps=cfg.eps)
+    scores = adv.abs().double().reshape(-1, G)
+    pi = inclusion_probabilities(scores, torch.ones_like(scores, dtype=torch.bool),
+                                 torch.full((scores.shape[0],), k, dtype=torch.int64))
+    inv = torch.full((batch.num_rows,), float("nan"), dtype=torch.float64)
+    inv[rows] = 1.0 / pi.reshape(-1)
+    return inv, float(batch.completion_lengths[rows].sum()), float(rows.numel())
+
+
+def ht_token_mean_loss(advantages, weights, tokens, full_tokens: float) -> float:
+    """The first update of a step (ratio 1: the behaviour policy is the current one, so the
+    clipped surrogate is -A per token): the Horvitz-Thompson token mean
+    sum_i w_i (-A_i) T_i over the full batch's tokens."""
+    return sum(-float(a) * float(w) * int(t) for a, w, t in zip(advantages, weights, tokens)) / full_tokens
+
+
 def test_trainer_passes_selection_weights_and_full_denominators(micro_recipe, monkeypatch):
+    """HF backend, metric=importance, P = 0.5 of G = 4 (k = 2): the update receives, row by row,
+    the 1/pi of the survivor it trains (computed here from the step's rewards) and the whole
+    generated batch's token and row counts, and its loss is the HT loss with them."""
+    import cppo_megatron.trainer.loop as loop
+
     t = Trainer(micro_recipe("cppo.metric=importance", "cppo.pruning_rate=0.5", "rollout.group_size=4"))
     t.prepare(initial_eval=False)
     seen = {}
-    from cppo_megatron.trainer import step as step_module
+    real_select = loop.select_survivors
 
-    real_prune = step_module.prune
-
-    def spy_prune(*a, **k):
-        res = real_prune(*a, **k)
-        seen["selection"] = res.selection
-        return res
+    def spy_select(batch, cfg, planner, *, step):
+        seen["surv"] = real_select(batch, cfg, planner, step=step)
+        seen["batch"] = batch
+        return seen["surv"]
 
     real_update = t.policy.hf.update
 
     def spy_update(batch, mbs, adv, old, ref, **kw):
-        seen["kw"] = kw
-        seen["batch"] = batch
+        seen["kw"], seen["kept_batch"], seen["adv"] = kw, batch, adv
         return real_update(batch, mbs, adv, old, ref, **kw)
 
-    monkeypatch.setattr(step_module, "prune", spy_prune)
+    monkeypatch.setattr(loop, "select_survivors", spy_select)
     monkeypatch.setattr(t.policy.hf, "update", spy_update)
     rec = t.step_once()
-    sel, kw = seen["selection"], seen["kw"]
-    assert torch.equal(kw["weights"], sel.weights) and sel.weighted
-    assert kw["num_seqs"] == rec["cppo/num_completions"] == sel.num_total
-    assert kw["num_tokens"] >= sum(len(c) for c in seen["batch"].completions)
-    assert float(sel.weights.min()) >= 1.0  # 1/pi
+    batch, surv, kw = seen["batch"], seen["surv"], seen["kw"]
+    inv_pi, full_tokens, full_rows = expected_importance(batch, t.r.cppo, k=2)
+    kept = surv.kept
+    assert seen["kept_batch"].completions == [batch.completions[i] for i in kept.tolist()]  # row i = kept[i]
+    got = kw.get("weights")  # None (or missing): the update would weigh every survivor 1
+    assert ([] if got is None else got.tolist()) == pytest.approx(inv_pi[kept].tolist(), rel=1e-6)
+    assert max(inv_pi[kept].tolist()) >= 2.0  # P = 0.5: every pi <= 1/2 except where |A| forces certainty
+    # the denominators are the full generated batch's, not the kept set's
+    kept_tokens = sum(len(c) for c in seen["kept_batch"].completions)
+    assert (kw.get("num_tokens"), kw.get("num_seqs")) == (full_tokens, full_rows) == (
+        float(batch.completion_lengths.sum()), float(batch.num_rows))
+    assert full_tokens > kept_tokens and rec["cppo/num_completions"] == full_rows == 32.0
+    want = ht_token_mean_loss(seen["adv"], inv_pi[kept], [len(c) for c in seen["kept_batch"].completions],
+                              full_tokens)
+    assert rec["train/loss"] == pytest.approx(want, rel=1e-5, abs=1e-7)
 
 
 def test_keep_mass_trains_with_fill_rounds(micro_recipe):
-    # f = 0.3 keeps about one completion per group with signal, none of the flat groups: the
-    # first round (planned at G/2 = 2 survivors per prompt) cannot fill the capacity of 16
+    """f = 0.3 keeps about one completion per group with signal, none of the flat groups: the
+    first round (planned at G/2 = 2 survivors per prompt) cannot fill the capacity of 16, so
+    fill rounds draw more prompts, and they stop at the first round after which the
+    survivors (recomputed here over the prompts drawn so far) reach the capacity — not
+    before, not later, and well within max_refill_rounds."""
+    import cppo_megatron.trainer.loop as loop
+
     t = Trainer(micro_recipe("cppo.pruning_rate=null", "cppo.keep_mass=0.3", "rollout.group_size=4",
                              "train.steps=2"))
     t.prepare(initial_eval=False)
-    first = t.step_once()
-    assert first["alloc/prompts_planned"] == 8 and first["alloc/fill_rounds"] >= 1
-    assert first["alloc/prompts_drawn"] > 8
-    for rec in (first, t.step_once()):
-        # the fill rounds stop when the survivors fill the capacity (16) or after max_refill_rounds
-        assert rec["cppo/num_kept"] >= 16 or rec["alloc/fill_rounds"] == t.r.cppo.max_refill_rounds
-        assert rec["alloc/prompts_drawn"] * 4 == rec["cppo/num_completions"]
-        assert rec["cppo/kept_per_group_max"] <= 4 and rec["cppo/weight_max"] == 1.0
+    batches, draws = [], []
+    real_select, real_draw = loop.select_survivors, t.sampler.draw
+
+    def select(batch, cfg, planner, *, step):
+        batches.append(batch)
+        return real_select(batch, cfg, planner, step=step)
+
+    def draw(n):
+        draws[-1].append(n)
+        return real_draw(n)
+
+    loop.select_survivors, t.sampler.draw = select, draw
+    try:
+        recs = []
+        for _ in range(2):
+            draws.append([])
+            recs.append(t.step_once())
+    finally:
+        loop.select_survivors = real_select
+    assert recs[0]["alloc/prompts_planned"] == 8 and recs[0]["alloc/fill_rounds"] >= 1
+    G, capacity, limit = 4, 16, t.r.cppo.max_refill_rounds
+    for rec, batch, rounds in zip(recs, batches, draws):
+        step = int(rec["step"]) - 1
+
+        def kept_after(prompts: int) -> int:  # the keep_mass selection over the first `prompts` prompts
+            rows = torch.arange(prompts * G)
+            return int(prune(batch.rewards[rows], rows // G, t.r.cppo, step=step).selection.num_kept)
+
+        drawn = [sum(rounds[: i + 1]) for i in range(len(rounds))]
+        assert (rounds[0], len(rounds) - 1, drawn[-1]) == (rec["alloc/prompts_planned"], rec["alloc/fill_rounds"],
+                                                           rec["alloc/prompts_drawn"])
+        assert rec["alloc/fill_rounds"] < limit  # stopped because full, not at the limit
+        assert kept_after(drawn[-1]) == rec["cppo/num_kept"] >= capacity
+        assert [kept_after(d) < capacity for d in drawn[:-1]] == [True] * (len(drawn) - 1)  # each earlier round fell short
+        assert rec["alloc/prompts_drawn"] * G == rec["cppo/num_completions"]
+        assert rec["cppo/kept_per_group_max"] <= G and rec["cppo/weight_max"] == 1.0
 
 
 def _megatron_importance_worker(rank, world, root):
@@ -112,6 +179,7 @@ def _megatron_importance_worker(rank, world, root):
 
     def update(self, sequences, masks, advantages, *a, **kw):
         seen["kw"], seen["n"] = kw, len(sequences)
+        seen["adv"], seen["tokens"] = torch.as_tensor(advantages).tolist(), [int(m.sum()) for m in masks]
         return real_update(self, sequences, masks, advantages, *a, **kw)
 
     def place(self, *a, **kw):
@@ -130,25 +198,32 @@ def _megatron_importance_worker(rank, world, root):
     finally:
         loop.select_survivors, MegatronActor.update, MegatronBackend.place = real_select, real_update, real_place
     surv, batch, kw = seen["surv"], seen["batch"], seen["kw"]
-    valid = batch.valid_rows
-    return {"weights": kw["weights"].tolist(), "n": seen["n"], "full": kw["full_denominators"],
-            "row_weights": surv.weights[seen["rows"].rows].tolist(),
-            "expected_full": (float(batch.completion_lengths[valid].sum()), float(valid.numel())),
-            "sel_weights": sorted(surv.prune.selection.weights.tolist()), "num_kept": rec["cppo/num_kept"]}
+    inv_pi, full_tokens, full_rows = expected_importance(batch, t.r.cppo, k=2)  # MICRO: P = 0.5 of G = 4
+    rows = seen["rows"].rows
+    got = kw.get("weights")
+    return {"weights": [] if got is None else torch.as_tensor(got).tolist(), "n": seen["n"],
+            "full": kw.get("full_denominators"), "rows": rows.tolist(), "expected_weights": inv_pi[rows].tolist(),
+            "expected_full": (full_tokens, full_rows), "all_expected": inv_pi[surv.kept].tolist(),
+            "adv": seen["adv"], "tokens": seen["tokens"], "loss": rec["train/loss"], "num_kept": rec["cppo/num_kept"]}
 
 
 def test_megatron_backend_passes_importance_weights_and_full_denominators(tmp_path):
-    """backend=megatron (DP 2): each rank's update gets the 1/pi weights of exactly the
-    survivors it received and the full generated batch's (tokens, sequences)."""
+    """backend=megatron (DP 2): each rank's update gets the 1/pi weights (computed here from the
+    step's rewards) of exactly the survivors it received and the full generated batch's
+    (tokens, sequences), and the step's loss is the HT loss over both ranks with them."""
     pytest.importorskip("megatron.core")
     from cppo_megatron.distributed import run_local
 
     results = run_local(_megatron_importance_worker, 2, tmp_path / "run", timeout=300)
     received = sorted(w for r in results for w in r["weights"])
-    assert received == pytest.approx(results[0]["sel_weights"])  # every survivor once, with its 1/pi
-    assert sum(r["n"] for r in results) == results[0]["num_kept"]
+    assert received == pytest.approx(sorted(results[0]["all_expected"]), rel=1e-6)  # every survivor once
+    assert sum(r["n"] for r in results) == results[0]["num_kept"] == len(results[0]["all_expected"])
     assert max(received) > 1.0  # P = 0.5 of G = 4: some pi < 1
     for r in results:
-        assert r["weights"] == r["row_weights"]  # aligned with the rows this rank received
+        assert r["weights"] == pytest.approx(r["expected_weights"], rel=1e-6)  # aligned with its rows
         assert r["full"] == r["expected_full"] == results[0]["expected_full"]
         assert r["full"][1] == 32.0  # every generated row, kept or pruned: 16 / k=2 prompts x G=4
+    want = sum(-a * w * t for r in results for a, w, t in zip(r["adv"], r["expected_weights"], r["tokens"]))
+    want /= results[0]["expected_full"][0]
+    for r in results:
+        assert r["loss"] == pytest.approx(want, rel=1e-4, abs=1e-6)

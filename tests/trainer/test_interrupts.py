@@ -1,12 +1,16 @@
 """`cppo-megatron train` (backend hf) as a user runs it: SIGTERM during an update exits 130
 with a checkpoint; a truncated latest checkpoint is named on --resume and the one before
-is used; the resumed run repeats the uninterrupted run's per-step metrics."""
+is used; the resumed run repeats the uninterrupted run's per-step metrics. Ctrl-C outside
+the RL loop (the warm-up, a bench command) exits 130 too."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -101,3 +105,69 @@ def test_abandoned_step_is_repeated_on_resume(tmp_path, where):
     for ra, rb in zip(a, b):
         for key in KEYS:
             assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-6), (ra["step"], key)
+
+
+def _interrupt_when_started(cmd: list, started, cwd, timeout: float = 240.0) -> tuple[int, str, str, float]:
+    """Run ``cmd`` as a user does, send it SIGINT (a Ctrl-C) once ``started(stdout_so_far)`` is
+    true, and return (exit status, stdout, stderr, seconds from the signal to the exit)."""
+    env = {k: v for k, v in os.environ.items() if k != "CPPO_MEGATRON_FAULT"}
+    env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1",
+               OMP_NUM_THREADS="1")
+    out_path, err_path = cwd / "stdout.txt", cwd / "stderr.txt"
+    with out_path.open("w") as out, err_path.open("w") as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err)
+        try:
+            deadline = time.monotonic() + timeout
+            while not started(out_path.read_text()):
+                assert proc.poll() is None, f"exited {proc.returncode} before it started: {err_path.read_text()[-2000:]}"
+                assert time.monotonic() < deadline, f"did not start within {timeout:.0f} s"
+                time.sleep(0.2)
+            assert proc.poll() is None, "finished before the signal: make the command longer"
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(timeout=120)
+            waited = time.monotonic() - sent
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return code, out_path.read_text(), err_path.read_text(), waited
+
+
+def _warmup_logged(out):
+    def started(_stdout: str) -> bool:
+        metrics = out / "metrics.jsonl"
+        return metrics.exists() and any(json.loads(line).get("kind") == "warmup"
+                                        for line in metrics.read_text().splitlines() if line.strip())
+    return started
+
+
+@pytest.mark.parametrize("where", ["warm-up", "bench"])
+def test_ctrl_c_outside_the_rl_loop_exits_130(tmp_path, where):
+    """SIGINT to a real `cppo-megatron` process during the supervised warm-up (before any RL
+    step, so the loop's own stop handling is not installed yet) and during `bench balance`:
+    the CLI says `interrupted` and exits 130, not 0, and the run does not go on."""
+    if where == "warm-up":
+        out = tmp_path / "run"
+        cmd = [sys.executable, "-m", "cppo_megatron.cli", "train", recipe_path("tiny_cpu"), *MICRO,
+               f"out_dir={out}", "warmup.enabled=true", "warmup.max_steps=100000", "warmup.eval_every=100000",
+               "warmup.target_accuracy=1.0", "warmup.eval_problems=5"]
+        started = _warmup_logged(out)
+    else:
+        out = tmp_path / "bench"
+        cmd = [sys.executable, "-m", "cppo_megatron.cli", "bench", "balance", "--distributions", "uniform",
+               "--ranks", "2,256", "--items-per-rank", "20000", "--equal-size", "off", "--repeats", "50", "--no-verl",
+               "--no-plot", "--out", str(out)]
+
+        def started(stdout: str) -> bool:
+            return "balance: uniform   k=2 " in stdout  # the first row is done; k=256 takes minutes
+
+    code, stdout, stderr, waited = _interrupt_when_started(cmd, started, tmp_path)
+    assert (code, stderr.strip().splitlines()[-1]) == (130, "interrupted"), stderr[-2000:]
+    assert "Traceback" not in stderr and "done:" not in stdout
+    assert waited < 60  # it stopped at the signal, not at the end of the work
+    if where == "warm-up":
+        steps = [r for r in read_metrics(out / "metrics.jsonl") if r.get("kind") == "step"]
+        assert steps == [] and not (out / "warmup.pt").exists() and not (out / "final.pt").exists()
+    else:
+        assert not (out / "balance.json").exists()  # the report of an unfinished benchmark is not written

@@ -156,6 +156,34 @@ def test_few_unfit_rows_warn_with_the_count_and_most_are_an_error(tmp_path):
     assert check_inputs(load_recipe(TINY, base + ["rollout.max_new_tokens=126"])).warnings == ()
 
 
+def test_unfit_rows_at_exactly_the_error_fraction_are_an_error_one_fewer_a_warning(tmp_path):
+    """The boundary itself: with 20 rows, 10 unfit (= FIT_ERROR_FRACTION x 20) is an error,
+    9 unfit a warning that names the count."""
+    assert FIT_ERROR_FRACTION == 0.5  # the counts below sit on this boundary
+
+    def rows(long: int, offset: int) -> list[dict]:  # 10 rows, the first `long` with the 126-byte answer
+        return [GSM_ROW if i < long else dict(GSM_ROW, answer=f"short\n#### {offset + i}") for i in range(10)]
+
+    def recipe(train_long: int, test_long: int):
+        train, test = tmp_path / f"train{train_long}.jsonl", tmp_path / f"test{test_long}.jsonl"
+        train.write_text("\n".join(json.dumps(r) for r in rows(train_long, 0)))
+        test.write_text("\n".join(json.dumps(r) for r in rows(test_long, 100)))
+        return load_recipe(TINY, ["task.name=gsm8k", f"task.path={train}", f"task.test_path={test}",
+                                  "model.max_position=400", "rollout.max_new_tokens=20"])
+
+    def verdict(r) -> tuple:
+        try:
+            return ("warnings", check_inputs(r).warnings)
+        except RecipeError as exc:
+            return ("error", str(exc))
+
+    problem = ("task gsm8k does not fit the model: {} of 20 reference answers are longer than "
+               "rollout.max_new_tokens=20 tokens (longest 126); raise rollout.max_new_tokens to >= 126, or use "
+               "shorter data")
+    assert verdict(recipe(5, 5)) == ("error", problem.format(10))
+    assert verdict(recipe(5, 4)) == ("warnings", ("warning: " + problem.format(9),))
+
+
 def test_default_recipe_fits():
     inputs = check_inputs(load_recipe(TINY))
     assert inputs.warnings == () and inputs.fit.too_long_for_rollout == inputs.fit.too_long_for_positions == 0

@@ -51,6 +51,7 @@ from ...core import (
     prune,
     sequence_workload,
 )
+from . import audit
 
 logger = logging.getLogger(__name__)
 
@@ -276,6 +277,8 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
         int(metrics["cppo/num_groups"]), int(metrics["cppo/groups_fully_pruned"]),
     )  # fmt: skip
     maker._cppo_last_metrics = metrics
+    if audit.enabled():
+        audit.record_prune(rollout_samples, rewards, group_ids, selection.kept, order_out.tolist(), step)
     return survivors
 
 

@@ -2,6 +2,10 @@
 plain GRPO) and an ``openrlhf`` section (``train_ppo_ray`` flags without the leading
 ``--``; ``true`` is a switch, ``false`` leaves it off, a list gives several values).
 
+A ``cpu`` section runs the recipe on a machine without a GPU (``cpu/prepare.py``); a CPU
+override file (``--cpu FILE``: its ``cpu`` section and ``openrlhf`` flags, applied over the
+recipe's) runs a cluster recipe there at toy size (``merge_cpu_override``).
+
 ``${RECIPE_DIR}`` in a value is the recipe's folder (e.g. a reward function shipped
 next to it); other ``${VAR}`` are taken from the environment.
 """
@@ -16,7 +20,7 @@ import yaml
 
 from ...config import FIELD_NAMES
 
-SECTIONS = ("description", "cppo", "openrlhf")
+SECTIONS = ("description", "cppo", "openrlhf", "cpu")
 
 
 def load_recipe(path: str | os.PathLike) -> dict[str, Any]:
@@ -67,3 +71,28 @@ def launcher_argv(recipe: dict[str, Any]) -> list[str]:
     cppo = recipe.get("cppo")
     head = ["--cppo.off"] if cppo is None else [f"--cppo.{k}={yaml.safe_dump(v).splitlines()[0]}" for k, v in cppo.items()]
     return head + openrlhf_flags(recipe)
+
+
+def merge_cpu_override(recipe: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
+    """``recipe`` with a CPU override file applied: the file's ``cpu`` section replaces the
+    recipe's, its ``openrlhf`` flags replace the recipe's values of the same flags (the rest of
+    the recipe stays as written). The file may hold only ``description``, ``cpu`` and ``openrlhf``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"cpu override {str(path)!r} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"cpu override {path}: expected a mapping at the top")
+    unknown = sorted(set(data) - {"description", "cpu", "openrlhf"})
+    if unknown:
+        raise ValueError(f"cpu override {path}: unknown section(s) {unknown}; known: description, cpu, openrlhf")
+    if not isinstance(data.get("openrlhf") or {}, dict):
+        raise ValueError(f"cpu override {path}: 'openrlhf' must map flags to values")
+    out = dict(recipe)
+    out["cpu"] = data.get("cpu") or {}
+    flags = dict(recipe["openrlhf"])
+    for key, value in (data.get("openrlhf") or {}).items():
+        flags[key] = value
+    out["openrlhf"] = flags
+    out["_cpu_override"] = str(path.resolve())
+    return out

@@ -181,29 +181,56 @@ def allocate(cfg: CPPOConfig, forwarded: list[str], args: Any) -> tuple[list[str
     return kept + [BATCH_FLAG, str(after)], before, after
 
 
-def ray_runtime_env(cfg: CPPOConfig) -> dict:
-    """The Ray job environment that carries the hook into every worker."""
+def ray_runtime_env(cfg: CPPOConfig | None) -> dict:
+    """The Ray job environment that carries the hook (and, when on, the CPU mode, audit and
+    metrics settings) into every worker."""
+    from . import audit, cpu, metrics
+    from .worker import HOOK
+
     env = {k: os.environ.get(k, v) for k, v in OPENRLHF_RAY_ENV_DEFAULTS.items()}
-    env[hook.ENV_CONFIG] = json.dumps(cfg.to_dict())
-    return {
-        "env_vars": env,
-        "worker_process_setup_hook": "cppo_megatron.integrations.openrlhf.hook.setup_ray_worker",
-    }
-
-
-def launch(forwarded: list[str], cfg: CPPOConfig | None) -> None:
-    """Start Ray with the hook in the workers' setup, then run OpenRLHF's __main__ block."""
     if cfg is not None:
+        env[hook.ENV_CONFIG] = json.dumps(cfg.to_dict())
+    if cpu.enabled():
+        from .cpu.prepare import PATH_VARS
+
+        names = [*cpu.worker_env(), *PATH_VARS.values(), "TORCH_EXTENSIONS_DIR", "PATH", metrics.EVAL_BEFORE_ENV]
+        env.update({k: os.environ[k] for k in names if k in os.environ})
+    for name in (audit.ENV, metrics.ENV):
+        if os.environ.get(name):
+            env[name] = os.environ[name]
+    return {"env_vars": env, "worker_process_setup_hook": HOOK}
+
+
+def launch(forwarded: list[str], cfg: CPPOConfig | None, num_gpus: int | None = None) -> None:
+    """Start Ray with our worker setup hook (CPPO hook, CPU mode, audit, metrics), then run
+    OpenRLHF's __main__ block. ``num_gpus``: logical GPUs for a CPU run."""
+    from . import audit, cpu, metrics
+    from .worker import setup
+
+    ours = cfg is not None or cpu.enabled() or audit.enabled() or bool(os.environ.get(metrics.ENV))
+    if ours:
         runtime_env = ray_runtime_env(cfg)
-        os.environ[hook.ENV_CONFIG] = runtime_env["env_vars"][hook.ENV_CONFIG]
-        hook.setup_ray_worker()  # this (driver) process as well
+        if cfg is not None:
+            os.environ[hook.ENV_CONFIG] = runtime_env["env_vars"][hook.ENV_CONFIG]
+        setup()  # this (driver) process as well
         import ray
 
         if ray.is_initialized():
             raise RuntimeError("Ray is already initialised in this process; the CPPO worker setup hook cannot be added")
-        ray.init(runtime_env=runtime_env)
+        kwargs: dict[str, Any] = {"runtime_env": runtime_env}
+        if cpu.enabled():
+            # OpenRLHF's placement bundles ask for {"GPU": 1, "CPU": 1}: logical slots, not hardware
+            slots = int(num_gpus or 16)
+            kwargs.update(num_gpus=slots, num_cpus=slots, include_dashboard=False)
+        ray.init(**kwargs)
     sys.argv = [OPENRLHF_MODULE, *forwarded]
-    runpy.run_module(OPENRLHF_MODULE, run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module(OPENRLHF_MODULE, run_name="__main__", alter_sys=True)
+    finally:
+        if ours:
+            import ray
+
+            ray.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,10 +245,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def run_argv(argv: list[str]) -> int:
+def run_argv(argv: list[str], cpu_num_gpus: int | None = None) -> int:
     """The launcher without its error printing: ValueError names a bad flag or value (the
-    `cppo-megatron` CLI prints it on one line, exit 2; `main` does the same here)."""
+    `cppo-megatron` CLI prints it on one line, exit 2; `main` does the same here).
+    With the CPU mode on (``cpu.enabled()``), the CPU mode's required flags are added."""
+    from . import cpu
+
     values, dry_run, forwarded = split_argv(argv)
+    if cpu.enabled():
+        from .cpu.prepare import required_flags
+
+        forwarded = required_flags(forwarded)
     version = installed_version()
     if version != PINNED_VERSION:
         print(
@@ -236,6 +270,13 @@ def run_argv(argv: list[str]) -> int:
     if cfg is not None:  # after every override: the final rate decides the prompts per step
         forwarded, before, after = allocate(cfg, forwarded, args)
         args = parse_openrlhf_args(forwarded)
+    if cpu.enabled():
+        from .cpu.prepare import max_steps_flags
+
+        steps = max_steps_flags(args.rollout.batch_size)  # the CPU recipe's run length, after allocation
+        if steps:
+            forwarded = forwarded + steps
+            args = parse_openrlhf_args(forwarded)
     command = shlex.join(["python", "-m", OPENRLHF_MODULE, *forwarded])
     if cfg is None:
         print("CPPO off: plain OpenRLHF")
@@ -279,7 +320,7 @@ def run_argv(argv: list[str]) -> int:
         if cfg is not None:
             print(f"patched checkout instead: export {hook.ENV_CONFIG}='{json.dumps(cfg.to_dict())}'")
         return 0
-    launch(forwarded, cfg)
+    launch(forwarded, cfg, num_gpus=cpu_num_gpus)
     return 0
 
 

@@ -6,14 +6,14 @@ plugin append JSON lines to ``DIR/<role>-<pid>.jsonl``:
 - ``prune`` (the pruning hook): every row of the step — its id (V1: TransferQueue key;
   legacy loop: ``cppo_row``, the row's index in the batch that reached the seam), ``uid`` and
   reward — and which rows the core kept;
-- ``old_log_prob`` (``_compute_old_log_prob``): the row ids and padding flags that entered the
-  old-policy pass;
+- ``old_log_prob`` (``_compute_old_log_prob``): the row ids, padding flags and sequence lengths
+  that entered the old-policy pass, in the order veRL dispatches them to its DP ranks;
 - ``update`` (``_update_actor``): the row ids with their uid, reward and advantage (mean over
   the response tokens; GRPO-type advantages are constant along a response) as the update read
   them;
 - ``sync`` (the ``hf`` rollout adapter, leader rank): after each weight sync, the largest
   difference between the server's weights and the actor's tensors it was sent, and a
-  fingerprint (sum of |w|) of those tensors.
+  fingerprint (sum of |w|) of those tensors, in all and per tensor name.
 
 Off (the default) it installs nothing. It reads the batch; it never changes what trains.
 """
@@ -101,7 +101,8 @@ def _v1_old_log_prob(original):
     @functools.wraps(original)
     def _compute_old_log_prob(self, batch, *args, **kwargs):
         rows, pad = _v1_rows(batch)
-        record("old_log_prob", step=int(self.global_steps), loop="v1", rows=rows, padding=pad)
+        record("old_log_prob", step=int(self.global_steps), loop="v1", rows=rows, padding=pad,
+               seq_lens=[int(t["seq_len"]) for t in batch.tags])
         return original(self, batch, *args, **kwargs)
 
     return _compute_old_log_prob
@@ -138,7 +139,8 @@ def _legacy_old_log_prob(original):
     def _compute_old_log_prob(self, batch, *args, **kwargs):
         rows, pad = _legacy_rows(batch)
         record("old_log_prob", step=int(self.global_steps), loop="legacy", rows=rows, padding=pad,
-               uids=[str(u) for u in batch.non_tensor_batch["uid"]])
+               uids=[str(u) for u in batch.non_tensor_batch["uid"]],
+               seq_lens=[int(x) for x in batch.batch["attention_mask"].view(len(batch), -1).sum(-1).tolist()])
         return original(self, batch, *args, **kwargs)
 
     return _compute_old_log_prob

@@ -4,7 +4,8 @@ The plugin wraps ``_balance_batch`` and depends on what runs around it (the V1 s
 the loss-free padding, the mini-batch multiple, how the advantage step calls registered
 estimators). The CPU mode adds the
 platform selection, the process-group, engine-registry and FSDP offload seams it patches, the
-rollout registries and the calls its ``hf`` rollout answers. If any of these change in the
+rollout registries and the calls its ``hf`` rollout answers, and (``MEGATRON_PINNED``) what the
+Megatron engine's CPU seams patch in veRL, mbridge and megatron-core. If any of these change in the
 installed veRL, ``changed()`` names them, so an upgrade fails loudly in the tests instead of silently training something else.
 """
 
@@ -15,7 +16,9 @@ import importlib
 import inspect
 import textwrap
 
-__all__ = ["PINNED", "changed", "source_hash"]
+__all__ = [
+    "MEGATRON_PINNED", "MEGATRON_VERSIONS", "PINNED", "changed", "megatron_installed", "source_hash",
+]
 
 # "module:qualname" -> sha256[:16] of the dedented source, veRL 0.9.1
 PINNED = {
@@ -56,6 +59,61 @@ PINNED = {
 }
 
 
+# veRL's Megatron engine in the CPU mode (cpu/megatron_engine.py, cpu/layer_spec.py): what its six
+# seams patch or rely on, in veRL 0.9.1, mbridge 0.15.1 and megatron-core 0.16.1 (MEGATRON_VERSIONS).
+# Checked when megatron-core and mbridge are installed (the `megatron` and `verl` extras).
+MEGATRON_VERSIONS = {"megatron-core": "0.16.1", "mbridge": "0.15.1"}
+MEGATRON_PINNED = {
+    # engine registry, RNG seeding, the methods run in the engine cpu mode, weight export
+    "verl.workers.engine.megatron.transformer_impl:MegatronEngine.__init__": "dde56a36b872089e",
+    "verl.workers.engine.megatron.transformer_impl:MegatronEngine._build_tf_config": "85bcb1a4443f5702",
+    "verl.workers.engine.megatron.transformer_impl:MegatronEngine.get_per_tensor_param": "0b40de4598b63778",
+    "verl.workers.engine.megatron.transformer_impl:MegatronEngine.get_data_parallel_rank": "c6994d58c156a5d5",
+    "verl.workers.engine.megatron.transformer_impl:MegatronEngineWithLMHead.forward_step": "6e13891d7bd8e4ae",
+    "verl.workers.engine.megatron.utils:set_random_seed": "06f396e65ee537dd",
+    # reads the DDP param buffer: the weight sync needs use_distributed_optimizer=true
+    "verl.utils.megatron_utils:load_megatron_model_to_gpu": "ba09bdb5857910af",
+    # the 2-D [b, s] mask (bshd) and cu_seqlens (thd) the attention seam answers
+    "verl.models.mcore.model_forward:gptmodel_forward_model_engine": "1a884b0a15ca49fd",
+    # mbridge: the TE layer spec replaced, sequence parallel for TP > 1, the provider that calls it
+    "mbridge.core.llm_bridge:LLMBridge._get_transformer_layer_spec": "c3e649e136b70901",
+    "mbridge.core.llm_bridge:LLMBridge._build_base_config": "bdeff588559ab9f9",
+    "mbridge.core.llm_bridge:LLMBridge._model_provider": "0b32228cfbdffaec",
+    # megatron-core: the local spec the TE-free spec edits, the attention and softmax it wraps,
+    # the RNG tracker it replaces, the linear it subclasses, the TP grad all-reduce its norms use,
+    # the optimizer's 'torch.cuda.*Tensor' checks
+    "megatron.core.models.gpt.gpt_layer_specs:get_gpt_layer_local_spec": "3f85262df084a604",
+    "megatron.core.models.gpt.gpt_layer_specs:get_gpt_decoder_block_spec": "5a80dfe0b367358f",
+    "megatron.core.transformer.dot_product_attention:DotProductAttention.forward": "9965ba02d5a3a317",
+    "megatron.core.transformer.attention:Attention.forward": "9893f5b6016c82ef",
+    "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.forward_torch_softmax": "f12995ec9fbc57a5",
+    "megatron.core.tensor_parallel.random:model_parallel_cuda_manual_seed": "7423a4a62741adea",
+    "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork": "d0dff9c6f8d38335",
+    "megatron.core.tensor_parallel.layers:ColumnParallelLinear.forward": "df951b1d7e79db39",
+    "megatron.core.distributed.finalize_model_grads:_allreduce_non_tensor_model_parallel_grads": "591de3cbdd75c68e",
+    "megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__": "fe98719f827f4f1e",
+    # the tracker globals set by seed_cpu_rng_tracker and who reads them
+    "megatron.core.tensor_parallel.random:get_cuda_rng_tracker": "6b91df8078dcd24b",
+    "megatron.core.tensor_parallel.random:initialize_rng_tracker": "4bc461df7c7f7a43",
+    # the fused-softmax switch the attention seam turns off, and its kernel check
+    "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.forward": "2f187ec89f647f80",
+    "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.is_kernel_available": "e6f289693d6cfc22",
+    # how the TE-free spec's modules are built: the linear subclassed, the modules building
+    # linear_qkv / linear_fc1 and the final norm
+    "megatron.core.tensor_parallel.layers:ColumnParallelLinear.__init__": "35b869813df05fca",
+    "megatron.core.transformer.attention:SelfAttention.__init__": "653e96b767fb9a20",
+    "megatron.core.transformer.mlp:MLP.__init__": "e9ce346b844fd757",
+    "megatron.core.transformer.transformer_block:TransformerBlock._build_layers": "3b2014d35d684f03",
+}
+
+
+def megatron_installed() -> bool:
+    """megatron-core and mbridge are importable (veRL's Megatron engine can be checked)."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("megatron.core", "mbridge"))
+
+
 def _resolve(name: str):
     module_name, qualname = name.split(":")
     obj = importlib.import_module(module_name)
@@ -73,9 +131,12 @@ def source_hash(name: str) -> str:
 
 
 def changed(pinned: dict[str, str] | None = None) -> list[str]:
-    """Names whose installed source differs from the pinned hash (or that are gone)."""
+    """Names whose installed source differs from the pinned hash (or that are gone). By default
+    ``PINNED``, plus ``MEGATRON_PINNED`` when megatron-core and mbridge are installed."""
     out = []
-    for name, digest in (PINNED if pinned is None else pinned).items():
+    if pinned is None:
+        pinned = {**PINNED, **(MEGATRON_PINNED if megatron_installed() else {})}
+    for name, digest in pinned.items():
         try:
             now = source_hash(name)
         except (ImportError, AttributeError, OSError, TypeError) as exc:

@@ -252,7 +252,36 @@ def better_order(seq_lens: list[int], dp_size: int, cfg) -> tuple[list[int] | No
     return ([i for p in part.parts for i in p] if use else None), metrics
 
 
+def dp_token_loads(seq_lens: list[int], dp_size: int) -> list[int]:
+    """Tokens each DP rank receives when ``seq_lens`` (rows in dispatch order) are split the way
+    veRL dispatches a batch to its DP ranks: ``dp_size`` equal contiguous chunks, chunk r to every
+    worker of DP rank r (its TP/PP peers get the same rows)."""
+    n = len(seq_lens)
+    if dp_size < 1 or n % dp_size:
+        raise ValueError(f"dp_token_loads: {n} rows do not split into dp_size={dp_size} equal chunks")
+    chunk = n // dp_size
+    return [int(sum(seq_lens[r * chunk:(r + 1) * chunk])) for r in range(dp_size)]
+
+
+def dp_load_metrics(final_lens: list[int], unbalanced_lens: list[int], dp_size: int) -> dict[str, float]:
+    """``cppo/dp_rank{r}_tokens`` of the order dispatched, and max/mean token imbalance of that
+    order (``cppo/dp_tokens_imbalance``) and of the pruned rows in arrival order, i.e. without any
+    rebalancing (``cppo/dp_tokens_imbalance_unbalanced``)."""
+    if len(final_lens) % max(dp_size, 1) or len(unbalanced_lens) != len(final_lens):
+        return {}
+    out: dict[str, float] = {"cppo/dp_size": float(dp_size)}
+    for name, lens in (("", final_lens), ("_unbalanced", unbalanced_lens)):
+        loads = dp_token_loads(lens, dp_size)
+        mean = sum(loads) / dp_size
+        out[f"cppo/dp_tokens_imbalance{name}"] = max(loads) / mean if mean else 1.0
+        if not name:
+            out.update({f"cppo/dp_rank{r}_tokens": float(x) for r, x in enumerate(loads)})
+    return out
+
+
 def _v1_dp_size(trainer) -> int:
+    # DP rank of each worker, registered from the engine (Megatron: mpu's DP rank, so
+    # world / (TP x PP x CP) ranks; FSDP: every rank): the same number veRL dispatches by
     return max(trainer.actor_rollout_wg._dispatch_info["actor"]) + 1
 
 
@@ -266,26 +295,37 @@ def _wrap(original, prune_fn, v1: bool):
         before = len(batch)
         batch = prune_fn(self, batch, metrics)
         kept = len(batch)
+        if not v1:  # veRL reorders the DataProto in place: the lengths in arrival order, before it
+            arrival_lens = [int(x) for x in batch.batch["attention_mask"].view(len(batch), -1).sum(-1).tolist()]
         out = original(self, batch, metrics, *args, **kwargs)
         cfg = cppo_config_from(self.config)
         if v1:
             from transfer_queue import KVBatchMeta
 
             metrics["cppo/padding_rows"] = float(len(out) - kept)
-            order, extra = better_order([int(t["seq_len"]) for t in out.tags], _v1_dp_size(self), cfg)
+            dp = _v1_dp_size(self)
+            order, extra = better_order([int(t["seq_len"]) for t in out.tags], dp, cfg)
             if order is not None:
                 out = KVBatchMeta(keys=[out.keys[i] for i in order], tags=[out.tags[i] for i in order],
                                   partition_id=out.partition_id, fields=out.fields, extra_info=out.extra_info)
             final = out
+            seq_len = {k: int(t["seq_len"]) for k, t in zip(out.keys, out.tags)}
+            arrival = [k for k in batch.keys if k in seq_len]  # survivors as pruned, then veRL's padding
+            seen = set(arrival)
+            arrival += [k for k in out.keys if k not in seen]
+            final_lens, unbalanced_lens = [seq_len[k] for k in out.keys], [seq_len[k] for k in arrival]
         else:
             keep_minibatch = bool(kwargs.get("keep_minibatch", args[1] if len(args) > 1 else False))
-            lens = batch.batch["attention_mask"].view(len(batch), -1).sum(-1).tolist()
+            lens = [int(x) for x in batch.batch["attention_mask"].view(len(batch), -1).sum(-1).tolist()]
             dp = self._get_dp_size(self.actor_rollout_wg, "actor")
-            order, extra = (None, {}) if keep_minibatch else better_order([int(x) for x in lens], dp, cfg)
+            order, extra = (None, {}) if keep_minibatch else better_order(lens, dp, cfg)
             if order is not None:
                 batch.reorder(torch.tensor(order))
             final = batch
+            final_lens = [int(x) for x in batch.batch["attention_mask"].view(len(batch), -1).sum(-1).tolist()]
+            unbalanced_lens = arrival_lens
         metrics.update(extra)
+        metrics.update(dp_load_metrics(final_lens, unbalanced_lens, dp))
         metrics["cppo/rows_in"] = float(before)
         metrics["cppo/rows_out"] = float(len(final))
         return out if v1 else None

@@ -11,6 +11,18 @@ def test_installed_verl_is_the_pinned_version(plugin):
     assert verl.__version__ == plugin.SUPPORTED_VERL
 
 
+def test_megatron_versions_are_the_pinned_ones():
+    from importlib.metadata import version
+
+    from cppo_megatron.integrations.verl import drift
+
+    if not drift.megatron_installed():
+        pytest.skip("megatron-core / mbridge not installed")
+    # the versions the Megatron CPU seams were written against (their sources: MEGATRON_PINNED,
+    # checked with the rest by test_hooked_methods_unchanged)
+    assert {name: version(name) for name in drift.MEGATRON_VERSIONS} == drift.MEGATRON_VERSIONS
+
+
 def test_hooked_methods_unchanged(plugin):
     from cppo_megatron.integrations.verl import drift
 

@@ -61,6 +61,13 @@ def test_keeps_exactly_core_survivors_aligned(pruned):
     w = 24576 * lens + lens * lens
     final = float(w.view(3, -1).sum(1).max()) / (float(w.sum()) / 3)
     assert final == pytest.approx(min(metrics["cppo/balance_imbalance_verl"], metrics["cppo/balance_imbalance_core"]))
+    chunks = [int(c.sum()) for c in lens.view(3, -1)]  # what each of the 3 DP ranks is sent
+    assert [metrics[f"cppo/dp_rank{r}_tokens"] for r in range(3)] == chunks
+    assert metrics["cppo/dp_tokens_imbalance"] == pytest.approx(max(chunks) / (sum(chunks) / 3))
+    # without rebalancing: the survivors in arrival order (row ids ascending), padding last
+    arrival = torch.cat([lens[real][torch.argsort(rows)], lens[~real]])
+    raw = [int(c.sum()) for c in arrival.view(3, -1)]
+    assert metrics["cppo/dp_tokens_imbalance_unbalanced"] == pytest.approx(max(raw) / (sum(raw) / 3))
 
 
 def test_pads_loss_free_to_dp_times_minibatch_multiple(pruned, config):

@@ -17,6 +17,8 @@ from .conftest import RECIPES, compose
 NAMES = sorted(p.stem for p in RECIPES.glob("*.yaml") if not p.stem.startswith("tiny_cpu"))  # GPU clusters
 PAIRS = sorted({re.sub(r"-(grpo|cppo)$", "", n) for n in NAMES})
 CPU = ["tiny_cpu_grpo", "tiny_cpu_cppo"]  # veRL's CPU mode (test_cpu_e2e.py runs them)
+# veRL's CPU mode with the Megatron engine (test_cpu_megatron_e2e.py runs them)
+CPU_MEGATRON = ["tiny_cpu_megatron_grpo", "tiny_cpu_megatron_cppo"]
 
 
 def test_recipe_set_is_complete():
@@ -83,7 +85,7 @@ def test_cpu_recipes_compose_and_allocate(bases, plugin, monkeypatch):
 
     from cppo_megatron.integrations.verl.main import SEARCHPATH
 
-    assert sorted(p.stem for p in RECIPES.glob("tiny_cpu*.yaml")) == sorted(CPU)
+    assert sorted(p.stem for p in RECIPES.glob("tiny_cpu*.yaml")) == sorted(CPU + CPU_MEGATRON)
     raw = OmegaConf.load(RECIPES / "tiny_cpu_grpo.yaml")
     assert overlay_mismatches(raw, bases[raw.defaults[0]]) == []
     grpo, cppo = (compose(RECIPES, n, [SEARCHPATH]) for n in CPU)
@@ -93,4 +95,31 @@ def test_cpu_recipes_compose_and_allocate(bases, plugin, monkeypatch):
     plan = prepare(cppo)
     assert (plan.train_batch_size_before, plan.train_batch_size, plan.kept_per_step) == (16, 128, 256)
     assert plan.kept_per_step == grpo.data.train_batch_size * grpo.actor_rollout_ref.rollout.n
+    validate_config(cppo, use_reference_policy=need_reference_policy(cppo), use_critic=need_critic(cppo))
+
+
+def test_cpu_megatron_recipes_compose_validate_and_allocate(bases, plugin, monkeypatch):
+    """Actor and reference on veRL's Megatron engine, TP 2 x DP 2 on 4 ranks, mbridge."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from cppo_megatron.integrations.verl.main import SEARCHPATH
+
+    raw = OmegaConf.load(RECIPES / "tiny_cpu_megatron_grpo.yaml")
+    assert raw.defaults[0] == "cppo_ppo_megatron_trainer"
+    assert overlay_mismatches(raw, bases[raw.defaults[0]]) == []
+    grpo, cppo = (compose(RECIPES, n, [SEARCHPATH]) for n in CPU_MEGATRON)
+    for c in (grpo, cppo):
+        assert c.trainer.device == "cpu" and c.actor_rollout_ref.rollout.name == "hf"
+        actor, ref = c.actor_rollout_ref.actor, c.actor_rollout_ref.ref
+        assert actor.strategy == ref.strategy == "megatron"
+        assert actor.megatron.tensor_model_parallel_size == ref.megatron.tensor_model_parallel_size == 2
+        assert actor.megatron.pipeline_model_parallel_size == 1 and c.trainer.n_gpus_per_node == 4  # DP 2
+        assert actor.megatron.vanilla_mbridge and ref.megatron.vanilla_mbridge
+        assert actor.megatron.use_distributed_optimizer  # veRL's weight sync reads its param buffer
+        assert c.cppo_cpu.vocab_multiple % 2 == 0  # the vocabulary splits over TP 2
+    assert cppo.algorithm.adv_estimator == "cppo" and cppo.cppo.pruning_rate == 0.875
+    assert prepare(grpo) is None
+    plan = prepare(cppo)
+    assert (plan.train_batch_size_before, plan.train_batch_size, plan.kept_per_step) == (16, 128, 256)
     validate_config(cppo, use_reference_policy=need_reference_policy(cppo), use_critic=need_critic(cppo))

@@ -108,6 +108,17 @@ def test_v1_prune_balance_advantage(tq, plugin, config):
     final = float(w.view(DP, -1).sum(1).max()) / (float(w.sum()) / DP)
     best = min(metrics["cppo/balance_imbalance_verl"], metrics["cppo/balance_imbalance_core"])
     assert final == pytest.approx(best, rel=1e-12)
+    # per-DP-rank token loads: the dispatched order's contiguous chunks; and the survivors'
+    # arrival order (as pruned, veRL's padding after them) for the imbalance without rebalancing
+    lens = [int(t["seq_len"]) for t in out.tags]
+    chunks = [sum(lens[r * len(lens) // DP:(r + 1) * len(lens) // DP]) for r in range(DP)]
+    assert [metrics[f"cppo/dp_rank{r}_tokens"] for r in range(DP)] == chunks and metrics["cppo/dp_size"] == DP
+    assert metrics["cppo/dp_tokens_imbalance"] == pytest.approx(max(chunks) / (sum(chunks) / DP))
+    by_key = dict(zip(out.keys, lens))
+    arrival = [by_key[k] for k in keys if k in kept_keys] + [by_key[k] for k, t in zip(out.keys, out.tags)
+                                                            if t.get("is_padding", False)]
+    raw = [sum(arrival[r * len(arrival) // DP:(r + 1) * len(arrival) // DP]) for r in range(DP)]
+    assert metrics["cppo/dp_tokens_imbalance_unbalanced"] == pytest.approx(max(raw) / (sum(raw) / DP))
     data = tq.kv_batch_get(keys=out.keys, partition_id="train", select_fields=["uid", "row_id", "response_mask", "rm_scores"])
     pad = torch.tensor([t.get("is_padding", False) for t in out.tags])
     rows = data["row_id"][~pad]
@@ -128,3 +139,18 @@ def test_v1_prune_balance_advantage(tq, plugin, config):
     torch.testing.assert_close(got, full[rows].to(got.dtype), atol=1e-5, rtol=1e-5)
     assert all(a.abs().sum().item() == 0 for a, p in zip(adv.unbind(), pad) if p)
     tq.kv_clear(keys=out.keys, partition_id="train")
+
+
+def test_dp_size_of_a_megatron_actor_is_world_over_model_parallel():
+    """TP 2 x DP 2: veRL registers each worker's Megatron DP rank ([0, 0, 1, 1]), so the hook
+    balances over 2 DP ranks, not the 4 workers; each DP rank gets one contiguous half."""
+    from cppo_megatron.integrations.verl.hook import _v1_dp_size, dp_load_metrics, dp_token_loads
+
+    trainer = SimpleNamespace(actor_rollout_wg=SimpleNamespace(_dispatch_info={"actor": [0, 0, 1, 1]}))
+    assert _v1_dp_size(trainer) == 2
+    assert dp_token_loads([5, 7, 1, 3], 2) == [12, 4]
+    m = dp_load_metrics([5, 3, 7, 1], [5, 7, 1, 3], 2)
+    assert (m["cppo/dp_rank0_tokens"], m["cppo/dp_rank1_tokens"]) == (8.0, 8.0)
+    assert m["cppo/dp_tokens_imbalance"] == 1.0 and m["cppo/dp_tokens_imbalance_unbalanced"] == 1.5
+    with pytest.raises(ValueError, match="dp_size=3"):
+        dp_token_loads([1, 2, 3, 4], 3)

@@ -9,6 +9,8 @@ imports veRL (the plugin is loaded by ``import verl``):
 - ``platform``: a ``cpu`` device platform (gloo, no-op device memory calls, logical Ray GPUs);
 - ``seams``: veRL's FSDP engines registered for device ``cpu``, the gloo process group, and
   the reference engine's offload policy without pinned memory;
+- ``megatron_engine`` (with ``layer_spec``): veRL's Megatron engine (``strategy: megatron``,
+  mbridge with ``vanilla_mbridge: true``) on gloo without CUDA or Transformer Engine;
 - ``rollout``: an HF-``generate`` rollout (``actor_rollout_ref.rollout.name=hf``) — replica,
   server actor and worker adapter. It is registered on every platform (a rollout name that
   nobody selects changes nothing); the rest only with ``VERL_PLATFORM=cpu``.
@@ -54,8 +56,9 @@ def enable() -> bool:
     register_rollout()
     if not enabled():
         return False
-    from . import platform, seams
+    from . import megatron_engine, platform, seams
 
     platform.register()
     seams.install()
+    megatron_engine.install()
     return True

@@ -9,6 +9,7 @@ A recipe's ``cppo_cpu`` group (not a veRL key; veRL ignores it) names them:
       eval_problems: 200                # rows of test.parquet
       run_dir: runs/verl_tiny/NAME      # metrics.jsonl (veRL's own metrics, every step)
       warmup_overrides: [...]           # the warm-up recipe's settings changed for this start model
+      vocab_multiple: 8                 # optional: pad the exported vocabulary (Megatron TP; cpu/vocab.py)
 
 ``prepare_cpu_run(config)`` makes the paths absolute (Ray workers do not share the driver's
 working directory), runs the warm-up and the export when ``model_dir`` has no model, writes
@@ -25,15 +26,15 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ..audit import ENV as AUDIT_ENV
 from ..clock import ENV as CLOCK_ENV
 from ..runconfig import export_plugin_to_workers
 from .phases import Phases, choose_threads, machine_load
 
-__all__ = ["CPU_ENV", "CpuRun", "build_start_model", "ensure_inputs", "is_cpu_run", "prepare_cpu_run", "start_model_info",
-           "write_data"]
+__all__ = ["CPU_ENV", "CpuRun", "build_start_model", "ensure_inputs", "is_cpu_run", "prepare_cpu_run",
+           "start_model_info", "write_data"]
 
 RECIPES_DIR = Path(__file__).resolve().parents[4] / "recipes"
 # set in the driver and in every Ray process of a CPU run
@@ -52,7 +53,7 @@ class CpuRun:
     run_dir: Path
     built_model: bool
     wrote_data: bool
-    start_model: Optional[dict] = None  # cppo_start_model.json: warm-up accuracy, steps, seconds, threads
+    start_model: dict | None = None  # cppo_start_model.json: warm-up accuracy, steps, seconds, threads
 
     def describe(self) -> str:
         acc = (self.start_model or {}).get("accuracy")
@@ -87,28 +88,21 @@ def build_start_model(warmup_recipe: str | Path, model_dir: str | Path, *, overr
     threads come from ``choose_threads()`` (cores free right now)."""
     import time
 
-    from ....trainer.config import load_recipe
-    from ....trainer.export import export_run
-    from ....trainer.loop import Trainer
+    from ....trainer.export import export_warmup
 
     model_dir = Path(model_dir)
-    run_dir = model_dir.parent / "warmup"
     overrides = tuple(str(o) for o in overrides)
     if not any(o.split("=", 1)[0].strip() == "threads" for o in overrides):
         overrides = (f"threads={choose_threads()}", *overrides)
-    # no RL here: the embedded run's own 1000-problem evaluation after the warm-up is skipped
-    recipe = load_recipe(_warmup_recipe(str(warmup_recipe)),
-                         [f"out_dir={run_dir}", "log.progress=false", "log.tensorboard=false", *overrides])
-    if not recipe.warmup.enabled:
-        raise ValueError(f"{GROUP}.warmup_recipe={warmup_recipe}: its warm-up is disabled; the start model would be random")
+    overrides = ("log.progress=false", "log.tensorboard=false", *overrides)
     t0 = time.perf_counter()
-    trainer = Trainer(recipe)
-    trainer.prepare(initial_eval=False)
+    result = export_warmup(_warmup_recipe(str(warmup_recipe)), model_dir, overrides=overrides)
     seconds = time.perf_counter() - t0
-    result = export_run(run_dir / "warmup.pt", model_dir)
+    run_dir = model_dir.parent / "warmup"
     last = _last_warmup_record(run_dir / "metrics.jsonl")
-    info = {"accuracy": last.get("warmup/accuracy"), "eval_problems": recipe.warmup.eval_problems,
-            "sft_steps": int(last.get("warmup/step", 0)), "seconds": round(seconds, 1), "threads": recipe.threads,
+    threads = next(int(o.split("=", 1)[1]) for o in overrides if o.split("=", 1)[0].strip() == "threads")
+    info = {"accuracy": last.get("warmup/accuracy"), "eval_problems": int(last.get("warmup/problems", 0)),
+            "sft_steps": int(last.get("warmup/step", 0)), "seconds": round(seconds, 1), "threads": threads,
             "warmup_recipe": str(warmup_recipe), "overrides": list(overrides)}
     (model_dir / START_MODEL_INFO).write_text(json.dumps(info, indent=2) + "\n")
     return result
@@ -125,13 +119,13 @@ def _last_warmup_record(path: Path) -> dict:
     return last
 
 
-def start_model_info(model_dir: str | Path) -> Optional[dict]:
+def start_model_info(model_dir: str | Path) -> dict | None:
     """``cppo_start_model.json`` of an exported start model (None when it has none)."""
     path = Path(model_dir) / START_MODEL_INFO
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def write_data(warmup_recipe: str | Path, data_dir: str | Path, eval_problems: Optional[int]):
+def write_data(warmup_recipe: str | Path, data_dir: str | Path, eval_problems: int | None):
     """The warm-up recipe's task as veRL parquet (same problems, same prompt template)."""
     from ....tasks import build_task
     from ....trainer.config import load_recipe
@@ -154,11 +148,16 @@ def ensure_inputs(group: Any, model_dir: Path, data_dir: Path, phases: Phases) -
             threads = str(choose_threads())
             overrides.insert(0, f"threads={threads}")
         cores, load = machine_load()
+        sized = [o for o in overrides if not o.startswith("threads=")]
         what = (f"building the start model in {model_dir} (supervised warm-up of {group.warmup_recipe}"
-                f"{' with ' + ' '.join(o for o in overrides if not o.startswith('threads=')) if len(overrides) > 1 else ''}, "
+                f"{' with ' + ' '.join(sized) if sized else ''}, "
                 f"{threads} torch thread(s): {cores} usable cores, load {load:.1f})")
         with phases.phase("model", what, "building the start model") as note:
             build_start_model(group.warmup_recipe, model_dir, overrides=tuple(overrides))
+            if group.get("vocab_multiple"):
+                from .vocab import pad_vocab
+
+                pad_vocab(model_dir, int(group.vocab_multiple))
             info = start_model_info(model_dir) or {}
             if info.get("accuracy") is not None:
                 note["result"] = (f"held-out accuracy {info['accuracy']:.3f} on {info['eval_problems']} problems "
@@ -171,7 +170,7 @@ def ensure_inputs(group: Any, model_dir: Path, data_dir: Path, phases: Phases) -
     return built, wrote
 
 
-def prepare_cpu_run(config: Any, phases: Optional[Phases] = None) -> Optional[CpuRun]:
+def prepare_cpu_run(config: Any, phases: Phases | None = None) -> CpuRun | None:
     """Prepare a CPU run in place (see the module docstring); None when ``trainer.device`` is
     not ``cpu``. Also sets ``CPU_ENV`` in this process and in ``ray_kwargs`` for Ray's.
     ``phases`` times and prints the parts that do work (a new one when not given)."""

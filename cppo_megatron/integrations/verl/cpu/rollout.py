@@ -346,6 +346,7 @@ def _make_adapter():
                                default=float("nan"))
                     audit.record("sync", role="rollout-adapter", global_steps=kwargs.get("global_steps"),
                                  max_abs_diff=diff, num_tensors=len(state), missing=missing,
-                                 fingerprint=float(sum(float(v.double().abs().sum()) for v in state.values())))
+                                 fingerprint=float(sum(float(v.double().abs().sum()) for v in state.values())),
+                                 sums={k: float(v.double().abs().sum()) for k, v in state.items()})
 
     return HFServerAdapter

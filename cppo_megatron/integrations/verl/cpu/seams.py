@@ -1,17 +1,23 @@
 """The three places where veRL 0.9.1 assumes an accelerator, each fixed from outside and only
-when the platform is ``cpu`` (see ``../shared/docs/platform-notes.md``, "veRL 0.9.1 on CPU"):
+when the platform is ``cpu`` (docs/integrations/verl.md, "The veRL 0.9.1 lines the CPU mode
+answers"; paths relative to the ``verl`` package):
 
 1. engines: veRL registers its FSDP engines for devices cuda/npu only
-   (``workers/engine/fsdp/transformer_impl.py``); the same classes are registered for ``cpu``;
-2. process group: ``initialize_global_process_group_ray`` builds the backend string
-   ``"cpu:gloo,{device}:{backend}"``, which torch rejects for device cpu ("Duplicate device
-   type cpu"); on CPU it becomes plain ``"gloo"``;
+   (``workers/engine/fsdp/transformer_impl.py:1143`` and ``:1594``; ``EngineRegistry`` looks
+   them up by ``get_device_name()``, ``workers/engine/base.py:399-430``); the same classes
+   are registered for ``cpu``;
+2. process group: ``initialize_global_process_group_ray`` (``utils/distributed.py:83``, called
+   at ``workers/engine_workers.py:89``) builds the backend string
+   ``"cpu:gloo,{device}:{backend}"`` (``utils/distributed.py:89``), which torch rejects for
+   device cpu ("Duplicate device type cpu"); on CPU it becomes plain ``"gloo"``;
 3. the forward-only (reference) FSDP2 engine is hard-coded to
-   ``CPUOffloadPolicy(pin_memory=True)``: pinning needs an accelerator, so on CPU the policy
-   is built with ``pin_memory=False``.
+   ``CPUOffloadPolicy(pin_memory=True)`` (``workers/engine/fsdp/transformer_impl.py:462``):
+   pinning needs an accelerator, so on CPU the policy is built with ``pin_memory=False``.
 
 Each fix is installed when its module is imported (``importhook``) and checks the platform
-at call time, so nothing changes for a run on GPUs.
+at call time, so nothing changes for a run on GPUs. ``drift.py`` hashes the veRL functions the
+fixes rely on (``initialize_global_process_group_ray``, ``EngineRegistry.get_engine_cls``,
+``FSDPEngine._build_fsdp_module``), so a changed veRL fails a test instead of a run.
 """
 
 from __future__ import annotations

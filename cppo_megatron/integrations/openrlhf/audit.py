@@ -1,0 +1,195 @@
+"""Audit mode: record what each OpenRLHF pass saw, so a run can be checked against the core.
+
+``CPPO_OPENRLHF_AUDIT=DIR`` (exported to every Ray worker and vLLM process by the launcher)
+makes each process append JSON lines to ``DIR/<role>-<pid>.jsonl``:
+
+- ``prune`` (the hook, in the trainer): every rollout sample of the step — its row id (its
+  index in the rollout), prompt, reward — the core's selection and the survivors in the order
+  passed on; each survivor carries its row id in ``info["cppo_row"]`` from here on;
+- ``train`` (``ActorPPOTrainer.training_step``, every actor rank, every micro-batch): the row
+  ids that reached the loss, each row's advantage (mean over its action tokens), the largest
+  difference between the rollout engine's log-probs and the actor's old-policy log-probs, and
+  the loss;
+- ``weights`` (``ActorPPOTrainer.ppo_train``, every actor rank): a fingerprint of the actor's
+  parameters before and after the step's update (None under ZeRO-3, whose ranks hold shards);
+- ``sync_actor`` (``ActorPPOTrainer.broadcast_to_vllm``, rank 0; not under ZeRO-3) and ``sync_engine`` (the vLLM
+  worker, after reloading): a hash of every tensor sent / received, and for the engine the
+  largest difference between its parameters that vLLM keeps readable (embedding, norms,
+  biases) and the tensors received.
+
+Off (the default) nothing is installed. It reads; it never changes what trains.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .importhook import after_import
+
+__all__ = ["ENV", "ROW_KEY", "enabled", "install", "read", "record", "tensor_hash"]
+
+ENV = "CPPO_OPENRLHF_AUDIT"
+ROW_KEY = "cppo_row"
+ACTOR_MODULE = "openrlhf.trainer.ray.ppo_actor"
+_MARK = "__cppo_audit__"
+
+
+def enabled() -> bool:
+    return bool(os.environ.get(ENV))
+
+
+def record(kind: str, role: str, **fields: Any) -> None:
+    """Append one record to this process's audit file (no-op when audit mode is off)."""
+    root = os.environ.get(ENV)
+    if not root:
+        return
+    Path(root).mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"kind": kind, "time": time.time(), "pid": os.getpid(), **fields}, default=_jsonable)
+    with open(Path(root) / f"{role}-{os.getpid()}.jsonl", "a") as f:
+        f.write(line + "\n")
+
+
+def read(root: str | Path, kind: str | None = None) -> list[dict]:
+    """All records under ``root`` (every process), in time order; only ``kind`` when given."""
+    out = []
+    for path in sorted(Path(root).glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                if kind is None or rec["kind"] == kind:
+                    out.append(rec)
+    return sorted(out, key=lambda r: r["time"])
+
+
+def _jsonable(x):
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    return str(x)
+
+
+def tensor_hash(t: torch.Tensor) -> str:
+    """sha1 of a tensor's bytes (dtype and shape included)."""
+    t = t.detach().cpu().contiguous()
+    h = hashlib.sha1(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _fingerprint(model) -> float:
+    return float(sum(p.detach().float().abs().sum().item() for p in model.parameters()))
+
+
+# ------------------------------------------------------------------------------ trainer side (hook)
+def record_prune(samples: list, rewards: torch.Tensor, group_ids: torch.Tensor, selected: torch.Tensor,
+                 survivors: list[int], step: int) -> None:
+    """Called by the hook for every rollout batch it prunes (audit mode only)."""
+    for i, sample in enumerate(samples):
+        sample.info[ROW_KEY] = torch.tensor([float(i)])
+    record("prune", "trainer", step=step, rows=list(range(len(samples))), prompts=[s.prompts[0] for s in samples],
+           rewards=rewards.tolist(), group_ids=group_ids.tolist(), selected=selected.tolist(), survivors=survivors)
+
+
+# ------------------------------------------------------------------------------ actor side
+def _masked_row_means(values: torch.Tensor, mask: torch.Tensor) -> list[float]:
+    m = mask.float()
+    return ((values.float() * m).sum(-1) / m.sum(-1).clamp(min=1)).tolist()
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _wrap_training_step(original):
+    @functools.wraps(original)
+    def training_step(self, experience, kl_ctl, step, loss_batch_info=None):
+        rows = experience.info.get(ROW_KEY)
+        mask = experience.action_mask
+        rollout_diff = None
+        if experience.rollout_log_probs is not None and experience.action_log_probs is not None:
+            diff = (experience.rollout_log_probs.float() - experience.action_log_probs.float()).abs() * mask.float()
+            rollout_diff = float(diff.max())
+        status = original(self, experience, kl_ctl, step, loss_batch_info)
+        metrics = status.get("metrics", {}) if isinstance(status, dict) else {}
+        loss = metrics.get("policy_loss")
+        record("train", f"actor{_rank()}", step=int(getattr(self, "_cppo_audit_step", 0)), rank=_rank(),
+               rows=[int(r) for r in torch.as_tensor(rows).reshape(-1).tolist()] if rows is not None else None,
+               advantages=_masked_row_means(experience.advantages, mask),
+               rollout_vs_old_max_abs=rollout_diff,
+               policy_loss=float(loss.float().mean()) if isinstance(loss, torch.Tensor) else loss)
+        return status
+
+    return training_step
+
+
+def _wrap_ppo_train(original):
+    @functools.wraps(original)
+    def ppo_train(self, kl_ctl):
+        self._cppo_audit_step = int(getattr(self, "_cppo_audit_step", 0)) + 1
+        model = self.actor.model
+        # ZeRO-3 partitions the parameters: a rank's module holds placeholders, not weights
+        sharded = self.args.ds.zero_stage == 3
+        before = None if sharded else _fingerprint(model)
+        out = original(self, kl_ctl)
+        record("weights", f"actor{_rank()}", step=self._cppo_audit_step, rank=_rank(), before=before,
+               after=None if sharded else _fingerprint(model))
+        return out
+
+    return ppo_train
+
+
+def _wrap_broadcast(original):
+    @functools.wraps(original)
+    def broadcast_to_vllm(self):
+        out = original(self)
+        if _rank() == 0 and self.args.ds.zero_stage != 3:
+            model = self.actor.model.module
+            hashes = {n: tensor_hash(p.data) for n, p in model.named_parameters()}
+            record("sync_actor", "actor0", step=int(getattr(self, "_cppo_audit_step", 0)), hashes=hashes)
+        return out
+
+    return broadcast_to_vllm
+
+
+def _patch_actor(module) -> None:
+    cls = module.ActorPPOTrainer
+    for name, wrap in (("training_step", _wrap_training_step), ("ppo_train", _wrap_ppo_train),
+                       ("broadcast_to_vllm", _wrap_broadcast)):
+        current = cls.__dict__[name]
+        if not hasattr(current, _MARK):
+            wrapped = wrap(current)
+            setattr(wrapped, _MARK, current)
+            setattr(cls, name, wrapped)
+
+
+# ------------------------------------------------------------------------------ engine side
+def record_engine_sync(worker, weights: dict[str, torch.Tensor]) -> None:
+    """Called by the CPU vLLM worker after reloading a full sync (audit mode only)."""
+    if not enabled():
+        return
+    model = worker.model_runner.get_model() if hasattr(worker.model_runner, "get_model") else worker.model_runner.model
+    compared, max_diff = [], 0.0
+    for name, p in model.named_parameters():
+        w = weights.get(name)
+        if w is None or p.numel() == 0 or p.dim() != w.dim() or p.shape[1:] != w.shape[1:] or p.shape[0] < w.shape[0]:
+            continue  # repacked (CPU linear layers), fused (qkv, gate_up) or absent
+        held = p.detach()[: w.shape[0]].float()
+        max_diff = max(max_diff, float((held - w.float()).abs().max()))
+        compared.append(name)
+    record("sync_engine", "engine", hashes={n: tensor_hash(t) for n, t in weights.items()}, compared=compared,
+           max_abs_diff=max_diff)
+
+
+def install() -> bool:
+    """Install the actor-side recorders when ``CPPO_OPENRLHF_AUDIT`` is set; returns whether."""
+    if not enabled():
+        return False
+    after_import(ACTOR_MODULE, _patch_actor)
+    return True

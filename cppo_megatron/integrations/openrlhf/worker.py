@@ -1,0 +1,21 @@
+"""The one Ray ``worker_process_setup_hook`` of an OpenRLHF run started by our launcher.
+
+Each part is a no-op unless its environment variable is set: the CPU mode
+(``CPPO_OPENRLHF_CPU``), the audit recorders (``CPPO_OPENRLHF_AUDIT``), the JSONL metrics
+(``CPPO_OPENRLHF_METRICS``) and the CPPO hook (``CPPO_OPENRLHF_CONFIG``).
+"""
+
+from __future__ import annotations
+
+__all__ = ["HOOK", "setup"]
+
+HOOK = "cppo_megatron.integrations.openrlhf.worker.setup"
+
+
+def setup() -> None:
+    from . import audit, cpu, hook, metrics
+
+    cpu.install()
+    audit.install()
+    metrics.install()
+    hook.setup_ray_worker()

@@ -1,0 +1,55 @@
+"""Pad an exported HF model's vocabulary to a multiple, for tensor parallelism.
+
+megatron-core splits the embedding and output layer by rows over the TP ranks and asserts the
+vocabulary divides (``megatron/core/tensor_parallel/utils.py:118``); veRL builds mbridge without
+``make_vocab_size_divisible_by`` (``verl/models/mcore/mbridge.py``), so the HF model itself must
+have a divisible row count — as real checkpoints do (Qwen2.5: 151936 rows for 151665 tokens).
+The tiny exported models have 19 rows. ``pad_vocab`` appends rows that copy the pad token's
+(pad is never a training target, so its logit was pushed down by every softmax: the new ids
+start as unlikely as pad, the rule ``trainer/export.py`` uses for the tokens it adds); the
+tokenizer is unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+__all__ = ["pad_vocab"]
+
+
+def pad_vocab(model_dir: str | Path, multiple: int) -> int:
+    """Pad ``model_dir``'s embedding (and untied output) rows in place to a multiple of
+    ``multiple``; returns the new row count (unchanged when it already divides)."""
+    from transformers import AutoModelForCausalLM
+
+    if int(multiple) < 1:
+        raise ValueError(f"pad_vocab: multiple={multiple!r}; need an int >= 1 (e.g. the TP size, or 8)")
+    model_dir = Path(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    emb: torch.Tensor = model.get_input_embeddings().weight
+    rows = int(emb.shape[0])
+    target = -(-rows // int(multiple)) * int(multiple)
+    if target == rows:
+        return rows
+    pad_id = model.config.pad_token_id
+    if pad_id is None:
+        raise ValueError(f"pad_vocab: {model_dir}/config.json has no pad_token_id to copy the new rows from")
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight.data_ptr() == emb.data_ptr()
+    model.resize_token_embeddings(target, mean_resizing=False)
+    with torch.no_grad():
+        new_emb: torch.Tensor = model.get_input_embeddings().weight
+        new_emb[rows:] = new_emb[pad_id]
+        if head is not None and not tied:
+            new_head: torch.Tensor = model.get_output_embeddings().weight
+            new_head[rows:] = new_head[pad_id]
+    model.config.vocab_size = target
+    model.save_pretrained(model_dir, safe_serialization=True)
+    note = model_dir / "cppo_export.json"
+    info = json.loads(note.read_text()) if note.is_file() else {}
+    info["vocab_padded"] = {"from": rows, "to": target, "multiple": int(multiple), "rows_copy": "pad"}
+    note.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    return target

