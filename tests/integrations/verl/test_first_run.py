@@ -99,6 +99,57 @@ def test_inputs_are_built_with_the_recipes_warmup_and_chosen_threads(tmp_path, m
     assert prepare.ensure_inputs(group, tmp_path / "m2", tmp_path / "d", ph)[0] is False
 
 
+def test_padded_start_model_is_a_padded_copy_of_the_unpadded_one(tmp_path, monkeypatch):
+    """The Megatron recipes' vocab-padded model reuses the FSDP recipes' export of the same
+    warm-up (copy + pad), builds that export first when missing, and refuses a model from
+    another warm-up (then builds its own)."""
+    from cppo_megatron.integrations.verl.cpu import prepare, vocab
+    from cppo_megatron.integrations.verl.cpu.phases import Phases
+
+    built, padded = [], []
+
+    def build(recipe, model_dir, *, overrides=()):
+        built.append((model_dir.name, overrides))
+        model_dir.mkdir(parents=True)
+        (model_dir / "config.json").write_text("{}")
+        (model_dir / "weights").write_text(model_dir.name)
+        (model_dir / prepare.START_MODEL_INFO).write_text(json.dumps(
+            {"accuracy": 0.235, "eval_problems": 200, "sft_steps": 850, "warmup_recipe": recipe,
+             "overrides": list(overrides)}))
+
+    monkeypatch.setattr(prepare, "build_start_model", build)
+    monkeypatch.setattr(prepare, "choose_threads", lambda: 1)
+    monkeypatch.setattr(vocab, "pad_vocab", lambda d, m: padded.append((d.name, m)) or 24)
+    (tmp_path / "d").mkdir()
+    for f in ("train.parquet", "test.parquet"):
+        (tmp_path / "d" / f).write_text("")
+    group = OmegaConf.create({"warmup_recipe": "tiny_cpu.yaml", "vocab_multiple": 8,
+                              "unpadded_model_dir": str(tmp_path / "model"),
+                              "warmup_overrides": ["warmup.target_accuracy=0.2"]})
+    lines: list[str] = []
+    ph = Phases(t0=time.time(), printer=lines.append)
+    # no unpadded model yet: built there (unpadded), then copied and padded
+    assert prepare.ensure_inputs(group, tmp_path / "model_vocab8", tmp_path / "d", ph) == (True, False)
+    assert built == [("model", ("threads=1", "warmup.target_accuracy=0.2"))]
+    assert padded == [("model_vocab8", 8)]
+    assert (tmp_path / "model_vocab8" / "weights").read_text() == "model"  # a copy of the unpadded export
+    assert any("copying the start model" in x and "held-out accuracy 0.235" in x for x in lines), lines
+    # the unpadded one exists (another thread count does not matter): copied, no warm-up
+    built.clear(), padded.clear()
+    group.warmup_overrides = ["threads=2", "warmup.target_accuracy=0.2"]
+    assert prepare.ensure_inputs(group, tmp_path / "m2", tmp_path / "d", ph) == (True, False)
+    assert built == [] and padded == [("m2", 8)]
+    # a padded model already there is reused as it is
+    assert prepare.ensure_inputs(group, tmp_path / "m2", tmp_path / "d", ph) == (False, False)
+    assert built == [] and padded == [("m2", 8)]
+    # another warm-up: the unpadded model is left alone and this one builds its own
+    group.warmup_overrides = ["warmup.target_accuracy=0.3"]
+    lines.clear()
+    assert prepare.ensure_inputs(group, tmp_path / "m3", tmp_path / "d", ph)[0] is True
+    assert built == [("m3", ("threads=1", "warmup.target_accuracy=0.3"))] and padded[-1] == ("m3", 8)
+    assert any("not reusing the unpadded start model" in x and "target_accuracy=0.3" in x for x in lines), lines
+
+
 def test_start_model_records_what_the_warmup_reached(tmp_path):
     from cppo_megatron.integrations.verl.cpu.prepare import build_start_model, start_model_info
 

@@ -10,9 +10,13 @@ A recipe's ``cppo_cpu`` group (not a veRL key; veRL ignores it) names them:
       run_dir: runs/verl_tiny/NAME      # metrics.jsonl (veRL's own metrics, every step)
       warmup_overrides: [...]           # the warm-up recipe's settings changed for this start model
       vocab_multiple: 8                 # optional: pad the exported vocabulary (Megatron TP; cpu/vocab.py)
+      unpadded_model_dir: runs/verl_tiny/model   # optional, with vocab_multiple: the unpadded export of
+                                        # the same warm-up, copied and padded instead of a second warm-up
 
 ``prepare_cpu_run(config)`` makes the paths absolute (Ray workers do not share the driver's
-working directory), runs the warm-up and the export when ``model_dir`` has no model, writes
+working directory), runs the warm-up and the export when ``model_dir`` has no model (with
+``vocab_multiple`` and ``unpadded_model_dir``: copies that unpadded export of the same warm-up —
+built there first when missing, so the FSDP recipes reuse it too — and pads the copy), writes
 the parquet files when missing, and points the process environment at the CPU platform.
 Each part is a timed phase (``phases.Phases``). The warm-up runs with the torch threads that
 ``phases.choose_threads`` picks from the cores and load at that moment, unless
@@ -136,32 +140,93 @@ def write_data(warmup_recipe: str | Path, data_dir: str | Path, eval_problems: i
                               test_rows=eval_problems)
 
 
+def _warmup_settings(recipe: str, overrides) -> tuple[str, tuple[str, ...]]:
+    """What decides a start model: the warm-up recipe's file name and its overrides, less the
+    ones that only change how it runs (torch threads, progress bars, TensorBoard)."""
+    keep = tuple(str(o) for o in overrides or () if not str(o).startswith(("threads=", "log.")))
+    return Path(str(recipe)).name, keep
+
+
+def _build(group: Any, model_dir: Path, phases: Phases, *, pad: bool) -> None:
+    """The warm-up of ``group.warmup_recipe`` exported to ``model_dir`` as a timed phase (and
+    its vocabulary padded to ``group.vocab_multiple`` when ``pad``)."""
+    overrides = [str(o) for o in (group.get("warmup_overrides", None) or [])]
+    threads = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].strip() == "threads"), None)
+    if threads is None:
+        threads = str(choose_threads())
+        overrides.insert(0, f"threads={threads}")
+    cores, load = machine_load()
+    sized = [o for o in overrides if not o.startswith("threads=")]
+    what = (f"building the start model in {model_dir} (supervised warm-up of {group.warmup_recipe}"
+            f"{' with ' + ' '.join(sized) if sized else ''}, "
+            f"{threads} torch thread(s): {cores} usable cores, load {load:.1f})")
+    with phases.phase("model", what, "building the start model") as note:
+        build_start_model(group.warmup_recipe, model_dir, overrides=tuple(overrides))
+        if pad:
+            from .vocab import pad_vocab
+
+            pad_vocab(model_dir, int(group.vocab_multiple))
+        info = start_model_info(model_dir) or {}
+        if info.get("accuracy") is not None:
+            note["result"] = (f"held-out accuracy {info['accuracy']:.3f} on {info['eval_problems']} problems "
+                              f"after {info['sft_steps']} SFT steps")
+
+
+def _reusable(group: Any, source: Path) -> str:
+    """Why ``source`` (an exported start model) cannot stand in for ``group``'s warm-up; "" when
+    it can: it records the same warm-up recipe and overrides (``cppo_start_model.json``)."""
+    if not (source / "config.json").is_file():
+        return f"{source} has no model"
+    info = start_model_info(source)
+    if info is None:
+        return f"{source} records no warm-up ({START_MODEL_INFO} missing)"
+    have = _warmup_settings(info.get("warmup_recipe", ""), info.get("overrides", ()))
+    want = _warmup_settings(group.warmup_recipe, group.get("warmup_overrides", None) or ())
+    if have != want:
+        return f"{source} was warmed up with {have[0]} {list(have[1])}, this recipe asks for {want[0]} {list(want[1])}"
+    return ""
+
+
 def ensure_inputs(group: Any, model_dir: Path, data_dir: Path, phases: Phases) -> tuple[bool, bool]:
     """Build the start model (``group.warmup_recipe`` + ``group.warmup_overrides``) when
     ``model_dir`` has none and write the parquet data when ``data_dir`` lacks it, each as a
-    timed phase; returns (built the model, wrote the data)."""
-    built = not (model_dir / "config.json").is_file()
-    if built:
-        overrides = [str(o) for o in (group.get("warmup_overrides", None) or [])]
-        threads = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].strip() == "threads"), None)
-        if threads is None:
-            threads = str(choose_threads())
-            overrides.insert(0, f"threads={threads}")
-        cores, load = machine_load()
-        sized = [o for o in overrides if not o.startswith("threads=")]
-        what = (f"building the start model in {model_dir} (supervised warm-up of {group.warmup_recipe}"
-                f"{' with ' + ' '.join(sized) if sized else ''}, "
-                f"{threads} torch thread(s): {cores} usable cores, load {load:.1f})")
-        with phases.phase("model", what, "building the start model") as note:
-            build_start_model(group.warmup_recipe, model_dir, overrides=tuple(overrides))
-            if group.get("vocab_multiple"):
-                from .vocab import pad_vocab
+    timed phase; returns (made the model now, wrote the data).
 
-                pad_vocab(model_dir, int(group.vocab_multiple))
-            info = start_model_info(model_dir) or {}
-            if info.get("accuracy") is not None:
-                note["result"] = (f"held-out accuracy {info['accuracy']:.3f} on {info['eval_problems']} problems "
-                                  f"after {info['sft_steps']} SFT steps")
+    With ``vocab_multiple`` and ``unpadded_model_dir`` the padded model is a copy of that
+    unpadded export of the same warm-up (built there first when missing, so the unpadded
+    recipes reuse it too), padded: one warm-up serves both. A model there from another warm-up
+    is left alone and this one is built on its own (the line says why)."""
+    import shutil
+
+    built = not (model_dir / "config.json").is_file()
+    source = group.get("unpadded_model_dir", None) if group.get("vocab_multiple") else None
+    if built and source:
+        source = Path(str(source)).expanduser().resolve()
+        built_source = not (source / "config.json").is_file()
+        if built_source:
+            _build(group, source, phases, pad=False)
+        why = _reusable(group, source)
+        if why:
+            phases.say(f"not reusing the unpadded start model: {why}")
+            _build(group, model_dir, phases, pad=True)
+        else:
+            from .vocab import pad_vocab
+
+            what = (f"copying the start model {source} to {model_dir} and padding its vocabulary to a "
+                    f"multiple of {int(group.vocab_multiple)}")
+            before = phases.durations["model"] if built_source else 0.0  # the warm-up just run counts too
+            with phases.phase("model", what, "copying the start model") as note:
+                if model_dir.exists():
+                    shutil.rmtree(model_dir)
+                shutil.copytree(source, model_dir)
+                rows = pad_vocab(model_dir, int(group.vocab_multiple))
+                info = start_model_info(model_dir) or {}
+                acc = info.get("accuracy")
+                note["result"] = (f"{rows} vocabulary rows"
+                                  + (f", held-out accuracy {acc:.3f}" if isinstance(acc, (int, float)) else ""))
+            phases.durations["model"] += before
+    elif built:
+        _build(group, model_dir, phases, pad=bool(group.get("vocab_multiple")))
     wrote = not ((data_dir / "train.parquet").is_file() and (data_dir / "test.parquet").is_file())
     if wrote:
         with phases.phase("data", f"writing the data as veRL parquet to {data_dir}", "writing the data") as note:
@@ -188,8 +253,9 @@ def prepare_cpu_run(config: Any, phases: Phases | None = None) -> CpuRun | None:
         if not group.get(key):
             raise ValueError(f"{GROUP}.{key} is not set; see recipes/verl/tiny_cpu_cppo.yaml")
     with open_dict(config):
-        for key in ("model_dir", "data_dir", "run_dir"):
-            group[key] = str(Path(group[key]).expanduser().resolve())
+        for key in ("model_dir", "data_dir", "run_dir", "unpadded_model_dir"):
+            if group.get(key):
+                group[key] = str(Path(group[key]).expanduser().resolve())
     model_dir, data_dir, run_dir = (Path(group[k]) for k in ("model_dir", "data_dir", "run_dir"))
     built, wrote = ensure_inputs(group, model_dir, data_dir, phases or Phases())
     run_dir.mkdir(parents=True, exist_ok=True)
