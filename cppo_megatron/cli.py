@@ -37,7 +37,8 @@ examples:
   cppo-megatron openrlhf recipes/openrlhf/qwen2.5-1.5b-gsm8k-cppo.yaml --dry-run
   cppo-megatron patch openrlhf --check
   cppo-megatron megatron-check --tp 2 --pp 1 --dp 2
-  cppo-megatron verl --config-path=$PWD/recipes/verl --config-name=qwen2.5-1.5b-gsm8k-cppo
+  cppo-megatron verl recipes/verl/qwen2.5-1.5b-gsm8k-cppo.yaml   (any veRL recipe file; + hydra overrides)
+  cppo-megatron verl recipes/verl/qwen2.5-7b-math-megatron-cppo.yaml --cpu recipes/verl/cpu_toy.yaml   (toy size on CPU)
   cppo-megatron verl recipes/verl/tiny_cpu_cppo.yaml trainer.total_training_steps=40   (veRL on CPU)
   cppo-megatron export-hf runs/tiny_cpu/warmup.pt runs/verl_tiny/model
   cppo-megatron bench balance --out runs/bench

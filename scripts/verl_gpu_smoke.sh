@@ -45,8 +45,7 @@ PYEOF
 fi
 
 # 4 prompts before allocation -> 32 prompts x 16 = 512 completions, 64 kept (k=2 of 16)
-"$PY" -m cppo_megatron.integrations.verl.main \
-  --config-path="$PWD/recipes/verl" --config-name=qwen2.5-1.5b-gsm8k-cppo \
+"$PY" -m cppo_megatron.integrations.verl.main recipes/verl/qwen2.5-1.5b-gsm8k-cppo.yaml \
   data.train_files="$DATA_DIR/gsm8k/train.parquet" data.val_files="$DATA_DIR/gsm8k/test.parquet" \
   actor_rollout_ref.model.path="$MODEL" \
   data.train_batch_size=4 actor_rollout_ref.actor.ppo_mini_batch_size=4 \

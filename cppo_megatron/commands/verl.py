@@ -3,7 +3,11 @@
 Every argument goes to veRL's hydra command line (its config plus the `cppo` group):
 
   cppo-megatron verl cppo.pruning_rate=0.875 data.train_files=... actor_rollout_ref.model.path=...
+  cppo-megatron verl recipes/verl/qwen2.5-1.5b-gsm8k-cppo.yaml [overrides]   (any recipe file)
   cppo-megatron verl --config-path=$PWD/recipes/verl --config-name=qwen2.5-1.5b-gsm8k-cppo
+  cppo-megatron verl recipes/verl/qwen2.5-7b-math-megatron-cppo.yaml --cpu recipes/verl/cpu_toy.yaml
+                                            (a cluster recipe on a CPU machine at toy size: the
+                                            override file's keys over the recipe's)
   cppo-megatron verl --cppo-dry-run ...     (print the config after allocation and exit)
   cppo-megatron verl --check                (veRL 0.9.1, plugin loaded by `import verl`, hooked
                                             methods unchanged? exit 0 if so)
@@ -90,7 +94,9 @@ def _is_config_error(exc: BaseException) -> bool:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    return isinstance(exc, (HydraException, OmegaConfBaseException))
+    from cppo_megatron.integrations.verl.overrides import OverrideFileError
+
+    return isinstance(exc, (HydraException, OmegaConfBaseException, OverrideFileError))
 
 
 def _config_message(exc: BaseException) -> str:

@@ -38,13 +38,15 @@ __all__ = [
 
 def load() -> None:
     """Register the estimator, install the hook and, with ``VERL_PLATFORM=cpu``, the CPU mode;
-    the audit recorders and the wall-clock budget when their variables are set (idempotent)."""
-    from . import audit, clock, cpu
+    the audit recorders, the key trace and the wall-clock budget when their variables are set
+    (idempotent)."""
+    from . import audit, clock, cpu, keytrace
 
     register_estimator()
     install()
     cpu.enable()
     audit.install()
+    keytrace.install()
     clock.install()
 
 

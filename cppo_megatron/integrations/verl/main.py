@@ -10,13 +10,20 @@ plugin to the Ray processes and hands the config to veRL's own ``main_ppo`` body
 
     python -m cppo_megatron.integrations.verl.main cppo.pruning_rate=0.875 \
         data.train_files=... actor_rollout_ref.model.path=...
+    python -m cppo_megatron.integrations.verl.main recipes/verl/qwen2.5-1.5b-gsm8k-cppo.yaml data.train_files=...
     python -m cppo_megatron.integrations.verl.main --config-path=$PWD/recipes/verl \
-        --config-name=qwen2.5-1.5b-gsm8k-cppo data.train_files=...
+        --config-name=qwen2.5-1.5b-gsm8k-cppo data.train_files=...          # the same run
     python -m cppo_megatron.integrations.verl.main --config-name=cppo_megatron_trainer ...
 
 A recipe file may come first instead of ``--config-path``/``--config-name``:
 
     python -m cppo_megatron.integrations.verl.main recipes/verl/tiny_cpu_cppo.yaml trainer.total_training_steps=4
+
+``--cpu FILE`` applies an override file over the recipe (``overrides.py``): the one set that runs
+a Megatron cluster recipe on a CPU machine at toy size is ``recipes/verl/cpu_toy.yaml``:
+
+    python -m cppo_megatron.integrations.verl.main recipes/verl/qwen2.5-7b-math-megatron-cppo.yaml \
+        --cpu recipes/verl/cpu_toy.yaml
 
 ``--cppo-dry-run`` (before the hydra arguments) prints the composed config after the CPPO
 changes and exits without starting Ray. With ``trainer.device=cpu`` the run is prepared for
@@ -73,9 +80,12 @@ def run(config, *, dry_run: bool = False):
 SEARCHPATH = "hydra.searchpath=[pkg://cppo_megatron.integrations.verl.config,pkg://verl.trainer.config]"
 
 
-def recipe_args(argv: list[str]) -> list[str]:
+def recipe_args(argv: list[str], file_overrides: list[str] | None = None) -> list[str]:
     """``RECIPE.yaml [overrides]`` -> hydra's ``--config-path=DIR --config-name=STEM [overrides]``,
-    plus the search path when the recipe sets none (so a recipe may build on another one)."""
+    plus the search path when the recipe sets none (so a recipe may build on another one).
+    ``file_overrides`` (an override file's, ``overrides.file_overrides``) go before the command
+    line's own overrides, so those still win."""
+    extra = list(file_overrides or [])
     if argv and argv[0].endswith((".yaml", ".yml")) and not argv[0].startswith("-"):
         path = os.path.abspath(argv[0])
         if not os.path.isfile(path):
@@ -83,17 +93,24 @@ def recipe_args(argv: list[str]) -> list[str]:
         stem = os.path.splitext(os.path.basename(path))[0]
         with open(path) as f:
             has_hydra = any(line.startswith("hydra:") for line in f)
-        extra = [] if has_hydra else [SEARCHPATH]
-        return [f"--config-path={os.path.dirname(path)}", f"--config-name={stem}", *extra, *argv[1:]]
-    return argv
+        search = [] if has_hydra else [SEARCHPATH]
+        return [f"--config-path={os.path.dirname(path)}", f"--config-name={stem}", *search, *extra, *argv[1:]]
+    return [*extra, *argv]
 
 
 def main(argv: list[str] | None = None) -> None:
     import hydra
 
+    from .overrides import file_overrides, split_flag
+
     argv = list(sys.argv[1:] if argv is None else argv)
     dry_run = DRY_RUN_FLAG in argv
-    argv = recipe_args([a for a in argv if a != DRY_RUN_FLAG])
+    argv, override_file = split_flag([a for a in argv if a != DRY_RUN_FLAG])
+    extra = file_overrides(override_file) if override_file else []
+    if override_file:
+        keys = ", ".join(o[2:].split("=", 1)[0] for o in extra)
+        print(f"cppo: {len(extra)} overrides from {override_file} (the command line's win over them): {keys}")
+    argv = recipe_args(argv, extra)
     sys.argv = [sys.argv[0]] + argv
 
     @hydra.main(config_path=CONFIG_DIR, config_name="cppo_trainer", version_base=None)

@@ -12,9 +12,12 @@ from omegaconf import OmegaConf
 from cppo_megatron.integrations.verl.main import CONFIG_DIR
 from cppo_megatron.integrations.verl.runconfig import overlay_mismatches, prepare
 
-from .conftest import RECIPES, compose
+from .conftest import RECIPES, ROOT, compose
 
-NAMES = sorted(p.stem for p in RECIPES.glob("*.yaml") if not p.stem.startswith("tiny_cpu"))  # GPU clusters
+TOY = RECIPES / "cpu_toy.yaml"  # the override set that runs a Megatron cluster recipe on CPU at toy size
+NAMES = sorted(p.stem for p in RECIPES.glob("*.yaml")
+               if not p.stem.startswith("tiny_cpu") and p != TOY)  # GPU clusters
+MEGATRON = [n for n in NAMES if "megatron" in n]
 PAIRS = sorted({re.sub(r"-(grpo|cppo)$", "", n) for n in NAMES})
 CPU = ["tiny_cpu_grpo", "tiny_cpu_cppo"]  # veRL's CPU mode (test_cpu_e2e.py runs them)
 # veRL's CPU mode with the Megatron engine (test_cpu_megatron_e2e.py runs them)
@@ -123,3 +126,61 @@ def test_cpu_megatron_recipes_compose_validate_and_allocate(bases, plugin, monke
     plan = prepare(cppo)
     assert (plan.train_batch_size_before, plan.train_batch_size, plan.kept_per_step) == (16, 128, 256)
     validate_config(cppo, use_reference_policy=need_reference_policy(cppo), use_critic=need_critic(cppo))
+
+
+@pytest.mark.parametrize("name", MEGATRON)
+def test_cpu_toy_override_set_applies_to_every_megatron_cluster_recipe(name, bases, plugin):
+    """recipes/verl/cpu_toy.yaml over each Megatron cluster recipe (as `cppo-megatron verl RECIPE
+    --cpu recipes/verl/cpu_toy.yaml` composes it): the file's keys are veRL's (or the CPU group's)
+    and take its values, every other key of the recipe keeps the recipe's value, the layout fits
+    the CPU run (4 ranks, the tiny model) and veRL's own validation passes."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from cppo_megatron.integrations.verl.keyreport import recipe_leaves
+    from cppo_megatron.integrations.verl.main import recipe_args
+    from cppo_megatron.integrations.verl.overrides import SKIP, file_overrides, flatten
+    from cppo_megatron.trainer.config import load_recipe
+
+    toy_raw = OmegaConf.load(TOY)
+    for k in SKIP:
+        toy_raw.pop(k, None)
+    toy = dict(flatten(OmegaConf.to_container(toy_raw)))
+    assert overlay_mismatches(toy_raw, bases["cppo_ppo_megatron_trainer"]) == []  # no typo, veRL's types
+    args = recipe_args([str(RECIPES / f"{name}.yaml")], file_overrides(TOY))
+    config = compose(RECIPES, name, [a for a in args if not a.startswith("--")])
+    tree = OmegaConf.to_container(config, resolve=False)
+
+    def at(key):
+        node = tree
+        for part in key.split("."):
+            node = node[part]
+        return node
+
+    for key, value in toy.items():
+        assert at(key) == value, key
+    kept = [(k, v) for k, v in recipe_leaves(RECIPES / f"{name}.yaml") if k not in toy]
+    assert len(kept) >= 20
+    for key, value in kept:
+        assert at(key) == value, key  # the recipe's own value reaches veRL's config
+    # the CPU run: 4 worker ranks on 1 node, actor and reference laid out alike (veRL builds the
+    # reference's engine first and its sizes set the process's model-parallel state)
+    actor, ref, rollout = (config.actor_rollout_ref[r] for r in ("actor", "ref", "rollout"))
+    tp, pp = actor.megatron.tensor_model_parallel_size, actor.megatron.pipeline_model_parallel_size
+    assert (ref.megatron.tensor_model_parallel_size, ref.megatron.pipeline_model_parallel_size) == (tp, pp)
+    world = config.trainer.n_gpus_per_node * config.trainer.nnodes
+    assert world == 4 and world % (tp * pp) == 0 and config.ray_kwargs.ray_init.num_gpus == world
+    assert pp == (2 if "14b" in name else 1)  # the recipe's pipeline size runs as written
+    assert rollout.tensor_model_parallel_size == world  # one hf replica over the ranks
+    model = load_recipe(ROOT / "recipes" / config.cppo_cpu.warmup_recipe).model
+    assert model.num_heads % tp == 0 and model.num_kv_heads % tp == 0 and model.num_layers % pp == 0
+    assert config.cppo_cpu.vocab_multiple % tp == 0
+    assert config.data.max_prompt_length + config.data.max_response_length <= model.max_position
+    assert config.trainer.device == "cpu" and rollout.name == "hf" and actor.megatron.vanilla_mbridge
+    assert ref.megatron.vanilla_mbridge  # inherited from the actor's
+    plan = prepare(config)
+    if name.endswith("-cppo"):
+        assert (plan.train_batch_size_before, plan.train_batch_size, plan.kept_per_step) == (4, 32, 64)
+    else:
+        assert plan is None
+    validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))

@@ -34,6 +34,7 @@ from typing import Any
 
 from ..audit import ENV as AUDIT_ENV
 from ..clock import ENV as CLOCK_ENV
+from ..keytrace import ENV as KEYS_ENV
 from ..runconfig import export_plugin_to_workers
 from .phases import Phases, choose_threads, machine_load
 
@@ -260,7 +261,7 @@ def prepare_cpu_run(config: Any, phases: Phases | None = None) -> CpuRun | None:
     built, wrote = ensure_inputs(group, model_dir, data_dir, phases or Phases())
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**CPU_ENV, "VERL_FILE_LOGGER_PATH": str(run_dir / "metrics.jsonl")}
-    for name in (AUDIT_ENV, CLOCK_ENV):  # audit records, wall-clock mode: every process writes there
+    for name in (AUDIT_ENV, KEYS_ENV, CLOCK_ENV):  # audit records, key trace, wall-clock mode: every process
         if os.environ.get(name):
             env[name] = str(Path(os.environ[name]).resolve())
     os.environ.update(env)
