@@ -27,7 +27,7 @@ from typing import Any
 from . import keytrace
 from .overrides import SKIP, flatten
 
-__all__ = ["KeyRow", "composed_config", "interpolation_aliases", "key_rows", "main", "markdown", "recipe_leaves"]
+__all__ = ["KeyRow", "combined_markdown", "composed_config", "interpolation_aliases", "key_rows", "main", "markdown", "recipe_leaves"]
 
 RECIPE_SKIP = ("hydra", "defaults")
 VERL_SITE = "verl" + os.sep
@@ -202,6 +202,40 @@ def markdown(rows: list[KeyRow], *, max_sites: int = 2) -> str:
     out.append(f"{len(rows)} keys in the recipe: {len(rows) - len(kept)} replaced by the override file; of the "
                f"{len(kept)} run as written, {verl} read by veRL, {ours} by cppo-megatron only, "
                f"{len(none)} by nobody{': ' + ', '.join(none) if none else ''}.")
+    return "\n".join(out)
+
+
+def combined_markdown(runs: list[tuple[str, list[KeyRow]]], *, max_sites: int = 2) -> str:
+    """Several runs' rows (``[(label, key_rows(...)), ...]``, e.g. the 7B and 14B recipes) as one
+    table: a row per key any recipe sets, the recipes' values, the override, where veRL read it
+    (sites of all runs) and in which runs."""
+    keys: list[str] = []
+    for _, rows in runs:
+        keys += [r.key for r in rows if r.key not in keys]
+    out = ["| recipe key | recipe value | toy run | read by veRL at (first sites) | process | read in |",
+           "|---|---|---|---|---|---|"]
+    for key in keys:
+        here = [(label, next(r for r in rows if r.key == key)) for label, rows in runs if any(r.key == key for r in rows)]
+        by_value: dict[str, list[str]] = {}
+        for lb, r in here:
+            by_value.setdefault(_cell(r.recipe), []).append(lb)
+        value = next(iter(by_value)) if len(by_value) == 1 else "; ".join(
+            f"{v} ({', '.join(lbs)})" for v, lbs in by_value.items())
+        overrides = {str(r.override) for _, r in here if r.overridden}
+        toy = " / ".join(f"**{_cell(o)}**" for o in sorted(overrides)) if overrides else "as written"
+        sites: list[str] = []
+        procs: list[str] = []
+        for _, r in here:
+            sites += [x for x in r.verl_sites if x not in sites]
+            procs += [x for x in r.processes if x not in procs]
+        others = sorted({x for _, r in here for x in r.other_sites})
+        cell = ", ".join(f"`{x}`" for x in sites[:max_sites]) + (
+            f" (+{len(sites) - max_sites})" if len(sites) > max_sites else "")
+        if not cell:
+            cell = ("cppo-megatron: " + ", ".join(f"`{x}`" for x in others[:max_sites])) if others else "—"
+        readers = [lb for lb, r in here if r.read_by_verl or r.other_sites]
+        read_in = ("all" if len(readers) == len(runs) else ", ".join(readers)) if readers else "none"
+        out.append(f"| `{key}` | {value} | {toy} | {cell} | {', '.join(procs[:3])} | {read_in} |")
     return "\n".join(out)
 
 
