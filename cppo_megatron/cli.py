@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "openrlhf": ("cppo_megatron.commands.openrlhf", "train with OpenRLHF 0.11.2 + CPPO from a recipe (recipes/openrlhf/*.yaml); --dry-run checks it"),
     "patch": ("cppo_megatron.commands.patch", "check or apply the CPPO source patch to an installed framework (openrlhf)"),
     "megatron-check": ("cppo_megatron.commands.megatron_check", "HF -> megatron TP/PP/DP on local processes: log-probs vs HF, weight round trip, one pruned rebalanced update"),
-    "study": ("cppo_megatron.commands.study", "sweep P x metric x allocation x seeds at equal time budgets, with a supervised control"),
+    "study": ("cppo_megatron.commands.study", "sweep P x metric x allocation x seeds at equal time budgets, with a supervised control (a veRL recipe: inside veRL, equal wall time)"),
     "verl": ("cppo_megatron.commands.verl", "train with veRL 0.9.1 + CPPO (= python -m cppo_megatron.integrations.verl.main; veRL hydra overrides)"),
     "export-hf": ("cppo_megatron.commands.export_hf", "export an embedded-trainer model (warm-up, checkpoint) as an HF model directory with a real tokenizer"),
     "bench": ("cppo_megatron.commands.bench",

@@ -22,6 +22,7 @@ if [[ -x "$VENV/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; t
   exit 0
 fi
 
+SECONDS=0
 if [[ ! -x "$VENV/bin/python" ]]; then
   echo "setup: creating $VENV"
   "$PYTHON" -m venv "$VENV"
@@ -42,6 +43,7 @@ fi
 # OpenRLHF 0.11.2 for the OpenRLHF integration's CPU tests: its own requirements need a
 # CUDA machine (deepspeed, flash-attn), so the package goes in WITHOUT dependencies and
 # the few pure-Python modules it imports come from requirements/openrlhf-cpu-deps.txt.
+echo "setup: cppo-megatron and its dependencies installed (${SECONDS} s so far)"
 if [[ "$OPENRLHF_CPU" == 1 ]]; then
   echo "setup: installing openrlhf==0.11.2 (--no-deps, for CPU tests)"
   if ! { "$VENV/bin/python" -m pip install -q -c constraints/cpu.txt -r requirements/openrlhf-cpu-deps.txt &&
@@ -59,3 +61,4 @@ if not v.startswith("2.13.0"):
 print(f"setup: torch {v}, CUDA available: {torch.cuda.is_available()}")
 PY
 echo "$want" > "$stamp"
+echo "setup: done in ${SECONDS} s"

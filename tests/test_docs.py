@@ -211,7 +211,10 @@ def _help_examples() -> list:
 
 def load_any_recipe(args) -> None:
     """Load a command's recipe with its overrides: an embedded-trainer recipe, or for
-    `bench verl` a veRL recipe composed by hydra (the dry run of `cppo-megatron verl`)."""
+    `bench verl` and a study on a veRL recipe a veRL recipe composed by hydra (the dry run of
+    `cppo-megatron verl`)."""
+    from cppo_megatron.bench.verl_study import is_verl_recipe
+
     if getattr(args, "benchmark", None) == "openrlhf":  # its runs are OpenRLHF recipe runs: dry-run one
         if importlib.util.find_spec("openrlhf") is None:
             pytest.skip("OpenRLHF is not installed here")
@@ -219,7 +222,7 @@ def load_any_recipe(args) -> None:
 
         assert cli.main(["openrlhf", args.recipe, *shlex.split(args.flags), "--dry-run"]) == 0
         return
-    if getattr(args, "benchmark", None) == "verl":
+    if getattr(args, "benchmark", None) == "verl" or is_verl_recipe(args.recipe):  # bench verl, study on veRL
         pytest.importorskip("verl")
         from cppo_megatron import cli
 

@@ -16,6 +16,12 @@ supervised training from the same weights for the same budget.
   cppo-megatron study recipes/tiny_cpu.yaml                  # default grid, ~45 min on 2 cores
   cppo-megatron study recipes/tiny_cpu.yaml --full           # every rate, metric, allocation
   cppo-megatron study recipes/tiny_cpu.yaml --seeds 1 --budget 20 --rates 0,0.875 --metrics smallest
+
+With a veRL recipe the same command runs the study inside veRL (``bench/verl_study.py``):
+GRPO, CPPO with and without allocation, each a real veRL run for the same wall-clock budget,
+evaluated afterwards at fixed wall-clock points by one shared evaluator:
+
+  cppo-megatron study recipes/verl/tiny_cpu_grpo.yaml --seeds 3 --budget 300 --evals 10
 """
 
 from __future__ import annotations
@@ -64,6 +70,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-checkpoint", default=None)
     parser.add_argument("--out", default="runs/study", help="output directory (default runs/study)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    verl = parser.add_argument_group(
+        "veRL recipes", "with a veRL recipe (recipes/verl/*.yaml) the study runs veRL itself: one veRL process per arm "
+        "and seed, each for --budget seconds of wall time, arms interleaved (default arms: --rates 0,0.875 "
+        "--allocation both; docs/benchmarks.md)")
+    verl.add_argument("--target", type=float, default=None,
+                      help="held-out accuracy whose time to reach is reported per arm (default: the lowest arm's "
+                           "mean accuracy at the budget)")
+    verl.add_argument("--eval-problems", type=int, default=1000,
+                      help="held-out problems of the shared evaluator (default 1000)")
+    verl.add_argument("--reuse", action="store_true",
+                      help="keep the runs in --out that finished (result.json) and run only the missing ones")
+    verl.add_argument("--run-timeout", type=float, default=1800.0,
+                      help="seconds a veRL run may take beyond --budget (start-up, the last step) before it is "
+                           "stopped and reported as failed (default 1800)")
 
 
 def grid(args) -> list[dict]:
@@ -304,7 +324,12 @@ def _nz(x: float) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from ..trainer.config import load_recipe
+    from .verl_study import is_verl_recipe
 
+    if is_verl_recipe(args.recipe):  # the same study inside veRL (bench/verl_study.py)
+        from .verl_study import run as run_verl
+
+        return run_verl(args)
     if args.seeds < 1 or args.budget <= 0 or args.evals < 1:
         raise ValueError(f"--seeds, --budget, --evals must be positive, got {args.seeds}, {args.budget}, {args.evals}")
     recipe = load_recipe(args.recipe, args.overrides)
@@ -355,8 +380,10 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
             w.writerow({**r, "curve": json.dumps(r["curve"])})
 
 
-def _plot(fig, rows: list[dict], table: list[dict]) -> None:
-    ax1 = fig.add_subplot(1, 2, 1)
+def plot_curves(ax, rows: list[dict], xlabel: str = "RL time (s)", label=None) -> None:
+    """Accuracy vs time per configuration (runs named ``CONFIG_sSEED``): the mean over seeds
+    at each evaluation point, with a ± sd band. ``label`` maps a configuration name to the
+    legend's text (default: the name)."""
     configs: dict = {}
     for r in rows:
         configs.setdefault(r["run"].rsplit("_s", 1)[0], []).append(r["curve"])
@@ -365,11 +392,15 @@ def _plot(fig, rows: list[dict], table: list[dict]) -> None:
         ts = [statistics.mean(c[i][0] for c in curves) for i in range(n)]
         ms = [statistics.mean(c[i][1] for c in curves) for i in range(n)]
         sd = [statistics.stdev([c[i][1] for c in curves]) if len(curves) > 1 else 0.0 for i in range(n)]
-        line = ax1.plot(ts, ms, "o-" if "control" not in name else "s--", ms=3, label=name)[0]
-        ax1.fill_between(ts, [m - s for m, s in zip(ms, sd)], [m + s for m, s in zip(ms, sd)], alpha=0.15,
-                         color=line.get_color())
-    ax1.set(xlabel="RL time (s)", ylabel="held-out accuracy", title="accuracy vs time (mean ± sd over seeds)")
-    ax1.legend(fontsize=6)
+        line = ax.plot(ts, ms, "o-" if "control" not in name else "s--", ms=3, label=label(name) if label else name)[0]
+        ax.fill_between(ts, [m - s for m, s in zip(ms, sd)], [m + s for m, s in zip(ms, sd)], alpha=0.15,
+                        color=line.get_color())
+    ax.set(xlabel=xlabel, ylabel="held-out accuracy", title="accuracy vs time (mean ± sd over seeds)")
+    ax.legend(fontsize=6)
+
+
+def _plot(fig, rows: list[dict], table: list[dict]) -> None:
+    plot_curves(fig.add_subplot(1, 2, 1), rows)
     ax2 = fig.add_subplot(1, 2, 2)
     for metric in sorted({t["metric"] for t in table if t["P"] is not None and t["metric"] != "grpo"}):
         pts = sorted((t["P"], t["final acc (mean)"], _nz(t["seed spread (sd)"])) for t in table

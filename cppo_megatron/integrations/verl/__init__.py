@@ -37,14 +37,15 @@ __all__ = [
 
 
 def load() -> None:
-    """Register the estimator, install the hook and, with ``VERL_PLATFORM=cpu``, the CPU mode
-    (idempotent)."""
-    from . import audit, cpu
+    """Register the estimator, install the hook and, with ``VERL_PLATFORM=cpu``, the CPU mode;
+    the audit recorders and the wall-clock budget when their variables are set (idempotent)."""
+    from . import audit, clock, cpu
 
     register_estimator()
     install()
     cpu.enable()
     audit.install()
+    clock.install()
 
 
 load()

@@ -54,6 +54,8 @@ PINNED = {
     "verl.experimental.agent_loop.agent_loop:AgentLoopWorker.generate_sequences": "aaf4c62352a565b3",
     "verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_old_log_prob": "e9ee1fc72ac57177",
     "verl.trainer.ppo.ray_trainer:RayPPOTrainer._compute_old_log_prob": "37936dd4c6debf30",
+    # the wall-clock budget of the veRL study (clock.py): the first call of a legacy step
+    "verl.trainer.ppo.ray_trainer:RayPPOTrainer._get_gen_batch": "9a436d3f19493c7b",
 }
 
 

@@ -25,6 +25,7 @@ the CPU mode first (``cpu.prepare``: start model, data, environment).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -37,11 +38,14 @@ def run(config, *, dry_run: bool = False):
     from omegaconf import OmegaConf
 
     from . import load
+    from .cpu.phases import FirstStepWatcher, Phases, timed_ray_init
     from .cpu.prepare import prepare_cpu_run
     from .runconfig import prepare
 
     load()
-    cpu_run = None if dry_run else prepare_cpu_run(config)
+    phases = Phases()
+    phases.durations["startup"] = phases.since_start()  # interpreter, imports, hydra's composition
+    cpu_run = None if dry_run else prepare_cpu_run(config, phases)
     if cpu_run is not None:
         print(cpu_run.describe())
         load()  # VERL_PLATFORM=cpu is set now: install the CPU mode in this process too
@@ -52,8 +56,15 @@ def run(config, *, dry_run: bool = False):
         return plan
     from verl.trainer.main_ppo import main as verl_main
 
-    # veRL's hydra-decorated main; __wrapped__ is its body (functools.wraps in hydra.main)
-    verl_main.__wrapped__(config)
+    # a CPU run says how long Ray took to start and when the first step was logged
+    watcher = FirstStepWatcher(cpu_run.run_dir / "metrics.jsonl", phases).start() if cpu_run is not None else None
+    try:
+        with timed_ray_init(phases) if cpu_run is not None else contextlib.nullcontext():
+            # veRL's hydra-decorated main; __wrapped__ is its body (functools.wraps in hydra.main)
+            verl_main.__wrapped__(config)
+    finally:
+        if watcher is not None:
+            watcher.stop()
     return plan
 
 

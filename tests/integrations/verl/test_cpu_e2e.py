@@ -150,7 +150,8 @@ def check_syncs(records):
 
 @pytest.fixture(scope="module")
 def v1_cppo(tiny_model, tmp_path_factory):
-    return run_verl("tiny_cpu_cppo.yaml", tmp_path_factory.mktemp("v1_cppo"), tiny_model, f"cppo.pruning_rate={P}")
+    return run_verl("tiny_cpu_cppo.yaml", tmp_path_factory.mktemp("v1_cppo"), tiny_model, f"cppo.pruning_rate={P}",
+                    "trainer.use_v1=true")
 
 
 def test_v1_cppo_trains_the_core_survivors_with_full_group_advantages(v1_cppo):
@@ -158,11 +159,11 @@ def test_v1_cppo_trains_the_core_survivors_with_full_group_advantages(v1_cppo):
 
 
 def test_v1_grpo_through_the_same_path_keeps_every_row(tiny_model, tmp_path_factory):
-    run = run_verl("tiny_cpu_cppo.yaml", tmp_path_factory.mktemp("v1_p0"), tiny_model, "cppo.pruning_rate=0.0")
+    run = run_verl("tiny_cpu_cppo.yaml", tmp_path_factory.mktemp("v1_p0"), tiny_model, "cppo.pruning_rate=0.0",
+                   "trainer.use_v1=true")
     check_run(run, pruning_rate=0.0, loop="v1")
 
 
 def test_legacy_loop_cppo(tiny_model, tmp_path_factory):
-    run = run_verl("tiny_cpu_cppo.yaml", tmp_path_factory.mktemp("legacy"), tiny_model, f"cppo.pruning_rate={P}",
-                   "trainer.use_v1=false")
+    run = run_verl("tiny_cpu_cppo.yaml", tmp_path_factory.mktemp("legacy"), tiny_model, f"cppo.pruning_rate={P}")
     check_run(run, pruning_rate=P, loop="legacy")

@@ -8,30 +8,40 @@ A recipe's ``cppo_cpu`` group (not a veRL key; veRL ignores it) names them:
       data_dir: runs/verl_tiny/data     # train.parquet / test.parquet of the recipe's task
       eval_problems: 200                # rows of test.parquet
       run_dir: runs/verl_tiny/NAME      # metrics.jsonl (veRL's own metrics, every step)
+      warmup_overrides: [...]           # the warm-up recipe's settings changed for this start model
       vocab_multiple: 8                 # optional: pad the exported vocabulary (Megatron TP; cpu/vocab.py)
 
 ``prepare_cpu_run(config)`` makes the paths absolute (Ray workers do not share the driver's
 working directory), runs the warm-up and the export when ``model_dir`` has no model, writes
 the parquet files when missing, and points the process environment at the CPU platform.
+Each part is a timed phase (``phases.Phases``). The warm-up runs with the torch threads that
+``phases.choose_threads`` picks from the cores and load at that moment, unless
+``warmup_overrides`` sets ``threads``. What the warm-up reached is kept beside the model
+(``cppo_start_model.json``) and printed when a later run reuses it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ..audit import ENV as AUDIT_ENV
+from ..clock import ENV as CLOCK_ENV
 from ..runconfig import export_plugin_to_workers
+from .phases import Phases, choose_threads, machine_load
 
-__all__ = ["CPU_ENV", "CpuRun", "build_start_model", "is_cpu_run", "prepare_cpu_run", "write_data"]
+__all__ = ["CPU_ENV", "CpuRun", "build_start_model", "ensure_inputs", "is_cpu_run", "prepare_cpu_run",
+           "start_model_info", "write_data"]
 
 RECIPES_DIR = Path(__file__).resolve().parents[4] / "recipes"
 # set in the driver and in every Ray process of a CPU run
 CPU_ENV = {"VERL_PLATFORM": "cpu", "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 GROUP = "cppo_cpu"
+START_MODEL_INFO = "cppo_start_model.json"  # what the warm-up reached, beside the exported model
 
 
 @dataclass(frozen=True)
@@ -43,9 +53,13 @@ class CpuRun:
     run_dir: Path
     built_model: bool
     wrote_data: bool
+    start_model: dict | None = None  # cppo_start_model.json: warm-up accuracy, steps, seconds, threads
 
     def describe(self) -> str:
-        return (f"cpu mode: model {self.model_dir} ({'exported now' if self.built_model else 'reused'}), "
+        acc = (self.start_model or {}).get("accuracy")
+        what = "exported now" if self.built_model else "reused"
+        what += f", held-out accuracy {acc:.3f}" if isinstance(acc, (int, float)) else ""
+        return (f"cpu mode: model {self.model_dir} ({what}), "
                 f"data {self.data_dir} ({'written now' if self.wrote_data else 'reused'}), "
                 f"metrics {self.run_dir / 'metrics.jsonl'}")
 
@@ -67,13 +81,51 @@ def _warmup_recipe(name: str) -> Path:
 def build_start_model(warmup_recipe: str | Path, model_dir: str | Path, *, overrides: tuple[str, ...] = ()):
     """Run ``warmup_recipe``'s supervised warm-up (no RL step) and export the result as an HF
     model directory; returns the ``ExportResult``. The warm-up run lives beside the model
-    (``MODEL_DIR/../warmup``) with its report and ``warmup.pt``."""
+    (``MODEL_DIR/../warmup``) with its report and ``warmup.pt``; ``MODEL_DIR/cppo_start_model.json``
+    records what it reached (held-out accuracy, SFT steps, seconds, threads).
+
+    ``overrides`` are the warm-up recipe's ``key=value`` settings; without ``threads=N`` the
+    threads come from ``choose_threads()`` (cores free right now)."""
+    import time
+
     from ....trainer.export import export_warmup
 
-    return export_warmup(_warmup_recipe(str(warmup_recipe)), model_dir, overrides=overrides)
+    model_dir = Path(model_dir)
+    overrides = tuple(str(o) for o in overrides)
+    if not any(o.split("=", 1)[0].strip() == "threads" for o in overrides):
+        overrides = (f"threads={choose_threads()}", *overrides)
+    overrides = ("log.progress=false", "log.tensorboard=false", *overrides)
+    t0 = time.perf_counter()
+    result = export_warmup(_warmup_recipe(str(warmup_recipe)), model_dir, overrides=overrides)
+    seconds = time.perf_counter() - t0
+    run_dir = model_dir.parent / "warmup"
+    last = _last_warmup_record(run_dir / "metrics.jsonl")
+    threads = next(int(o.split("=", 1)[1]) for o in overrides if o.split("=", 1)[0].strip() == "threads")
+    info = {"accuracy": last.get("warmup/accuracy"), "eval_problems": int(last.get("warmup/problems", 0)),
+            "sft_steps": int(last.get("warmup/step", 0)), "seconds": round(seconds, 1), "threads": threads,
+            "warmup_recipe": str(warmup_recipe), "overrides": list(overrides)}
+    (model_dir / START_MODEL_INFO).write_text(json.dumps(info, indent=2) + "\n")
+    return result
 
 
-def write_data(warmup_recipe: str | Path, data_dir: str | Path, eval_problems: Optional[int]):
+def _last_warmup_record(path: Path) -> dict:
+    """The last ``warmup/*`` evaluation the warm-up logged ({} when none)."""
+    last: dict = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line) if line.strip() else {}
+            if rec.get("kind") == "warmup" and "warmup/accuracy" in rec:
+                last = rec
+    return last
+
+
+def start_model_info(model_dir: str | Path) -> dict | None:
+    """``cppo_start_model.json`` of an exported start model (None when it has none)."""
+    path = Path(model_dir) / START_MODEL_INFO
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_data(warmup_recipe: str | Path, data_dir: str | Path, eval_problems: int | None):
     """The warm-up recipe's task as veRL parquet (same problems, same prompt template)."""
     from ....tasks import build_task
     from ....trainer.config import load_recipe
@@ -84,9 +136,44 @@ def write_data(warmup_recipe: str | Path, data_dir: str | Path, eval_problems: O
                               test_rows=eval_problems)
 
 
-def prepare_cpu_run(config: Any) -> Optional[CpuRun]:
+def ensure_inputs(group: Any, model_dir: Path, data_dir: Path, phases: Phases) -> tuple[bool, bool]:
+    """Build the start model (``group.warmup_recipe`` + ``group.warmup_overrides``) when
+    ``model_dir`` has none and write the parquet data when ``data_dir`` lacks it, each as a
+    timed phase; returns (built the model, wrote the data)."""
+    built = not (model_dir / "config.json").is_file()
+    if built:
+        overrides = [str(o) for o in (group.get("warmup_overrides", None) or [])]
+        threads = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].strip() == "threads"), None)
+        if threads is None:
+            threads = str(choose_threads())
+            overrides.insert(0, f"threads={threads}")
+        cores, load = machine_load()
+        sized = [o for o in overrides if not o.startswith("threads=")]
+        what = (f"building the start model in {model_dir} (supervised warm-up of {group.warmup_recipe}"
+                f"{' with ' + ' '.join(sized) if sized else ''}, "
+                f"{threads} torch thread(s): {cores} usable cores, load {load:.1f})")
+        with phases.phase("model", what, "building the start model") as note:
+            build_start_model(group.warmup_recipe, model_dir, overrides=tuple(overrides))
+            if group.get("vocab_multiple"):
+                from .vocab import pad_vocab
+
+                pad_vocab(model_dir, int(group.vocab_multiple))
+            info = start_model_info(model_dir) or {}
+            if info.get("accuracy") is not None:
+                note["result"] = (f"held-out accuracy {info['accuracy']:.3f} on {info['eval_problems']} problems "
+                                  f"after {info['sft_steps']} SFT steps")
+    wrote = not ((data_dir / "train.parquet").is_file() and (data_dir / "test.parquet").is_file())
+    if wrote:
+        with phases.phase("data", f"writing the data as veRL parquet to {data_dir}", "writing the data") as note:
+            d = write_data(group.warmup_recipe, data_dir, group.get("eval_problems"))
+            note["result"] = f"{d.train_rows} train, {d.test_rows} test problems"
+    return built, wrote
+
+
+def prepare_cpu_run(config: Any, phases: Phases | None = None) -> CpuRun | None:
     """Prepare a CPU run in place (see the module docstring); None when ``trainer.device`` is
-    not ``cpu``. Also sets ``CPU_ENV`` in this process and in ``ray_kwargs`` for Ray's."""
+    not ``cpu``. Also sets ``CPU_ENV`` in this process and in ``ray_kwargs`` for Ray's.
+    ``phases`` times and prints the parts that do work (a new one when not given)."""
     from omegaconf import open_dict
 
     if not is_cpu_run(config):
@@ -104,22 +191,13 @@ def prepare_cpu_run(config: Any) -> Optional[CpuRun]:
         for key in ("model_dir", "data_dir", "run_dir"):
             group[key] = str(Path(group[key]).expanduser().resolve())
     model_dir, data_dir, run_dir = (Path(group[k]) for k in ("model_dir", "data_dir", "run_dir"))
-    built = not (model_dir / "config.json").is_file()
-    if built:
-        print(f"cpu mode: no model in {model_dir}; running the warm-up of {group.warmup_recipe} and exporting it")
-        build_start_model(group.warmup_recipe, model_dir)
-        if group.get("vocab_multiple"):
-            from .vocab import pad_vocab
-
-            pad_vocab(model_dir, int(group.vocab_multiple))
-    wrote = not ((data_dir / "train.parquet").is_file() and (data_dir / "test.parquet").is_file())
-    if wrote:
-        write_data(group.warmup_recipe, data_dir, group.get("eval_problems"))
+    built, wrote = ensure_inputs(group, model_dir, data_dir, phases or Phases())
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**CPU_ENV, "VERL_FILE_LOGGER_PATH": str(run_dir / "metrics.jsonl")}
-    if os.environ.get(AUDIT_ENV):
-        env[AUDIT_ENV] = str(Path(os.environ[AUDIT_ENV]).resolve())
+    for name in (AUDIT_ENV, CLOCK_ENV):  # audit records, wall-clock mode: every process writes there
+        if os.environ.get(name):
+            env[name] = str(Path(os.environ[name]).resolve())
     os.environ.update(env)
     export_plugin_to_workers(config, env)  # the Ray runtime env every Ray process starts with
-    return CpuRun(model_dir, data_dir, run_dir, built, wrote)
+    return CpuRun(model_dir, data_dir, run_dir, built, wrote, start_model_info(model_dir))
 

@@ -124,6 +124,9 @@ class HFRolloutServer:
         self._queue: list[tuple[list[int], dict, asyncio.Future]] = []
         self._drainer: Optional[asyncio.Task] = None
         self.stats = {"requests": 0, "batches": 0, "generate_s": 0.0, "max_batch": 0}
+        from ..clock import Snapshots
+
+        self.snapshots = Snapshots.from_env()  # wall-clock mode (CPPO_VERL_CLOCK): the policy at each mark
 
     def _max_new_tokens(self, prompt_len: int) -> int:
         c = self.config
@@ -193,10 +196,16 @@ class HFRolloutServer:
 
     def update_weights(self, state: dict[str, torch.Tensor], global_steps: Optional[int] = None) -> int:
         """Load full HF-named tensors (from the adapter); returns the new weight version."""
+        if self.snapshots is not None:
+            self.snapshots.before_update(self.engine.model.state_dict, global_steps)
         self.engine.update_weights(state.items())
         self.weight_version += 1
         if global_steps is not None:
             self.global_steps = int(global_steps)
+        if self.snapshots is not None:
+            self.snapshots.after_update(self.engine.model.state_dict, global_steps,
+                                        {"generate_s": round(self.stats["generate_s"], 4),
+                                         "requests": self.stats["requests"], "batches": self.stats["batches"]})
         return self.weight_version
 
     def state_dict(self) -> dict[str, torch.Tensor]:

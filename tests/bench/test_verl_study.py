@@ -1,0 +1,263 @@
+"""The study on a veRL recipe (bench/verl_study.py), without starting veRL: which arm gets
+which config, the interleaved order, reading a run's policies at wall-clock marks through the
+shared evaluator, and the verdict on constructed results. The real study is in
+docs/benchmarks.md; the clock's pieces inside the rollout server and the trainer are tested in
+tests/integrations/verl/test_clock.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cppo_megatron.bench import study, verl_study
+from tests.doc_keys import missing_keys
+
+ROOT = Path(__file__).resolve().parents[2]
+GRPO_RECIPE = str(ROOT / "recipes" / "verl" / "tiny_cpu_grpo.yaml")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    study.configure(p)
+    return p.parse_intermixed_args(argv)
+
+
+def test_verl_recipes_are_told_from_embedded_ones():
+    assert verl_study.is_verl_recipe(GRPO_RECIPE)
+    assert verl_study.is_verl_recipe(ROOT / "recipes" / "verl" / "tiny_cpu_cppo.yaml")
+    assert not verl_study.is_verl_recipe(ROOT / "recipes" / "tiny_cpu.yaml")
+    assert not verl_study.is_verl_recipe(ROOT / "recipes" / "verl" / "no_such.yaml")
+
+
+def test_default_arms_their_configs_and_the_rotated_seed_major_order():
+    args = verl_study._verl_args(parse([GRPO_RECIPE, "--seeds", "3"]))
+    runs = verl_study.interleave(study.grid(args))
+    assert [study._run_id(r) for r in runs] == [
+        "p0_grpo_alloc_s0", "p0.875_smallest_alloc_s0", "p0.875_smallest_noalloc_s0",
+        "p0.875_smallest_alloc_s1", "p0.875_smallest_noalloc_s1", "p0_grpo_alloc_s1",
+        "p0.875_smallest_noalloc_s2", "p0_grpo_alloc_s2", "p0.875_smallest_alloc_s2",
+    ]
+    by_id = {study._run_id(r): verl_study.arm_overrides(r) for r in runs}
+    seed1 = ["cppo.seed=1", "data.seed=1", "actor_rollout_ref.rollout.seed=1", "actor_rollout_ref.actor.data_loader_seed=1"]
+    assert by_id["p0_grpo_alloc_s1"] == ["algorithm.adv_estimator=cppo", "cppo.pruning_rate=0.0", "cppo.allocation=true",
+                                         "cppo.metric=smallest", "cppo.use_abs=true", *seed1]
+    assert by_id["p0.875_smallest_alloc_s1"][1:3] == ["cppo.pruning_rate=0.875", "cppo.allocation=true"]
+    assert by_id["p0.875_smallest_noalloc_s1"][1:3] == ["cppo.pruning_rate=0.875", "cppo.allocation=false"]
+    assert by_id["p0.875_smallest_noalloc_s2"][-4:] == [s.replace("=1", "=2") for s in seed1]
+
+
+def test_every_run_is_a_legacy_loop_run_without_validation_inside_its_budget(tmp_path):
+    o = verl_study.run_overrides(tmp_path / "r", tmp_path / "m", tmp_path / "d", "p0_grpo_alloc_s0")
+    assert f"cppo_cpu.model_dir={tmp_path / 'm'}" in o and f"cppo_cpu.data_dir={tmp_path / 'd'}" in o
+    for want in ("trainer.use_v1=false", "trainer.val_before_train=false", "trainer.test_freq=-1",
+                 "trainer.save_freq=-1", f"trainer.total_training_steps={verl_study.STEP_LIMIT}"):
+        assert want in o
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--clock", "cpu"], "--clock cpu"),
+    (["--full"], "--full"),
+    (["--metrics", "importance"], "not available in veRL"),
+    (["trainer.use_v1=true"], "sets it per arm"),
+    (["cppo.pruning_rate=0.5"], "sets it per arm"),
+])
+def test_options_the_veRL_study_cannot_honour_are_refused(argv, match):
+    with pytest.raises(ValueError, match=match):
+        verl_study._verl_args(parse([GRPO_RECIPE, *argv]))
+
+
+def test_time_to_target_and_the_default_target():
+    curve = [[0.0, 0.2, 0.0], [30.0, 0.25, 16.0], [60.0, 0.31, 32.0], [90.0, 0.29, 48.0]]
+    assert verl_study.time_to_target(curve, 0.3) == 60.0
+    assert verl_study.time_to_target(curve, 0.2) == 0.0
+    assert verl_study.time_to_target(curve, 0.5) is None
+    table = [{"final acc (mean)": 0.40}, {"final acc (mean)": 0.30}]
+    assert verl_study.default_target(0.20, table) == 0.25  # halfway to the lowest arm
+    table = [{"final acc (mean)": 0.40}, {"final acc (mean)": 0.18}]
+    assert verl_study.default_target(0.20, table) == 0.30  # one arm lost ground: halfway to the best
+
+
+# ------------------------------------------------------------------------------ one run, read back
+def fake_run(out: Path, spec: dict, syncs: list[tuple[int, float]], budget: float, marks: list[float],
+             per_step: dict, weights=lambda g: {"w": torch.tensor([float(g)])}) -> dict:
+    """A run directory as a real run leaves it: clock files (``weights(step)``, by default the
+    step number) and veRL metrics."""
+    from cppo_megatron.integrations.verl import clock
+
+    run_id = study._run_id(spec)
+    run_dir = out / "runs" / run_id
+    cfg = clock.write_settings(run_dir / "clock", budget, marks)
+    fake = {"t": 0.0}
+    snaps = clock.Snapshots(cfg, clock=lambda: fake["t"])
+    loaded = {"s": weights(0)}
+    for i, (g, t) in enumerate(syncs):
+        fake["t"] = t
+        snaps.before_update(lambda: loaded["s"], g)
+        loaded["s"] = weights(g)
+        snaps.after_update(lambda: loaded["s"], g, {"generate_s": 0.5 * i})
+    step_s = per_step["step"] if isinstance(per_step["step"], list) else [per_step["step"]] * len(syncs)
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for i, (g, _) in enumerate(syncs[1:]):
+            f.write(json.dumps({"step": g, "data": {"timing_s/step": step_s[i], "timing_s/gen": per_step["gen"],
+                                                    "timing_s/update_actor": per_step["update"],
+                                                    "cppo/num_groups": per_step["prompts"],
+                                                    "cppo/num_completions": per_step["prompts"] * 16,
+                                                    "cppo/num_kept": 256.0}}) + "\n")
+    return {"run": run_id, "spec": spec, "wall_s": budget + 60, "load_mean": 3.0, "load_max": 5.0}
+
+
+class StepEvaluator:
+    """Accuracy = 0.2 + 0.01 x the step whose weights are in the file (start: 0.2)."""
+
+    def __init__(self) -> None:
+        self.files: list[Path] = []
+
+    def accuracy(self, weights=None):
+        step = 0.0 if weights is None else float(torch.load(weights)["w"][0])
+        if weights is not None:
+            self.files.append(Path(weights))
+        return {"accuracy": 0.2 + 0.01 * step, "stderr": 0.01, "problems": 100}
+
+
+def test_a_run_is_read_at_its_wall_clock_marks(tmp_path):
+    spec = {"kind": "rl", "P": 0.875, "metric": "smallest", "allocation": True, "seed": 1, "keep_mass": None}
+    # steps end at 7, 15, 22, 31 s (the last one, after the 30 s budget, is not used)
+    result = fake_run(tmp_path, spec, [(0, 0.0), (1, 7.0), (2, 15.0), (3, 22.0), (4, 31.0)], 30.0, [10.0, 20.0, 30.0],
+                      {"step": [30.0, 7.0, 8.0, 9.0], "gen": 6.0, "update": 1.0, "prompts": 128.0})
+    ev = StepEvaluator()
+    row = verl_study.evaluate_run(result, tmp_path, ev, ev.accuracy(None))
+    # in force: step 1 at 10 s, step 2 at 20 s, step 3 at 30 s
+    assert row["curve"] == [[0.0, 0.2, 0.0], [10.0, pytest.approx(0.21), 128.0], [20.0, pytest.approx(0.22), 256.0],
+                            [30.0, pytest.approx(0.23), 384.0]]
+    assert row["steps"] == 3 and row["steps_run"] == 4
+    assert row["accuracy_final"] == pytest.approx(0.23)
+    assert (row["prompts_drawn"], row["completions_generated"], row["completions_trained"]) == (384.0, 6144.0, 768.0)
+    assert [f.name for f in ev.files] == ["policy_step00001.pt", "policy_step00002.pt", "policy_step00003.pt"]
+    ph = row["phases"]  # medians over steps 2..3: step 1 (start-up costs) and step 4 (past the budget) left out
+    assert ph["step_s"] == 7.5 and ph["gen_s"] == 6.0 and ph["update_actor_s"] == 1.0
+    assert ph["other_s"] == pytest.approx(0.5) and ph["hf_generate_s"] == pytest.approx(0.5)
+    assert ph["gen_ms_per_prompt"] == pytest.approx(1e3 * 6.0 / 128)
+
+
+# ------------------------------------------------------------------------------ the verdict
+def rows_for(arm: dict, accs: list[float]) -> list[dict]:
+    out = []
+    for seed, acc in enumerate(accs):
+        spec = {**arm, "seed": seed, "kind": "rl", "keep_mass": None}
+        out.append({"run": study._run_id(spec), **spec, "steps": 10, "accuracy_start": 0.2, "accuracy_final": acc,
+                    "eval_stderr": 0.01, "prompts_drawn": 100.0, "completions_generated": 1600.0,
+                    "completions_trained": 1000.0, "accuracy_at_grpo_prompts": None, "prompts_at_grpo_prompts": None,
+                    "curve": [[0.0, 0.2, 0.0], [30.0, acc, 100.0]], "load_mean": 4.0,
+                    "phases": {"step_s": 4.0, "gen_s": 3.0}})
+    return out
+
+
+GRPO = {"P": 0.0, "metric": "grpo", "allocation": True}
+ALLOC = {"P": 0.875, "metric": "smallest", "allocation": True}
+NOALLOC = {"P": 0.875, "metric": "smallest", "allocation": False}
+
+
+def test_verdict_names_no_winner_within_the_seed_spread():
+    rows = rows_for(GRPO, [0.40, 0.42, 0.44]) + rows_for(ALLOC, [0.50, 0.51, 0.52]) + rows_for(NOALLOC, [0.38, 0.45, 0.50])
+    table, _ = study.summarize(rows)
+    for t in table:
+        t["kind"] = "rl"
+    notes = verl_study.verdicts(table)
+    assert notes[0].startswith("CPPO P=0.875 smallest beats GRPO at equal wall time: 0.510 vs 0.420 (difference +0.090")
+    assert notes[1].startswith("CPPO P=0.875 smallest no-alloc vs GRPO at equal wall time: no winner: the difference is "
+                               "within the combined seed spread")
+    # 0.067 apart, beyond sqrt(0.010^2 + 0.060^2) = 0.061
+    assert notes[2] == ("CPPO P=0.875 smallest (allocation) beats P=0.875 smallest no-alloc: 0.510 vs 0.443 "
+                        "(difference +0.067, combined seed sd 0.061)")
+    verl_study.enrich(table, rows, target=0.45)
+    by = {t["config"]: t for t in table}
+    assert by["P=0.875 smallest"]["reached"] == "3/3" and by["P=0.875 smallest"]["time to target (s)"] == 30.0
+    assert by["P=0 grpo"]["reached"] == "0/3" and by["P=0 grpo"]["time to target (s)"] is None
+    assert by["P=0.875 smallest no-alloc"]["reached"] == "2/3"
+
+
+def test_verdict_trails_and_one_seed():
+    rows = rows_for(GRPO, [0.50, 0.51, 0.52]) + rows_for(ALLOC, [0.40, 0.41, 0.42])
+    table, _ = study.summarize(rows)
+    assert verl_study.verdicts(table)[0].startswith("CPPO P=0.875 smallest trails GRPO at equal wall time")
+    table, _ = study.summarize(rows_for(GRPO, [0.5]) + rows_for(ALLOC, [0.7]))
+    assert "no winner: 1 seed(s), the seed spread is unknown" in verl_study.verdicts(table)[0]
+
+
+# ------------------------------------------------------------------------------ the evaluator
+@pytest.fixture(scope="module")
+def tiny_export(tmp_path_factory):
+    from cppo_megatron.tasks import build_task
+    from cppo_megatron.trainer.config import load_recipe
+    from cppo_megatron.trainer.export import export_hf
+    from cppo_megatron.trainer.models import build_model
+
+    r = load_recipe(ROOT / "recipes" / "tiny_cpu.yaml", ["model.hidden_size=32", "model.num_layers=1"])
+    task = build_task(r.task)
+    model, tok = build_model(r.model, task.alphabet, seed=0)
+    out = tmp_path_factory.mktemp("hf")
+    export_hf(model, tok, out)
+    return out, model, tok, task, r
+
+
+def test_evaluator_grades_like_the_embedded_evaluator_with_verls_prompts(tiny_export, tmp_path):
+    from cppo_megatron.rollout import HFEngine
+    from cppo_megatron.trainer.evaluate import evaluate
+
+    out, model, tok, task, r = tiny_export
+    ev = verl_study.Evaluator(out, str(ROOT / "recipes" / "tiny_cpu.yaml"), 50, 6)
+    # veRL's prompt ids (chat template over the task prompt) are the embedded trainer's
+    assert ev.prompts == [tok.prompt_ids(r.task.prompt_template.format(question=p.question)) for p in task.test[:50]]
+    # a model that answers: give the start model's weights a trained look by copying a state
+    # with a known answer distribution is not needed; compare on the same weights instead
+    state = {k: v + 0.05 * torch.randn_like(v) for k, v in ev.start.items()}
+    torch.save(state, tmp_path / "w.pt")
+    got = ev.accuracy(tmp_path / "w.pt")
+    ref_model = type(ev.model).from_pretrained(out)
+    ref_model.load_state_dict(state)
+    engine = HFEngine(ref_model, pad_id=tok.pad_id, eos_id=tok.eos_id, device=torch.device("cpu"), shared=True)
+    want = evaluate(engine, tok, task, list(task.test[:50]), 6, r.task.prompt_template)
+    assert got["accuracy"] == want["eval/accuracy"] and got["problems"] == 50
+    assert ev.accuracy(None)["accuracy"] == ev.accuracy(None)["accuracy"]
+
+
+def test_study_command_on_a_verl_recipe_writes_table_figure_and_verdict(tiny_export, tmp_path, monkeypatch):
+    """``cppo-megatron study RECIPE.yaml`` end to end, with each veRL run replaced by the run
+    directory it would leave (3 arms x 2 seeds): order, evaluation, table, notes, PNG."""
+    pytest.importorskip("verl")
+    from cppo_megatron.cli import main
+
+    out_model = tiny_export[0]
+    start = verl_study.Evaluator(out_model, str(ROOT / "recipes" / "tiny_cpu.yaml"), 1, 6).start
+    noise = {k: torch.randn_like(v) for k, v in start.items()}
+    calls = []
+
+    def run_one(recipe, user_overrides, spec, out, model_dir, data_dir, budget, marks, timeout_s):
+        calls.append(study._run_id(spec))
+        assert model_dir == out_model.resolve() and budget == 20.0 and marks == [10.0, 20.0]
+        steps = 4 if spec["P"] == 0 else 2
+        syncs = [(0, 0.0)] + [(g, g * 21.0 / steps) for g in range(1, steps + 1)]
+        return fake_run(out, spec, syncs, budget, marks, {"step": 5.0, "gen": 3.0, "update": 1.0, "prompts": 16.0},
+                        weights=lambda g: {k: v + 0.02 * g * noise[k] for k, v in start.items()})
+
+    monkeypatch.setattr(verl_study, "run_one", run_one)
+    out = tmp_path / "study"
+    argv = ["study", GRPO_RECIPE, f"cppo_cpu.model_dir={out_model}", f"cppo_cpu.data_dir={tmp_path / 'data'}",
+            "--seeds", "2", "--budget", "20", "--evals", "2", "--eval-problems", "20", "--target", "0.5",
+            "--out", str(out)]
+    assert main(argv) == 0
+    assert calls == ["p0_grpo_alloc_s0", "p0.875_smallest_alloc_s0", "p0.875_smallest_noalloc_s0",
+                     "p0.875_smallest_alloc_s1", "p0.875_smallest_noalloc_s1", "p0_grpo_alloc_s1"]
+    data = json.loads((out / "study_verl.json").read_text())
+    assert missing_keys(data, "study_verl.json") == []  # every key docs/benchmarks.md documents
+    assert data["params"]["order"] == calls and data["marks"] == [10.0, 20.0]
+    assert {r["config"] for r in data["rows"]} == {"P=0 grpo", "P=0.875 smallest", "P=0.875 smallest no-alloc"}
+    assert any(n.startswith("CPPO P=0.875 smallest vs GRPO at equal wall time") or "GRPO at equal wall time" in n
+               for n in data["notes"])
+    assert any(n.startswith("time to accuracy 0.50") for n in data["notes"])
+    assert (out / "study_verl.png").is_file() and (out / "study.csv").is_file()
+    assert (tmp_path / "data" / "test.parquet").is_file()  # the data were written once, before the runs
