@@ -115,7 +115,10 @@ def _interrupt_when_started(cmd: list, started, cwd, timeout: float = 240.0) -> 
                OMP_NUM_THREADS="1")
     out_path, err_path = cwd / "stdout.txt", cwd / "stderr.txt"
     with out_path.open("w") as out, err_path.open("w") as err:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err)
+        # as from a terminal: SIGINT at its default, even when this test runs in a background job
+        # (a non-interactive shell starts those with SIGINT ignored, and children inherit that)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             deadline = time.monotonic() + timeout
             while not started(out_path.read_text()):

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .importhook import after_import
+from ..importhook import after_import
 
 __all__ = ["ENV", "ROW_KEY", "enabled", "install", "read", "record", "tensor_hash"]
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .importhook import after_import
+from ..importhook import after_import
 
 __all__ = ["ENV", "EVAL_BEFORE_ENV", "install", "read", "write"]
 

@@ -30,7 +30,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .importhook import after_import
+from ..importhook import after_import
 
 __all__ = ["ENV", "enabled", "install", "read", "record"]
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .importhook import after_import
+from ..importhook import after_import
 
 __all__ = ["ENV", "ClockSettings", "Snapshots", "install", "policy_at_marks", "read_run", "settings", "stop_now",
            "write_settings"]

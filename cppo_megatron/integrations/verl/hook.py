@@ -32,8 +32,9 @@ import numpy as np
 import torch
 
 from ...core import balance_partitions, prune, sequence_workload
-from . import audit, importhook
-from .importhook import after_import
+from .. import importhook
+from . import audit
+from ..importhook import after_import
 from .runconfig import PREPARED_ENV, cppo_config_from, is_cppo, unprepared_message
 from .stats import GroupRecord, record_groups
 

@@ -15,7 +15,7 @@ import json, sys
 import verl
 from verl.trainer.ppo import core_algos
 hook = sys.modules.get("cppo_megatron.integrations.verl.hook")
-importhook = sys.modules.get("cppo_megatron.integrations.verl.importhook")
+importhook = sys.modules.get("cppo_megatron.integrations.importhook")
 print(json.dumps({
     "loaded": "cppo_megatron.integrations.verl" in sys.modules,
     "estimator": getattr(core_algos.ADV_ESTIMATOR_REGISTRY.get("cppo"), "__module__", None),

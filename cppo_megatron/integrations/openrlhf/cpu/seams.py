@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..importhook import after_import, around_import
+from ...importhook import after_import, around_import
 
 __all__ = ["GlooBroadcaster", "gloo_stateless_process_group", "install", "installed"]
 

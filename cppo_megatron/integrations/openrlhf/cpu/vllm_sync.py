@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..importhook import after_import
+from ...importhook import after_import
 
 __all__ = ["WORKER_WRAP_MODULE", "install", "register"]
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 
-from ..importhook import after_import
+from ...importhook import after_import
 
 __all__ = ["ENV", "enable", "enabled", "register_rollout"]
 

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from ..importhook import after_import
+from ...importhook import after_import
 
 __all__ = [
     "ATTENTION_MODULE",

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 
-from ..importhook import after_import
+from ...importhook import after_import
 
 __all__ = ["FSDP_ENGINES", "install", "on_cpu"]
 

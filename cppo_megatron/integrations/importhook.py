@@ -1,8 +1,11 @@
 """Run a function right after a given module is imported (or now, if it already is).
 
-Ray workers of an OpenRLHF run import different parts of OpenRLHF (model actors, the vLLM
-rollout actor, the driver); the CPU mode and the audit recorders patch a module when, and
-only where, it is imported.
+One mechanism for both hosts. veRL's plugin is imported by ``import verl`` in every process,
+long before veRL imports its trainers, engines or rollout modules; the Ray workers of an
+OpenRLHF run import different parts of OpenRLHF (model actors, the vLLM rollout actor, the
+driver); and many processes never import some of them. Patching on import keeps the plugins
+cheap to load and their seams (CPU modes, hooks, audit recorders) in place whichever process
+imports what.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import importlib.abc
 import sys
 from collections.abc import Callable
 
-__all__ = ["after_import", "around_import"]
+__all__ = ["after_import", "around_import", "pending", "remove"]
 
 _AFTER: dict[str, list[Callable]] = {}
 _AROUND: dict[str, list[Callable]] = {}
@@ -63,7 +66,7 @@ def _watch() -> None:
 
 def after_import(module_name: str, fn: Callable) -> None:
     """Call ``fn(module)`` once ``module_name`` is imported; immediately when it already is.
-    ``fn`` must be idempotent."""
+    ``fn`` must be idempotent: it also runs again if the module is re-imported."""
     if not module_name or not callable(fn):
         raise ValueError(f"after_import: need a module name and a callable, got {module_name!r}, {fn!r}")
     callbacks = _AFTER.setdefault(module_name, [])
@@ -84,3 +87,15 @@ def around_import(module_name: str, make_context: Callable) -> None:
     if make_context not in contexts:
         contexts.append(make_context)
     _watch()
+
+
+def pending(fn: Callable) -> list[str]:
+    """Module names ``fn`` is registered for (tests)."""
+    return [name for name, fns in _AFTER.items() if fn in fns]
+
+
+def remove(fn: Callable) -> None:
+    """Unregister ``fn`` everywhere (tests)."""
+    for fns in _AFTER.values():
+        if fn in fns:
+            fns.remove(fn)
