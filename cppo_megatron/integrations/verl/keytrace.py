@@ -41,7 +41,7 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
-from .importhook import after_import
+from ..importhook import after_import
 
 __all__ = ["ENV", "enabled", "install", "read"]
 
