@@ -37,7 +37,7 @@ from pathlib import Path
 import yaml
 
 from .bound import fraction_of_bound, speedup, speedup_bound
-from .report import Report, median
+from .report import Report, median, plot_step_split
 
 GEN_KEYS = ("timing/generation", "timing/broadcast")
 REST_KEYS = ("timing/make_experience", "timing/ppo_train")
@@ -211,19 +211,6 @@ def run(args: argparse.Namespace) -> Report:
         ],
         extras={"phase_split": {"t_gen_per_prompt_s": t_gen, "t_rest_per_prompt_s": t_rest},
                 "runs": {k: v[0] for k, v in results.items()}},
-        plot=lambda fig: _plot(fig, table),
+        plot=lambda fig: plot_step_split(fig, table, gen_label="timing/generation", title="OpenRLHF step time per prompt"),
     )
 
-
-def _plot(fig, table: list[dict]) -> None:
-    ax = fig.add_subplot(1, 1, 1)
-    names = [r["run"] for r in table]
-    gen = [r["ms/prompt gen"] for r in table]
-    rest = [r["ms/prompt"] - r["ms/prompt gen"] for r in table]
-    ax.bar(names, gen, label="generation (timing/generation)")
-    ax.bar(names, rest, bottom=gen, label="everything else in the step")
-    for i, r in enumerate(table):
-        ax.text(i, r["ms/prompt"], f"{r['speedup']:.2f}x (bound {r['bound']:.2f}x)", ha="center", va="bottom")
-    ax.set_ylabel("ms per prompt")
-    ax.set_title("OpenRLHF step time per prompt")
-    ax.legend()

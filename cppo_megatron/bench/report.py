@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-__all__ = ["Report", "write_report", "publish", "machine_info", "markdown_table", "median"]
+__all__ = ["Report", "write_report", "publish", "machine_info", "markdown_table", "median", "plot_step_split"]
 
 
 def median(values) -> float:
@@ -85,6 +85,23 @@ def markdown_table(columns: list[str], rows: list[dict[str, Any]], formats: Opti
     sep = "|" + "|".join("---" for _ in columns) + "|"
     body = ["| " + " | ".join(cell(r, c) for c in columns) + " |" for r in rows]
     return "\n".join([head, sep, *body])
+
+
+def plot_step_split(fig, table: list[dict[str, Any]], *, gen_label: str, title: str) -> None:
+    """A host bench's stacked bars: per run, generation and the rest of a step per prompt (ms),
+    labelled with the speedup and its bound. ``table`` rows carry ``run``, ``ms/prompt``,
+    ``ms/prompt gen``, ``speedup`` and ``bound``; ``gen_label`` names the host's timer."""
+    ax = fig.add_subplot(1, 1, 1)
+    names = [row["run"] for row in table]
+    gen = [row["ms/prompt gen"] for row in table]
+    rest = [row["ms/prompt"] - row["ms/prompt gen"] for row in table]
+    ax.bar(names, gen, label=f"generation ({gen_label})")
+    ax.bar(names, rest, bottom=gen, label="everything else in the step")
+    for i, row in enumerate(table):
+        ax.text(i, row["ms/prompt"], f"{row['speedup']:.2f}x (bound {row['bound']:.2f}x)", ha="center", va="bottom")
+    ax.set_ylabel("ms per prompt")
+    ax.set_title(title)
+    ax.legend()
 
 
 @dataclass

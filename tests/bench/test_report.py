@@ -60,3 +60,23 @@ def test_publish_without_matplotlib_still_writes_json_and_markdown(tmp_path, mon
     assert set(paths) == {"json", "md"} and (tmp_path / "x.json").exists() and (tmp_path / "x.md").exists()
     assert not (tmp_path / "x.png").exists()
     assert "no plot: matplotlib is needed" in capsys.readouterr().out
+
+
+def test_plot_step_split_stacks_generation_under_the_rest_of_the_step():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from cppo_megatron.bench.report import plot_step_split
+
+    table = [{"run": "grpo", "ms/prompt": 300.0, "ms/prompt gen": 120.0, "speedup": 1.0, "bound": 1.0},
+             {"run": "cppo", "ms/prompt": 140.0, "ms/prompt gen": 110.0, "speedup": 2.14, "bound": 2.05}]
+    fig = Figure()
+    plot_step_split(fig, table, gen_label="timing_s/gen", title="veRL step time per prompt")
+    (ax,) = fig.axes
+    gen, rest = ax.containers
+    assert [b.get_height() for b in gen] == [120.0, 110.0]
+    assert [b.get_height() for b in rest] == [180.0, 30.0] and [b.get_y() for b in rest] == [120.0, 110.0]
+    assert [t.get_text() for t in ax.texts] == ["1.00x (bound 1.00x)", "2.14x (bound 2.05x)"]
+    assert ax.get_legend().get_texts()[0].get_text() == "generation (timing_s/gen)"
+    assert ax.get_title() == "veRL step time per prompt"
