@@ -55,6 +55,13 @@ def check(label: str, module: str, dists: str, extra: str) -> dict:
         with warnings.catch_warnings():  # backends warn about optional kernels at import
             warnings.simplefilter("ignore")
             mod = importlib.import_module(module)
+        if getattr(mod, "__file__", None) is None and row["version"] is None:
+            # a bare folder of that name on sys.path (e.g. the current directory) imports as an
+            # empty namespace package: not the backend
+            where = ", ".join(getattr(mod, "__path__", []))
+            row["note"] = f"not installed: '{module}' resolves to the folder {where} (run from another directory)"
+            row["seconds"] = round(time.perf_counter() - t0, 2)
+            return row
         row["importable"] = True
         if label == "torch":
             cuda = mod.cuda.is_available()
