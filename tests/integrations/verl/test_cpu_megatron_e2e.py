@@ -60,30 +60,31 @@ def legacy_grpo(tiny_model, tmp_path_factory):
                     "actor_rollout_ref.actor.megatron.use_remove_padding=false")
 
 
-def check_rows_and_advantages(run, *, pruning_rate, loop):
+def check_rows_and_advantages(run, *, pruning_rate, loop, prompts_per_step=PROMPTS, group_size=G):
     """Per step: the old-policy pass and the update got exactly the core's survivors (each once,
-    nothing else but loss-free padding), each with its full-group advantage."""
+    nothing else but loss-free padding), each with its full-group advantage. ``prompts_per_step``
+    and ``group_size`` are the run's before allocation (``data.train_batch_size``, ``rollout.n``)."""
     records = run["audit"]
     prunes, olds, updates = by_step(records, "prune"), by_step(records, "old_log_prob"), by_step(records, "update")
     assert sorted(updates) == list(range(1, STEPS + 1)), sorted(updates)
-    keep = int(G * (1 - pruning_rate))
-    prompts = int(PROMPTS * G / keep)  # allocation
+    keep = int(group_size * (1 - pruning_rate))
+    prompts = int(prompts_per_step * group_size / keep)  # allocation
     for step in range(1, STEPS + 1):
         (pr,), (old,), (up,) = prunes[step], olds[step], updates[step]
         assert pr["loop"] == old["loop"] == up["loop"] == loop
-        assert len(pr["rows"]) == prompts * G and len(set(pr["uids"])) == prompts
+        assert len(pr["rows"]) == prompts * group_size and len(set(pr["uids"])) == prompts
         kept = core_survivors(pr["uids"], pr["rewards"], step, pruning_rate)
         assert kept == pr["kept"]
         want = sorted(pr["rows"][i] for i in kept)
         assert sorted(r for r, pad in zip(old["rows"], old["padding"]) if not pad) == want
-        assert sorted(up["rows"]) == want and len(want) == PROMPTS * G
+        assert sorted(up["rows"]) == want and len(want) == prompts_per_step * group_size
         full = dict(zip(pr["rows"], full_group_advantages(pr["uids"], pr["rewards"])))
         reward = dict(zip(pr["rows"], pr["rewards"]))
         for row, adv, r in zip(up["rows"], up["advantages"], up["rewards"]):
             assert r == pytest.approx(reward[row], abs=1e-6)
             assert adv == pytest.approx(full[row], abs=1e-4), (step, row)
         m = run["metrics"][step]
-        assert m["cppo/num_completions"] == prompts * G and m["cppo/num_kept"] == len(want)
+        assert m["cppo/num_completions"] == prompts * group_size and m["cppo/num_kept"] == len(want)
         assert math.isfinite(m["actor/pg_loss"]) and 0 < m["actor/grad_norm"] < 1e4
         assert m["timing_s/update_actor"] > 0 and m["timing_s/old_log_prob"] > 0
         # the Megatron actor's log-probs (bf16, TP 2) agree with the rollout's (HF, fp32)
