@@ -30,8 +30,8 @@ STEPS = 2
 EPS = 1e-6  # veRL's GRPO epsilon, the core's default
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
+def export_tiny_model(out):
+    """A random-init export (seed 0) of the main job's model to ``out``: the CI runs' start model."""
     from cppo_megatron.tasks import build_task
     from cppo_megatron.trainer.config import load_recipe
     from cppo_megatron.trainer.export import export_hf
@@ -39,9 +39,13 @@ def tiny_model(tmp_path_factory):
 
     r = load_recipe(ROOT / "recipes" / "tiny_cpu.yaml")
     model, tok = build_model(r.model, build_task(r.task).alphabet, seed=0)
-    out = tmp_path_factory.mktemp("model")
     export_hf(model, tok, out)
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return export_tiny_model(tmp_path_factory.mktemp("model"))
 
 
 def run_verl(recipe: str, tmp, model_dir, *overrides: str) -> dict:

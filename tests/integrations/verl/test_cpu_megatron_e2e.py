@@ -17,8 +17,7 @@ import math
 
 import pytest
 
-from .conftest import ROOT
-from .test_cpu_e2e import PROMPTS, STEPS, G, by_step, core_survivors, full_group_advantages, run_verl
+from .test_cpu_e2e import PROMPTS, STEPS, G, by_step, core_survivors, export_tiny_model, full_group_advantages, run_verl
 
 pytestmark = pytest.mark.verl
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (extra: megatron)")
@@ -35,15 +34,8 @@ PROBS_DIFF_MAX = 0.01
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     from cppo_megatron.integrations.verl.cpu.vocab import pad_vocab
-    from cppo_megatron.tasks import build_task
-    from cppo_megatron.trainer.config import load_recipe
-    from cppo_megatron.trainer.export import export_hf
-    from cppo_megatron.trainer.models import build_model
 
-    r = load_recipe(ROOT / "recipes" / "tiny_cpu.yaml")
-    model, tok = build_model(r.model, build_task(r.task).alphabet, seed=0)
-    out = tmp_path_factory.mktemp("model")
-    export_hf(model, tok, out)
+    out = export_tiny_model(tmp_path_factory.mktemp("model"))
     assert pad_vocab(out, 8) == 24  # as the recipe's cppo_cpu.vocab_multiple does: TP splits the rows
     return out
 
