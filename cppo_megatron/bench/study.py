@@ -269,18 +269,24 @@ def compare(a: dict, b: dict) -> tuple[str, float, float]:
     return ("beats" if diff > 0 else "trails"), diff, noise
 
 
+def verdict_line(a: dict, b: dict, *, name_a: str, name_b: str, where: str = "") -> str:
+    """One sentence: summary row ``a`` (``name_a``) against ``b`` by ``compare``, both means,
+    the difference and the combined seed sd; ``where`` follows the names (" at equal time")."""
+    verdict, diff, noise = compare(a, b)
+    sd = f"combined seed sd {noise:.3f}" if math.isfinite(noise) else "combined seed sd unknown"
+    head = (f"{name_a} {verdict} {name_b}{where}" if verdict in ("beats", "trails")
+            else f"{name_a} vs {name_b}{where}: {verdict}")
+    return f"{head}: {a['final acc (mean)']:.3f} vs {b['final acc (mean)']:.3f} (difference {diff:+.3f}, {sd})"
+
+
 def _findings(table: list[dict]) -> list[str]:
     by = {(t["P"], t["metric"], t["allocation"]): t for t in table}
     out = []
     grpo = next((t for t in table if t["P"] == 0), None)
     for t in table:
         if grpo and t["P"] and t["metric"] == "smallest" and t["allocation"]:
-            verdict, diff, noise = compare(t, grpo)
-            sd = f"combined seed sd {noise:.3f}" if math.isfinite(noise) else "combined seed sd unknown"
-            head = (f"CPPO P={t['P']:g} with allocation {verdict} GRPO at equal time"
-                    if verdict in ("beats", "trails") else f"CPPO P={t['P']:g} with allocation vs GRPO at equal time: {verdict}")
-            out.append(f"{head}: {t['final acc (mean)']:.3f} vs {grpo['final acc (mean)']:.3f} "
-                       f"(difference {diff:+.3f}, {sd})")
+            out.append(verdict_line(t, grpo, name_a=f"CPPO P={t['P']:g} with allocation", name_b="GRPO",
+                                    where=" at equal time"))
     for p in sorted({t["P"] for t in table if t["P"]}):
         rows = {m: by[(p, m, True)] for m in ("smallest", "random", "largest") if (p, m, True) in by}
         if len(rows) == 3:
@@ -301,12 +307,7 @@ def _findings(table: list[dict]) -> list[str]:
     cppo = next((t for t in table if t["metric"] == "smallest" and t["P"] and t["allocation"]), None)
     for t in table:
         if cppo and t["metric"] in ("importance", "keep_mass") and t["allocation"]:
-            verdict, diff, noise = compare(t, cppo)
-            sd = f"combined seed sd {noise:.3f}" if math.isfinite(noise) else "combined seed sd unknown"
-            head = (f"{t['config']} {verdict} CPPO {cppo['config']} at equal time" if verdict in ("beats", "trails")
-                    else f"{t['config']} vs CPPO {cppo['config']} at equal time: {verdict}")
-            out.append(f"{head}: {t['final acc (mean)']:.3f} vs {cppo['final acc (mean)']:.3f} "
-                       f"(difference {diff:+.3f}, {sd})")
+            out.append(verdict_line(t, cppo, name_a=t["config"], name_b=f"CPPO {cppo['config']}", where=" at equal time"))
     if grpo:
         key = "acc @ GRPO's prompts"
         eq = [f"{t['config']} {t[key]:.3f}" for t in table if t.get(key) is not None and t["metric"] != "sft"]

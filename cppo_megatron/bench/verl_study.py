@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .report import Report, median, publish
-from .study import _run_id, _write_csv, compare, grid, plot_curves, summarize
+from .study import _run_id, _write_csv, grid, plot_curves, summarize, verdict_line
 
 __all__ = ["Evaluator", "arm_overrides", "default_target", "interleave", "is_verl_recipe", "phase_split", "run",
            "run_overrides", "time_to_target", "verdicts"]
@@ -370,23 +370,12 @@ def verdicts(table: list[dict]) -> list[str]:
     for t in table:
         if not t["P"]:
             continue
-        verdict, diff, noise = compare(t, grpo)
-        sd = f"combined seed sd {noise:.3f}" if math.isfinite(noise) else "combined seed sd unknown"
-        what = f"CPPO {t['config']}"
-        head = (f"{what} {verdict} GRPO at equal wall time" if verdict in ("beats", "trails")
-                else f"{what} vs GRPO at equal wall time: {verdict}")
-        out.append(f"{head}: {t['final acc (mean)']:.3f} vs {grpo['final acc (mean)']:.3f} "
-                   f"(difference {diff:+.3f}, {sd})")
+        out.append(verdict_line(t, grpo, name_a=f"CPPO {t['config']}", name_b="GRPO", where=" at equal wall time"))
     for t in table:  # with and without allocation at the same P and metric
         other = next((o for o in table if o["P"] == t["P"] and o["metric"] == t["metric"] and t["allocation"]
                       and not o["allocation"]), None) if t["P"] else None
         if other is not None:
-            verdict, diff, noise = compare(t, other)
-            sd = f"combined seed sd {noise:.3f}" if math.isfinite(noise) else "combined seed sd unknown"
-            head = (f"CPPO {t['config']} (allocation) {verdict} {other['config']}" if verdict in ("beats", "trails")
-                    else f"CPPO {t['config']} (allocation) vs {other['config']}: {verdict}")
-            out.append(f"{head}: {t['final acc (mean)']:.3f} vs {other['final acc (mean)']:.3f} "
-                       f"(difference {diff:+.3f}, {sd})")
+            out.append(verdict_line(t, other, name_a=f"CPPO {t['config']} (allocation)", name_b=other["config"]))
     return out
 
 
