@@ -130,6 +130,7 @@ class ModelParallelRollout(_Rollout):
         self.slow_group = dist.new_group(backend="gloo", timeout=timedelta(hours=6))
         self.dp_group = self.mp_group = None
         self.dp_rank, self.dp, self.mp_src, self.generates = 0, 1, self.rank, True
+        self.generating_ranks: Optional[list[int]] = None  # known after attach(); None: every rank
 
     def attach(self, *, dp_group, mp_group, tp_group) -> None:
         """The data- and model-parallel groups, once the policy backend built them."""
@@ -145,6 +146,15 @@ class ModelParallelRollout(_Rollout):
                 dist.get_process_group_ranks(tp_group)):
             raise RuntimeError(f"rollout.vllm_tp={vtp}: vLLM's TP group of ranks {self.mp_src}..{self.mp_src + vtp - 1} "
                                "is not inside one Megatron TP group; use rollout.vllm_tp=1")
+        flags: list = [None] * self.world
+        dist.all_gather_object(flags, self.generates)
+        self.generating_ranks = [r for r, g in enumerate(flags) if g]
+        if not self.generates and self.engine is self.hf_engine:
+            # the HF copy serves generation (and, on rank 0, evaluation and final.pt) only: a rank
+            # that never generates keeps no HF model, engine or weight copy, only its shards.
+            # (With vLLM every rank holds an engine: its external launcher makes every process of
+            # the job a vLLM worker, vllm/distributed/parallel_state.py init_distributed_environment.)
+            self.hf_engine = self.engine = self.eval_engine = None
 
     def seed(self, step: int, round_: int) -> int:
         # one stream per (step, DP rank, round): reproducible and different across DP ranks
@@ -174,7 +184,8 @@ class ModelParallelRollout(_Rollout):
     def sync(self, weights: dict) -> None:
         """Full HF weights into this rank's HF copy (final.pt, evaluation, HF generation) and
         into the vLLM engines that generate (rank 0, which evaluates, is always one)."""
-        self.hf_engine.update_weights(weights.items())
+        if self.hf_engine is not None:
+            self.hf_engine.update_weights(weights.items())
         if self.engine is not self.hf_engine and self.generates:
             self.engine.update_weights(weights.items())
 
@@ -209,7 +220,8 @@ class ModelParallelRollout(_Rollout):
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
     def close(self) -> None:
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
 
 
 def _round_rows(mine: dict, everyone: list, owners: list, *, local_start: int) -> RoundRows:

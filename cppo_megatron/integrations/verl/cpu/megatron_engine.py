@@ -257,15 +257,12 @@ def _is_int_device(x: Any) -> bool:
 
 
 class EngineCudaToCpu(_cuda_to_cpu_base()):  # type: ignore[misc]
-    """Our Megatron actor's ``CudaToCpu`` mode (cuda devices -> cpu, ``.cuda()`` a no-op) plus
-    what veRL's engine and megatron-core's optimizer need: an int device (``.to(0)``,
-    ``device=0``) is the CPU, and ``Tensor.type()`` reports ``torch.cuda.*`` names."""
+    """Our Megatron actor's ``CudaToCpu`` mode (cuda devices -> cpu, ``.cuda()`` a no-op,
+    ``Tensor.type()`` reporting ``torch.cuda.*`` names for megatron-core's optimizers) plus what
+    veRL's engine needs: an int device (``.to(0)``, ``device=0``) is the CPU."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return name if name.startswith("torch.cuda.") else "torch.cuda." + name[len("torch."):]
         if _is_int_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.to and len(args) > 1 and _is_int_device(args[1]):
