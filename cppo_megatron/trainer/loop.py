@@ -193,9 +193,9 @@ class Trainer:
         self.policy = MegatronBackend(self.r, self.model.config, weights, comm_device=self._comm_device())
         del weights
         self.rollout.attach(dp_group=self.policy.dp_group, mp_group=self.policy.mp_group, tp_group=self.policy.tp_group)
-        if self.rollout.hf_engine is None:  # this rank never generates: its shards are all it needs
+        if self.rollout.hf_engine is None:  # no HF generation or evaluation here: the shards are all it needs
             self.model = None
-            self.engine = None
+            self.engine = self.rollout.engine
 
     # ------------------------------------------------------------------ run
     def prepare(self, *, initial_eval: bool = True) -> None:
@@ -373,7 +373,7 @@ class Trainer:
         if self.policy is None:
             self.rollout.sync(self.model.state_dict())
         elif self.distributed:  # full HF tensors only where an engine takes them
-            self.rollout.sync(self.policy.export_weights(self.rollout.generating_ranks))
+            self.rollout.sync(self.policy.export_weights(self.rollout.weight_ranks))
         else:
             self.rollout.sync(self.policy.export_weights())
 
