@@ -1,12 +1,21 @@
 """Drift guard: hashes of the veRL 0.9.1 functions the plugin hooks or relies on.
 
-The plugin wraps ``_balance_batch`` and depends on what runs around it (the V1 step order,
-the loss-free padding, the mini-batch multiple, how the advantage step calls registered
-estimators). The CPU mode adds the
-platform selection, the process-group, engine-registry and FSDP offload seams it patches, the
-rollout registries and the calls its ``hf`` rollout answers, and (``MEGATRON_PINNED``) what the
-Megatron engine's CPU seams patch in veRL, mbridge and megatron-core. If any of these change in the
-installed veRL, ``changed()`` names them, so an upgrade fails loudly in the tests instead of silently training something else.
+Three sets, because they matter to different runs:
+
+- ``PINNED``, the GPU path: the plugin wraps ``_balance_batch`` and depends on what runs around
+  it (the V1 step order, the loss-free padding, the mini-batch multiple, how the advantage step
+  calls registered estimators). Every CPPO run inside veRL goes through these.
+- ``CPU_PINNED``, the CPU mode (``VERL_PLATFORM=cpu`` only): the platform selection, the
+  process-group, engine-registry and FSDP offload seams it patches, the rollout registries and the
+  calls its ``hf`` rollout answers, and the opt-in tools built on it (the audit recorders, the
+  study's wall clock).
+- ``MEGATRON_PINNED``, the CPU mode of veRL's Megatron engine: what its seams patch in veRL,
+  mbridge and megatron-core (written against ``MEGATRON_VERSIONS``).
+
+``changed()`` names every function that differs (the tests, on the pinned stack, want none);
+``report()`` keeps them apart, so ``cppo-megatron verl --check`` fails on drift in the GPU path and
+only warns about drift in what the CPU mode patches (a GPU image with another megatron-core, mbridge
+or a veRL whose CPU-side internals moved still runs the GPU path as built).
 """
 
 from __future__ import annotations
@@ -15,9 +24,11 @@ import hashlib
 import importlib
 import inspect
 import textwrap
+from dataclasses import dataclass
 
 __all__ = [
-    "MEGATRON_PINNED", "MEGATRON_VERSIONS", "PINNED", "changed", "megatron_installed", "source_hash",
+    "CPU_PINNED", "MEGATRON_PINNED", "MEGATRON_VERSIONS", "PINNED", "DriftReport", "changed", "megatron_installed",
+    "report", "source_hash",
 ]
 
 # "module:qualname" -> sha256[:16] of the dedented source, veRL 0.9.1
@@ -39,8 +50,11 @@ PINNED = {
     "verl.trainer.ppo.core_algos:agg_loss": "fd052ff7eb539f78",
     "verl.trainer.main_ppo:main": "eb706c4f6622ed04",
     "verl.trainer.main_ppo:run_ppo": "a65eddb189e56ae1",
-    # the CPU mode (integrations/verl/cpu/): platform choice, the three seams, the rollout
-    # registries and the calls our hf rollout answers; the audit recorders' targets
+}
+
+# the CPU mode (integrations/verl/cpu/, VERL_PLATFORM=cpu): platform choice, the three seams, the
+# rollout registries and the calls our hf rollout answers; the audit recorders' targets; the study clock
+CPU_PINNED = {
     "verl.plugin.platform.platform_manager:_detect_platform_name": "8dffc2174390e96d",
     "verl.utils.distributed:initialize_global_process_group_ray": "761a94d1a2e058d3",
     "verl.workers.engine.base:EngineRegistry.get_engine_cls": "e5c6c38ad4a0fcf2",
@@ -132,10 +146,10 @@ def source_hash(name: str) -> str:
 
 def changed(pinned: dict[str, str] | None = None) -> list[str]:
     """Names whose installed source differs from the pinned hash (or that are gone). By default
-    ``PINNED``, plus ``MEGATRON_PINNED`` when megatron-core and mbridge are installed."""
+    ``PINNED`` and ``CPU_PINNED``, plus ``MEGATRON_PINNED`` when megatron-core and mbridge are installed."""
     out = []
     if pinned is None:
-        pinned = {**PINNED, **(MEGATRON_PINNED if megatron_installed() else {})}
+        pinned = {**PINNED, **CPU_PINNED, **(MEGATRON_PINNED if megatron_installed() else {})}
     for name, digest in pinned.items():
         try:
             now = source_hash(name)
@@ -145,3 +159,43 @@ def changed(pinned: dict[str, str] | None = None) -> list[str]:
         if now != digest:
             out.append(f"{name} (source hash {now}, pinned {digest})")
     return out
+
+
+@dataclass(frozen=True)
+class DriftReport:
+    """What differs from the pinned sources, by who depends on it. ``gpu_path`` fails a check;
+    ``cpu_mode`` (CPU-mode seams and tools, and the Megatron engine's CPU seams) and
+    ``versions`` (installed megatron-core / mbridge other than the CPU seams' ones) only warn."""
+
+    gpu_path: list[str]
+    cpu_mode: list[str]
+    versions: list[str]
+
+    def warning(self) -> str:
+        """One line about the CPU-mode drift ("" when none)."""
+        if not (self.cpu_mode or self.versions):
+            return ""
+        what = "; ".join(self.versions + self.cpu_mode)
+        return (f"warning: {len(self.cpu_mode)} function(s) the CPU mode patches differ from the sources its seams "
+                f"were written against ({what}); only the CPU mode (VERL_PLATFORM=cpu) uses them, the GPU path is "
+                "unaffected")
+
+
+def report(pinned: dict[str, str] | None = None, cpu_pinned: dict[str, str] | None = None,
+           megatron_pinned: dict[str, str] | None = None) -> DriftReport:
+    """``changed()`` split into the GPU path (``PINNED``) and the CPU mode (``CPU_PINNED``, and
+    ``MEGATRON_PINNED`` with its installed versions when megatron-core and mbridge are present)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    cpu = changed(CPU_PINNED if cpu_pinned is None else cpu_pinned)
+    versions = []
+    if megatron_pinned is not None or megatron_installed():
+        cpu += changed(MEGATRON_PINNED if megatron_pinned is None else megatron_pinned)
+        for name, want in MEGATRON_VERSIONS.items():
+            try:
+                have = version(name)
+            except PackageNotFoundError:
+                have = "not installed"
+            if have != want:
+                versions.append(f"{name} {have}, the CPU seams' {want}")
+    return DriftReport(changed(PINNED if pinned is None else pinned), cpu, versions)
