@@ -4,7 +4,7 @@
   be lines of PATH, in order, and PATH itself runs (test_megatron_example_runs_under_torchrun).
 - Shell command lines: cheap ones run as written, in a scratch directory that links the
   repository's recipes and scripts (``--help``, ``--dry-run``, ``--cppo-dry-run``,
-  ``--check``, ``--print-recipe``, ``demo``, ``doctor``, ``simulate``, ``example-data``).
+  ``--check``, ``--print-recipe``, ``demo``, ``doctor``, ``simulate``, ``example-data``, ``recipes``).
   Commands that train or benchmark for minutes are checked up to the expensive part: ``train`` with
   ``--print-recipe`` (recipe and every override validated), ``verl`` / ``openrlhf`` with their
   dry run, ``bench`` / ``study`` / ``megatron-check`` through the real argument parser and
@@ -30,7 +30,7 @@ from tests.doc_snippets import ROOT, Snippet, snippets
 
 ALL = snippets()
 CHEAP_FLAGS = {"--help", "-h", "--dry-run", "--cppo-dry-run", "--check", "--print-recipe"}
-RUN_COMMANDS = {"demo", "doctor", "simulate", "example-data"}
+RUN_COMMANDS = {"demo", "doctor", "simulate", "example-data", "recipes"}
 LINKED = ("recipes", "scripts", "examples", "patches", "requirements", "constraints")
 CLI_PREFIXES = ("cppo-megatron", ".venv/bin/cppo-megatron", ".venv-vllm/bin/cppo-megatron")
 NOT_RUN_SCRIPTS = {
@@ -249,6 +249,11 @@ def test_help_example_parses(line, workdir, monkeypatch):
         from cppo_megatron.integrations.openrlhf.recipe import load_recipe as load_openrlhf_recipe
 
         load_openrlhf_recipe(recipe)
+    elif argv[0] == "verl" and args.passthrough:  # a recipe file or a shipped recipe's name exists
+        from cppo_megatron.integrations.verl.main import _find_recipe, _names_a_recipe
+
+        if _names_a_recipe(args.passthrough[0]):
+            assert Path(_find_recipe(args.passthrough[0])).is_file(), line
     for arg in argv:
         if arg.startswith("--config-path="):
             name = next(a.split("=", 1)[1] for a in argv if a.startswith("--config-name="))

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ....recipes import root as recipes_root
 from ..audit import ENV as AUDIT_ENV
 from ..clock import ENV as CLOCK_ENV
 from ..keytrace import ENV as KEYS_ENV
@@ -41,7 +42,7 @@ from .phases import Phases, choose_threads, machine_load
 __all__ = ["CPU_ENV", "CpuRun", "build_start_model", "ensure_inputs", "is_cpu_run", "prepare_cpu_run",
            "start_model_info", "write_data"]
 
-RECIPES_DIR = Path(__file__).resolve().parents[4] / "recipes"
+RECIPES_DIR = recipes_root()  # the clone's recipes/, or the copy an installed wheel carries
 # set in the driver and in every Ray process of a CPU run
 CPU_ENV = {"VERL_PLATFORM": "cpu", "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
