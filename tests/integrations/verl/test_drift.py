@@ -70,6 +70,15 @@ def test_report_keeps_the_gpu_path_apart_from_the_cpu_mode(plugin, monkeypatch):
     assert cpu in out.warning()
     out = drift.report(pinned=dict(drift.PINNED, **{gpu: "0" * 16}), megatron_pinned={})
     assert [c.split(" (")[0] for c in out.gpu_path] == [gpu] and out.cpu_mode == [] and out.warning() == ""
+    # the defaults: each set's drift lands in its own list
+    monkeypatch.setitem(drift.CPU_PINNED, cpu, "0" * 16)
+    out = drift.report()
+    assert out.gpu_path == [] and [c.split(" (")[0] for c in out.cpu_mode] == [cpu]
+    monkeypatch.setitem(drift.CPU_PINNED, cpu, drift.source_hash(cpu))
+    monkeypatch.setitem(drift.PINNED, gpu, "0" * 16)
+    out = drift.report()
+    assert [c.split(" (")[0] for c in out.gpu_path] == [gpu] and out.cpu_mode == []
+    monkeypatch.setitem(drift.PINNED, gpu, drift.source_hash(gpu))
     if drift.megatron_installed():  # another megatron-core than the CPU seams' is a CPU-mode warning
         monkeypatch.setitem(drift.MEGATRON_VERSIONS, "megatron-core", "0.18.2")
         out = drift.report(megatron_pinned={})
