@@ -19,6 +19,11 @@ import sys
 import threading
 
 
+# CPPO_TEST_BRIDGE=megatron-bridge: veRL's default route (vanilla_mbridge=false, Python 3.12 env)
+VANILLA = os.environ.get("CPPO_TEST_BRIDGE", "mbridge") != "megatron-bridge"
+PP = int(os.environ.get("CPPO_TEST_PP", "1"))
+
+
 def batch(tokenizer_vocab: int, lengths: list[int], seed: int = 0):
     import torch
 
@@ -100,13 +105,20 @@ def seams_installed() -> dict:
     import megatron.core.transformer.dot_product_attention as dpa
     import torch
     import verl.workers.engine.megatron.transformer_impl as impl
-    from mbridge.core import llm_bridge as llm
     from verl.workers.engine.base import EngineRegistry
 
+    if VANILLA:
+        from mbridge.core import llm_bridge as llm
+
+        layer_spec = hasattr(llm.LLMBridge._get_transformer_layer_spec, "__cppo_cpu__")
+    else:
+        from megatron.bridge.models import gpt_provider
+
+        layer_spec = hasattr(gpt_provider.GPTModelProvider.provide, "__cppo_cpu__")
     return {
         "cpu_engine": "cpu" in EngineRegistry._engines["language_model"].get("megatron", {}),
         "cpu_value_engine": "cpu" in EngineRegistry._engines["value_model"].get("megatron", {}),
-        "layer_spec": hasattr(llm.LLMBridge._get_transformer_layer_spec, "__cppo_cpu__"),
+        "layer_spec": layer_spec,
         "attention": hasattr(dpa.DotProductAttention.forward, "__cppo_cpu__"),
         "seed": hasattr(impl.set_random_seed, "__cppo_cpu__"),
         "methods": hasattr(impl.MegatronEngine.forward_backward_batch, "__cppo_cpu__"),
@@ -133,7 +145,8 @@ def run_one(model_dir: str, tp: int, packed: bool, thread: bool) -> dict:
     cls = EngineRegistry.get_engine_cls("language_model", "megatron")
     engine = cls(
         model_config=HFModelConfig(path=model_dir),
-        engine_config=McoreEngineConfig(tensor_model_parallel_size=tp, vanilla_mbridge=True, use_mbridge=True,
+        engine_config=McoreEngineConfig(tensor_model_parallel_size=tp, vanilla_mbridge=VANILLA, use_mbridge=True,
+                                        pipeline_model_parallel_size=PP,
                                         use_remove_padding=packed, use_distributed_optimizer=True, seed=1,
                                         override_transformer_config={"attention_backend": "local"}),
         optimizer_config=McoreOptimizerConfig(lr=1e-2, clip_grad=1.0, lr_warmup_steps=0, total_training_steps=10),
