@@ -20,7 +20,7 @@ import threading
 
 
 # CPPO_TEST_BRIDGE=megatron-bridge: veRL's default route (vanilla_mbridge=false, Python 3.12 env)
-VANILLA = os.environ.get("CPPO_TEST_BRIDGE", "mbridge") != "megatron-bridge"
+VANILLA = os.environ.get("CPPO_TEST_BRIDGE", "mbridge") != "megatron-bridge"  # True: mbridge (vanilla_mbridge)
 PP = int(os.environ.get("CPPO_TEST_PP", "1"))
 
 

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -26,7 +27,10 @@ from .conftest import ROOT
 
 pytestmark = pytest.mark.verl
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (extra: megatron)")
-pytest.importorskip("mbridge", reason="mbridge is not installed (extra: verl)")
+# the route this environment has: mbridge (.venv, Python 3.11) or Megatron-Bridge (.venv-bridge, 3.12)
+ROUTE = "mbridge" if importlib.util.find_spec("mbridge") else "megatron-bridge"
+if ROUTE == "megatron-bridge":
+    pytest.importorskip("megatron.bridge", reason="neither mbridge nor Megatron-Bridge is installed")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # bf16 engine vs HF bf16, log-probs down to about -7 (op order differs): measured max 0.041
@@ -67,12 +71,13 @@ def sharp_model(tmp_path_factory):
     return make_sharp_model(tmp_path_factory.mktemp("sharp"))
 
 
-def run_engine(model_dir, tmp, runs: str, *, tp: int = 2, world: int = 2) -> dict:
+def run_engine(model_dir, tmp, runs: str, *, tp: int = 2, world: int = 2, pp: int = 1) -> dict:
     """``runs``: PACKED:THREAD pairs (megatron_engine_worker.py), one engine each, one launch."""
     from cppo_megatron.distributed.launch import free_port
 
     out = tmp / f"engine_{world}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VERL_PLATFORM": "cpu", "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VERL_PLATFORM": "cpu", "RAY_AUTH_MODE": "disabled",
+           "CPPO_TEST_BRIDGE": ROUTE, "CPPO_TEST_PP": str(pp)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
            str(free_port()), os.path.join(HERE, "megatron_engine_worker.py"), str(model_dir), str(out), str(tp), runs]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
