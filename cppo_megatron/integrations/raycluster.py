@@ -99,9 +99,9 @@ class LocalRayCluster:
 
     def alive_nodes(self) -> list[dict]:
         """The cluster's alive nodes as Ray reports them (NodeID, Resources)."""
-        code = ("import json, ray; ray.init(address=%r, logging_level='ERROR');"
+        code = (f"import json, ray; ray.init(address={self.address!r}, logging_level='ERROR');"
                 "print(json.dumps([{'NodeID': n['NodeID'], 'Resources': n['Resources']}"
-                " for n in ray.nodes() if n['Alive']])); ray.shutdown()") % self.address
+                " for n in ray.nodes() if n['Alive']])); ray.shutdown()")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=self.env, timeout=120)
         if out.returncode != 0:
             raise RuntimeError(f"could not list the nodes of {self.address}: {out.stderr.strip()[-500:]}")

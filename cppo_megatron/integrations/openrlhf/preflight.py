@@ -45,7 +45,8 @@ def problems(args: Any, *, cpu_num_gpus: int | None = None) -> list[str]:
     vtp = max(int(args.vllm.tensor_parallel_size or 1), 1)
     if args.train.colocate_all and not args.train.async_enable and engines and actors != engines * vtp:
         out.append(f"--train.colocate_all needs --actor.num_nodes x --actor.num_gpus_per_node ({nodes} x {per_node} = "
-                   f"{actors}) == --vllm.num_engines x --vllm.tensor_parallel_size ({engines} x {vtp} = {engines * vtp}) "
+                   f"{actors}) == --vllm.num_engines x --vllm.tensor_parallel_size "
+                   f"({engines} x {vtp} = {engines * vtp}) "
                    f"(train_ppo_ray.py:57, after Ray starts): set --vllm.num_engines {max(actors // vtp, 1)}")
     dp = max(actors // max(int(args.ds.ring_attn_size or 1), 1) // max(int(args.ds.tensor_parallel_size or 1), 1), 1)
     micro = int(args.train.micro_batch_size)

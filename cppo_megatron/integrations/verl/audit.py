@@ -27,7 +27,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,7 +57,7 @@ def record(kind: str, role: str = "trainer", **fields: Any) -> None:
         f.write(line + "\n")
 
 
-def read(root: str | Path, kind: Optional[str] = None) -> list[dict]:
+def read(root: str | Path, kind: str | None = None) -> list[dict]:
     """All records under ``root`` (every process), in time order; only ``kind`` when given."""
     out = []
     for path in sorted(Path(root).glob("*.jsonl")):

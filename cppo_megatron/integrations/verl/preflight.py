@@ -138,7 +138,8 @@ def check_config(config: Any) -> list[str]:
     rpp = max(_int(config, "actor_rollout_ref.rollout.pipeline_model_parallel_size", 1), 1)
     if world % (rtp * rdp * rpp):
         problems.append(
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp} (x data {rdp} x pipeline {rpp}) does not divide "
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp} (x data {rdp} x pipeline {rpp}) does not "
+            f"divide "
             f"the {world} ranks (trainer.nnodes x trainer.n_gpus_per_node); veRL asserts it in every worker "
             f"(engine_workers.py:659): set it to a divisor of {world}")
     ray_gpus = _get(config, "ray_kwargs.ray_init.num_gpus", None)
@@ -157,7 +158,8 @@ def check_config(config: Any) -> list[str]:
         n = max(_int(config, "actor_rollout_ref.rollout.n", 1), 1)
         mini = _int(config, "actor_rollout_ref.actor.ppo_mini_batch_size", 0) * n
         step_rows = _rows_per_step(config)
-        checks = [("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", mini, "mini-batch (ppo_mini_batch_size x n)")]
+        checks = [("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", mini,
+                   "mini-batch (ppo_mini_batch_size x n)")]
         for key in ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
                     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"):
             checks.append((key, step_rows, "step (the rows entering the log-prob passes)"))

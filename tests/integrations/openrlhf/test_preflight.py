@@ -76,7 +76,8 @@ def test_without_vllm_one_line_names_the_command_that_builds_the_environment(tmp
     out = _cli(tmp_path, tmp_path / "no-such-venv", TINY, "--cppo.pruning_rate", "0.75")
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    assert len(lines) == 1 and lines[0].startswith("cppo-megatron openrlhf: error: OpenRLHF's training loop needs"), lines
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("cppo-megatron openrlhf: error: OpenRLHF's training loop needs"), lines
     assert (f"run `bash scripts/setup_vllm.sh && .venv-vllm/bin/cppo-megatron openrlhf {TINY} --cppo.pruning_rate "
             f"0.75`") in lines[0], lines[0]
     assert not (tmp_path / "runs").exists()  # stopped before the CPU recipe built its start model

@@ -20,7 +20,14 @@ import threading
 
 
 # CPPO_TEST_BRIDGE=megatron-bridge: veRL's default route (vanilla_mbridge=false, Python 3.12 env)
-VANILLA = os.environ.get("CPPO_TEST_BRIDGE", "mbridge") != "megatron-bridge"  # True: mbridge (vanilla_mbridge)
+def _route() -> str:
+    import importlib.util
+
+    installed = "mbridge" if importlib.util.find_spec("mbridge") else "megatron-bridge"
+    return os.environ.get("CPPO_TEST_BRIDGE") or installed
+
+
+VANILLA = _route() != "megatron-bridge"  # True: mbridge (vanilla_mbridge: true)
 PP = int(os.environ.get("CPPO_TEST_PP", "1"))
 
 
@@ -107,14 +114,21 @@ def seams_installed() -> dict:
     import verl.workers.engine.megatron.transformer_impl as impl
     from verl.workers.engine.base import EngineRegistry
 
+    extra: dict = {}
     if VANILLA:
         from mbridge.core import llm_bridge as llm
 
         layer_spec = hasattr(llm.LLMBridge._get_transformer_layer_spec, "__cppo_cpu__")
     else:
+        import sys
+
+        import megatron.bridge.peft.lora_layers as lora_layers
         from megatron.bridge.models import gpt_provider
 
         layer_spec = hasattr(gpt_provider.GPTModelProvider.provide, "__cppo_cpu__")
+        # the TE placeholder served the two modules that import TE, then left sys.modules
+        placeholder = getattr(lora_layers.te, "__cppo_cpu__", False)
+        extra = {"te_placeholder": bool(placeholder) and "transformer_engine" not in sys.modules}
     return {
         "cpu_engine": "cpu" in EngineRegistry._engines["language_model"].get("megatron", {}),
         "cpu_value_engine": "cpu" in EngineRegistry._engines["value_model"].get("megatron", {}),
@@ -124,6 +138,7 @@ def seams_installed() -> dict:
         "methods": hasattr(impl.MegatronEngine.forward_backward_batch, "__cppo_cpu__"),
         "current_device": str(torch.cuda.current_device()) if hasattr(torch.cuda.current_device, "__cppo_cpu__")
         else None,
+        **extra,
     }
 
 

@@ -68,6 +68,22 @@ def two_node_run(cluster, tiny_model, tmp_path_factory):  # noqa: F811 (the impo
             "nodes": nodes, "address": cluster.address}
 
 
+def test_the_cpu_mode_names_its_ray_explicitly():
+    """No address: a new local Ray ("local" — never a cluster some other `ray start` left in
+    /tmp/ray/ray_current_cluster or RAY_ADDRESS); a cluster address: the single-node resource keys go."""
+    from omegaconf import OmegaConf
+
+    from cppo_megatron.integrations.verl.cpu.prepare import ray_address
+
+    alone = OmegaConf.create({"ray_kwargs": {"ray_init": {"num_cpus": 16, "num_gpus": 4, "include_dashboard": False}}})
+    assert ray_address(alone) == "local"
+    assert OmegaConf.to_container(alone.ray_kwargs.ray_init) == {"num_cpus": 16, "num_gpus": 4,
+                                                                 "include_dashboard": False, "address": "local"}
+    joined = OmegaConf.create({"ray_kwargs": {"ray_init": {"num_cpus": 16, "num_gpus": 4, "address": "127.0.0.1:7"}}})
+    assert ray_address(joined) == "127.0.0.1:7"
+    assert OmegaConf.to_container(joined.ray_kwargs.ray_init) == {"address": "127.0.0.1:7"}
+
+
 def test_the_cluster_has_two_nodes_of_two_logical_gpus(two_node_run):
     nodes = two_node_run["nodes"]
     assert len(nodes) == 2 and len({n["NodeID"] for n in nodes}) == 2

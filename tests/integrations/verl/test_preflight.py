@@ -43,6 +43,9 @@ CASES = {
     "lr_warmup": ((MEGATRON, "trainer.total_training_steps=2"),
                   ["actor_rollout_ref.actor.optim.lr_warmup_steps=5", "trainer.total_training_steps=2",
                    "optimizer_param_scheduler.py:157", "lr_warmup_steps=1 (or fewer)"]),
+    # megatron-core asserts warm-up < decay: equal steps fail too
+    "lr_equal": ((MEGATRON, "trainer.total_training_steps=5"),
+                 ["lr_warmup_steps=5 is not below", "trainer.total_training_steps=5", "lr_warmup_steps=4 (or fewer)"]),
     "lr_decay_key": ((MEGATRON, "actor_rollout_ref.actor.optim.lr_decay_steps=3"),
                      ["lr_warmup_steps=5", "actor_rollout_ref.actor.optim.lr_decay_steps=3", "lr_warmup_steps=2"]),
     "micro_batch_update": ((MEGATRON, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"),
