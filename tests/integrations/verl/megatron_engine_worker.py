@@ -102,6 +102,8 @@ def tp_replica_max_diff(engine, tp: int) -> float:
 
 def engine_log_probs(engine, seqs, packed: bool) -> list[list[float]]:
     out = engine.infer_batch(engine_inputs(seqs, packed=packed), loss_function=None)
+    if "model_output" not in out:  # a pipeline stage before the last: no outputs here
+        return []
     lp = out["model_output"]["log_probs"]
     # the engine's log_probs[t] is log p(token_{t+1} | tokens_<=t) (rolled labels): drop the last
     return [row[:-1].float().tolist() for row in lp.unbind()]
