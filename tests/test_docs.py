@@ -32,12 +32,13 @@ ALL = snippets()
 CHEAP_FLAGS = {"--help", "-h", "--dry-run", "--cppo-dry-run", "--check", "--print-recipe"}
 RUN_COMMANDS = {"demo", "doctor", "simulate", "example-data", "recipes"}
 LINKED = ("recipes", "scripts", "examples", "patches", "requirements", "constraints")
-CLI_PREFIXES = ("cppo-megatron", ".venv/bin/cppo-megatron", ".venv-vllm/bin/cppo-megatron")
+CLI_PREFIXES = ("cppo-megatron", ".venv/bin/cppo-megatron", ".venv-vllm/bin/cppo-megatron", ".venv-bridge/bin/cppo-megatron")
 NOT_RUN_SCRIPTS = {
     "main.sh": "runs the main job (~10 minutes of training)",
     "test.sh": "runs the whole test suite and builds .venv-vllm",
     "setup.sh": "builds .venv (installs from PyPI)",
     "setup_vllm.sh": "builds .venv-vllm (a 2.5 GB install from PyPI)",
+    "setup_bridge.sh": "builds .venv-bridge (Python 3.12, Megatron-Bridge; a 6.4 GB cached install)",
     "gpu_wheels.sh": "downloads wheels from PyPI",
     "gpu_check.sh": "installs into a GPU machine's environment and runs the device checks (needs a GPU)",
     "verl_gpu_smoke.sh": "needs a GPU",
@@ -74,7 +75,8 @@ def classify(s: Snippet) -> tuple[str, str, list[str]]:
         cli = argv[1:]
     else:
         raise AssertionError(f"{s.id}: no rule for the command {s.text!r}")
-    env_note = " (in the main environment; the line names .venv-vllm)" if prog.startswith(".venv-vllm") else ""
+    env_note = (f" (in the main environment; the line names {prog.split('/')[0]})"
+                if prog.startswith((".venv-vllm", ".venv-bridge")) else "")
     name, flags = cli[0], set(cli[1:])
     if name == "patch" and flags & {"--apply", "--revert"}:
         return "skip", "changes the installed OpenRLHF package", []

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from ..recipes import arg_type as recipe_arg
 
@@ -30,6 +31,41 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "and openrlhf flags replace the recipe's (recipes/openrlhf/cpu_toy.yaml)")
 
 
+# OpenRLHF's loop imports these (openrlhf/trainer/ray/vllm_engine.py:7, utils/deepspeed/deepspeed.py)
+TRAINING_MODULES = ("vllm", "deepspeed")
+VLLM_VENV_ENV = "CPPO_VLLM_VENV"  # where scripts/setup_vllm.sh puts them (default: the checkout's .venv-vllm)
+
+
+def _vllm_venv() -> Path:
+    default = Path(__file__).resolve().parents[2] / ".venv-vllm"
+    return Path(os.environ.get(VLLM_VENV_ENV) or default)
+
+
+def _training_environment(args: argparse.Namespace) -> None:
+    """A training run needs vLLM and DeepSpeed. Without them here: re-run the same command in the
+    vLLM environment when it exists, else stop with the one command that builds and runs it."""
+    import importlib.util
+    import shlex
+    import sys
+
+    from ..errors import UsageError
+
+    missing = [m for m in TRAINING_MODULES if importlib.util.find_spec(m) is None]
+    if not missing:
+        return
+    argv = ["openrlhf", args.recipe, *(["--cpu", args.cpu] if args.cpu else []), *args.passthrough]
+    venv = _vllm_venv()
+    python = venv / "bin" / "python"
+    if python.is_file() and Path(sys.prefix).resolve() != venv.resolve():
+        print(f"cppo-megatron openrlhf: {' and '.join(missing)} missing in {sys.prefix}; running in {venv} "
+              "(made by scripts/setup_vllm.sh)", flush=True)
+        os.execv(str(python), [str(python), "-m", "cppo_megatron.cli", *argv])
+    raise UsageError(
+        f"OpenRLHF's training loop needs {' and '.join(missing)}, which {sys.prefix} lacks (the CPU path keeps them in "
+        f"their own environment): run `bash scripts/setup_vllm.sh && .venv-vllm/bin/cppo-megatron "
+        f"{shlex.join(argv)}` (on a GPU machine: pip install 'cppo-megatron[openrlhf,vllm]')")
+
+
 def run(args: argparse.Namespace) -> int:
     from ..integrations.openrlhf.recipe import launcher_argv, load_recipe, merge_cpu_override
     from ..integrations.openrlhf.train import run_argv
@@ -37,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)  # a ValueError names the problem; the CLI prints it on one line
     if args.cpu:
         recipe = merge_cpu_override(recipe, args.cpu)
+    if "--dry-run" not in args.passthrough:
+        _training_environment(args)  # before a CPU recipe builds its start model
     if recipe.get("description"):
         print(str(recipe["description"]).strip())
     dry_run = "--dry-run" in args.passthrough

@@ -47,7 +47,7 @@ def run(config, *, dry_run: bool = False):
     """Prepare a composed veRL config for CPPO and run veRL's training entry on it."""
     from omegaconf import OmegaConf
 
-    from . import load
+    from . import load, preflight
     from .cpu.phases import FirstStepWatcher, Phases, timed_ray_init
     from .cpu.prepare import prepare_cpu_run
     from .runconfig import prepare
@@ -55,11 +55,16 @@ def run(config, *, dry_run: bool = False):
     load()
     phases = Phases()
     phases.durations["startup"] = phases.since_start()  # interpreter, imports, hydra's composition
+    # allocation first (the sizes the workers will see), then the host checks that would fail in
+    # a worker minutes later: config-only ones before a CPU run builds its start model, the
+    # model's (heads, layers, vocabulary, positions) as soon as the model directory exists
+    plan = prepare(config)
+    preflight.check(config)  # the model part only when its directory exists already
     cpu_run = None if dry_run else prepare_cpu_run(config, phases)
     if cpu_run is not None:
         print(cpu_run.describe())
         load()  # VERL_PLATFORM=cpu is set now: install the CPU mode in this process too
-    plan = prepare(config)
+    preflight.check(config)
     print(plan.describe() if plan is not None else "cppo: algorithm.adv_estimator is not cppo; plain veRL run")
     if dry_run:
         print(OmegaConf.to_yaml(config))

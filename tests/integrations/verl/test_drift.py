@@ -23,6 +23,17 @@ def test_megatron_versions_are_the_pinned_ones():
     assert {name: version(name) for name in drift.MEGATRON_VERSIONS} == drift.MEGATRON_VERSIONS
 
 
+def test_bridge_versions_are_the_pinned_ones():
+    from importlib.metadata import version
+
+    from cppo_megatron.integrations.verl import drift
+
+    if not drift.bridge_installed():
+        pytest.skip("Megatron-Bridge not installed (.venv-bridge)")
+    # the versions the Megatron-Bridge route's CPU seams were run on (sources: BRIDGE_PINNED)
+    assert {name: version(name) for name in drift.BRIDGE_VERSIONS} == drift.BRIDGE_VERSIONS
+
+
 def test_hooked_methods_unchanged(plugin):
     from cppo_megatron.integrations.verl import drift
 
