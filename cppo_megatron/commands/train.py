@@ -10,7 +10,8 @@ recipe and what it points at (model directory, data files, data fitting the mode
 checked: a mistake ends in one line and exit status 2 (--debug shows the traceback).
 Ctrl-C / SIGTERM finishes the running step, saves a checkpoint and exits with status 130;
 --resume continues with the same data order and accounting. backend=megatron recipes run
-under torchrun (--nproc N). Outputs in out_dir: metrics.jsonl,
+under torchrun (--nproc N). --dry-run prints each rank's memory estimate and whether it fits;
+a run that cannot fit is refused before it starts, with the numbers. Outputs in out_dir: metrics.jsonl,
 tensorboard/, checkpoints/, report.md, report.png.
 """
 
@@ -30,6 +31,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=1,
                         help="processes (torchrun) for backend=megatron; 1 for the single-process backend")
     parser.add_argument("--print-recipe", action="store_true", help="print the merged recipe and exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the layout and each rank's memory estimate (weights, gradients, optimizer, "
+                             "reference, activations, engine), say whether it fits, and exit (2 when it does not)")
+    parser.add_argument("--model-config", metavar="CONFIG_JSON",
+                        help="with --dry-run: size the model of this HF config.json instead of model.path's "
+                             "(e.g. before downloading it; recipes/models/ has the Qwen2.5 ones)")
     parser.add_argument("--debug", action="store_true", help="on a recipe error, show the Python traceback")
     parser.add_argument("--help-recipe", nargs="?", const="", metavar="SECTION", action=_HelpRecipe,
                         help="list every recipe key (or those under SECTION, e.g. cppo) with its default, "
@@ -49,9 +56,29 @@ class _HelpRecipe(argparse.Action):
         parser.exit(0)
 
 
+def _dry_run(recipe, args) -> int:
+    """The layout and the per-rank memory table; exit status 2 when the run cannot fit."""
+    from ..trainer.config import RecipeError
+    from ..trainer.sizing import check_fit, estimate, format_report, machine_memory_gb, ram_warning
+
+    limit, where = machine_memory_gb(recipe, args.nproc)
+    report = estimate(recipe, args.nproc, model_config=args.model_config, device_gb=limit)
+    print(format_report(report, limit, where))
+    warning = ram_warning(report, recipe, args.nproc)
+    if warning:
+        print(f"warning: {warning}")
+    try:
+        check_fit(report, limit, where)
+    except RecipeError as exc:
+        print(f"cppo-megatron train: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from ..trainer.config import RecipeError, load_recipe, recipe_to_dict
     from ..trainer.preflight import check_inputs
+    from ..trainer.sizing import size_run
 
     try:
         recipe = load_recipe(args.recipe, args.overrides)
@@ -60,14 +87,19 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if args.nproc < 1:
             raise RecipeError(f"--nproc must be >= 1, got {args.nproc}")
+        if args.model_config and not args.dry_run:
+            raise RecipeError("--model-config sizes a model for --dry-run only; the run itself uses model.path")
+        if args.dry_run:
+            return _dry_run(recipe, args)
         # before the warm-up, and before torchrun starts N processes that would each fail
         inputs = check_inputs(recipe, resume=args.resume)
+        _, _, notes = size_run(recipe, args.nproc)  # refuses a run that cannot fit, with the numbers
     except RecipeError as exc:
         if args.debug:
             raise
         print(f"cppo-megatron train: {exc}", file=sys.stderr)
         return 2
-    for note in inputs.warnings:
+    for note in [*inputs.warnings, *notes]:
         print(f"cppo-megatron train: {note}", file=sys.stderr)
     if recipe.backend == "megatron" or args.nproc > 1:
         from ..trainer.launch import launch

@@ -22,7 +22,7 @@ import torch
 
 from ..distributed import prune_and_exchange, rank_wait_metrics
 from .convert import export_hf_weights, load_hf_weights, unwrap_model
-from .model import build_gpt_model, init_parallel
+from .model import build_gpt_model, init_parallel, transformer_config_from_hf
 from .passes import (
     ForwardCounter,
     PolicyLossConfig,
@@ -32,7 +32,11 @@ from .passes import (
     policy_update,
 )
 
-__all__ = ["ActorConfig", "ActorStepResult", "MegatronActor"]
+__all__ = ["ActorConfig", "ActorStepResult", "DTYPES", "MegatronActor"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# what a checkpoint shard written before these keys existed was built with
+DEFAULT_STATE = {"dtype": "float32", "distributed_optimizer": False}
 
 
 @dataclass
@@ -43,7 +47,11 @@ class ActorConfig:
     adam_betas, clip_grad (0 disables), mu (policy updates per batch, the paper's 2),
     max_tokens_per_micro_batch (padded tokens per micro-batch), loss (``PolicyLossConfig``;
     ``kl_coef > 0`` builds a frozen reference model), seed, timeout_minutes (of the
-    model-parallel process groups' collectives).
+    model-parallel process groups' collectives), dtype (of the policy and reference shards:
+    ``float32``, ``bfloat16`` or ``float16``; half precision keeps float32 master weights in the
+    optimizer, megatron's ``Float16OptimizerWithFloat16Params``), distributed_optimizer
+    (megatron's ``DistributedOptimizer``: master weights and Adam moments sharded over the DP
+    ranks instead of held whole by each).
     """
 
     tp: int = 1
@@ -57,8 +65,14 @@ class ActorConfig:
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     seed: int = 0
     timeout_minutes: int = 30  # megatron's process groups: a collective waiting longer fails
+    dtype: str = "float32"
+    distributed_optimizer: bool = False
 
     def __post_init__(self):
+        if isinstance(self.dtype, torch.dtype):
+            self.dtype = str(self.dtype).removeprefix("torch.")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if isinstance(self.mu, bool) or not isinstance(self.mu, int) or self.mu < 1:
             raise ValueError(f"mu must be an integer >= 1, got {self.mu!r}")
         if not (self.lr > 0):
@@ -90,14 +104,20 @@ class MegatronActor:
         self.cfg = cfg
         self.hf_config = hf_config
         self.layout = init_parallel(cfg.tp, cfg.pp, seed=cfg.seed, timeout_minutes=cfg.timeout_minutes)
-        model = build_gpt_model(hf_config)
-        load_hf_weights(model, hf_state_dict, hf_config)
-        self.model, self.optimizer = build_ddp_and_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                                             adam_betas=tuple(cfg.adam_betas))
+        dtype = DTYPES[cfg.dtype]
+
+        def build():
+            config = transformer_config_from_hf(hf_config, tp=cfg.tp, pp=cfg.pp, params_dtype=dtype)
+            shard = build_gpt_model(hf_config, config=config)
+            load_hf_weights(shard, hf_state_dict, hf_config)
+            return shard
+
+        self.model, self.optimizer = build_ddp_and_optimizer(build(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                                             adam_betas=tuple(cfg.adam_betas),
+                                                             use_distributed_optimizer=cfg.distributed_optimizer)
         self.ref = None
         if cfg.loss.kl_coef > 0:
-            self.ref = build_gpt_model(hf_config)
-            load_hf_weights(self.ref, hf_state_dict, hf_config)
+            self.ref = build()
             self.ref.eval().requires_grad_(False)
 
     @property
@@ -145,36 +165,85 @@ class MegatronActor:
                                      clip_grad=self.cfg.clip_grad, counter=counter))
         return out
 
-    def hf_state_dict(self) -> dict:
-        """The current policy as a full HF state dict (float32, CPU), on every rank."""
-        return export_hf_weights(self.model, self.hf_config)
+    def hf_state_dict(self, dst_ranks=None) -> dict:
+        """The current policy as a full HF state dict (float32, CPU), on every rank or only on
+        ``dst_ranks`` (global ranks, e.g. those that generate; the others get ``{}``). A
+        collective: every rank calls it."""
+        return export_hf_weights(self.model, self.hf_config, dst_ranks=dst_ranks)
+
+    def _layout_key(self) -> tuple:
+        lay = self.layout
+        key = (lay.tp, lay.pp, lay.dp, lay.tp_rank, lay.pp_rank)
+        # the distributed optimizer's shard also depends on this rank's DP index
+        return (*key, lay.dp_rank) if self.cfg.distributed_optimizer else key
 
     def state_dict(self) -> dict:
-        """This rank's shards: policy, optimizer (Adam moments) and reference (a checkpoint
-        per rank; resume needs the same tp / pp / dp layout)."""
+        """This rank's shards: policy, optimizer (Adam moments; with the distributed optimizer
+        only this DP rank's slice of them and of the master weights) and reference (a
+        checkpoint per rank; resume needs the same tp / pp / dp layout, dtype and optimizer)."""
         return {
-            "layout": (self.layout.tp, self.layout.pp, self.layout.dp, self.layout.tp_rank, self.layout.pp_rank),
+            "layout": self._layout_key(),
+            "dtype": self.cfg.dtype,
+            "distributed_optimizer": self.cfg.distributed_optimizer,
             "model": {k: v.detach().clone() for k, v in unwrap_model(self.model).state_dict().items()
                       if isinstance(v, torch.Tensor)},
-            "optimizer": self.optimizer.state_dict(),
-            "ref": None if self.ref is None else {k: v.detach().clone() for k, v in self.ref.state_dict().items()
+            "optimizer": self._optimizer_state(),
+            "ref": None if self.ref is None else {k: v.detach().clone() for k, v in unwrap_model(self.ref).state_dict().items()
                                                    if isinstance(v, torch.Tensor)},
         }
 
+    def _optimizer_state(self) -> Optional[dict]:
+        if not self.cfg.distributed_optimizer:
+            return self.optimizer.state_dict()
+        opt = self._distributed_optimizer()
+        if not opt.optimizer.state:  # no step yet: nothing beyond the initial weights
+            return None
+        # megatron keeps the parameter-dependent state out of state_dict() (its
+        # save_parameter_state gathers it to one DP rank); here each rank keeps its own slice
+        shards = {name: {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                         for k, v in opt._get_main_param_and_optimizer_states(p).items()}
+                  for name, p in unwrap_model(self.model).named_parameters() if p in opt.model_param_group_index_map}
+        return {"common": opt.state_dict(), "shards": shards}
+
+    def _distributed_optimizer(self):
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        if len(opts) != 1 or not isinstance(opts[0], DistributedOptimizer):
+            raise TypeError(f"expected one megatron DistributedOptimizer, got {[type(o).__name__ for o in opts]}")
+        return opts[0]
+
     def load_state_dict(self, state: dict) -> None:
-        mine = (self.layout.tp, self.layout.pp, self.layout.dp, self.layout.tp_rank, self.layout.pp_rank)
+        mine = self._layout_key()
         if tuple(state["layout"]) != mine:
-            raise ValueError(f"checkpoint shard is for layout (tp, pp, dp, tp_rank, pp_rank) = {tuple(state['layout'])}, "
-                             f"this rank is {mine}: resume with the same megatron.tp / megatron.pp and --nproc")
+            raise ValueError(f"checkpoint shard is for layout (tp, pp, dp, tp_rank, pp_rank[, dp_rank]) = "
+                             f"{tuple(state['layout'])}, this rank is {mine}: resume with the same megatron.tp / "
+                             "megatron.pp, --nproc and megatron.distributed_optimizer")
+        for key, have in (("dtype", self.cfg.dtype), ("distributed_optimizer", self.cfg.distributed_optimizer)):
+            if state.get(key, DEFAULT_STATE[key]) != have:
+                raise ValueError(f"checkpoint shard was written with {key}={state.get(key, DEFAULT_STATE[key])!r}, "
+                                 f"this run has {key}={have!r}: resume with the same setting")
         with torch.no_grad():
             params = unwrap_model(self.model).state_dict()
             for k, v in state["model"].items():
                 params[k].copy_(v)
             if self.ref is not None and state.get("ref") is not None:
-                ref = self.ref.state_dict()
+                ref = unwrap_model(self.ref).state_dict()
                 for k, v in state["ref"].items():
                     ref[k].copy_(v)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if not self.cfg.distributed_optimizer:
+            self.optimizer.load_state_dict(state["optimizer"])
+            return
+        saved = state["optimizer"]
+        opt = self._distributed_optimizer()
+        if saved is None:  # written before the first step: copy the loaded weights into the master shards
+            opt.reload_model_params()
+            return
+        opt.load_state_dict(saved["common"])  # allocates the inner state (megatron: then load_parameter_state)
+        by_name = dict(unwrap_model(self.model).named_parameters())
+        with torch.no_grad():
+            for name, tensors in saved["shards"].items():
+                opt._set_main_param_and_optimizer_states(by_name[name], tensors)
 
     def step(self, sequences: list, loss_masks: list, rewards, group_ids, cppo_cfg: Any, *, step: int = 0,
              lengths=None, extra_fields: Optional[dict] = None) -> ActorStepResult:

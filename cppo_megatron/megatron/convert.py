@@ -19,7 +19,7 @@ the same dict); ``export_hf_weights`` gathers a full HF state dict on every rank
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -170,15 +170,33 @@ def _gather_tp(t: torch.Tensor, dim: int) -> list[torch.Tensor]:
     return parts
 
 
-@torch.no_grad()
-def export_hf_weights(model, hf_config: Any) -> dict:
-    """The full HF state dict (float32, CPU) of a TP/PP-sharded ``model``, on every rank.
+def _pipeline_keepers(dst_ranks) -> list[int]:
+    """The ranks of this rank's pipeline group that keep the exported dict."""
+    from megatron.core import parallel_state as ps
 
-    TP shards are all-gathered, pipeline stages exchange their converted parts. Meant for
-    checkpoints and for syncing weights into a rollout engine.
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        ranks = [dist.get_rank()]
+    else:
+        ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+    return [r for r in ranks if dst_ranks is None or r in dst_ranks]
+
+
+@torch.no_grad()
+def export_hf_weights(model, hf_config: Any, *, dst_ranks: Optional[Iterable[int]] = None) -> dict:
+    """The full HF state dict (float32, CPU) of a TP/PP-sharded ``model``, on every rank, or
+    only on ``dst_ranks`` (global ranks; the others return ``{}``).
+
+    TP shards are all-gathered, pipeline stages exchange their converted parts (with
+    ``dst_ranks``: sent only to the ranks that keep them). Meant for checkpoints and for
+    syncing weights into a rollout engine. A rank outside ``dst_ranks`` whose pipeline group
+    has no member in it holds at most one gathered tensor at a time (every rank still joins
+    the TP all-gathers).
     """
     from megatron.core import parallel_state as ps
 
+    keep_set = None if dst_ranks is None else {int(r) for r in dst_ranks}
+    keepers = _pipeline_keepers(keep_set)
+    keep_any = bool(keepers)  # someone in my pipeline group needs my stage's part
     heads, groups, d = _dims(hf_config)
     vocab = int(_hf_get(hf_config, "vocab_size"))
     tied = bool(_hf_get(hf_config, "tie_word_embeddings", False))
@@ -187,6 +205,8 @@ def export_hf_weights(model, hf_config: Any) -> dict:
     lmap = _layer_map(te_fused)
     out: dict = {}
     for name, p in params.items():
+        if not keep_any:
+            out.clear()  # nobody in this pipeline group keeps the weights: drop each tensor at once
         layer, suffix = _split_key(name)
         t = p.detach()
         if layer is None:
@@ -213,11 +233,21 @@ def export_hf_weights(model, hf_config: Any) -> dict:
             half = t.shape[0] // 2
             out[pre + dst[0]] = torch.cat([s[:half] for s in parts], dim=0)
             out[pre + dst[1]] = torch.cat([s[half:] for s in parts], dim=0)
+    if not keep_any:
+        out.clear()
     out = {k: v.to("cpu", torch.float32) for k, v in out.items()}
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        stages: list = [None] * ps.get_pipeline_model_parallel_world_size()
-        dist.all_gather_object(stages, out, group=ps.get_pipeline_model_parallel_group())
-        out = {k: v for part in stages for k, v in part.items()}
+    if ps.get_pipeline_model_parallel_world_size() > 1 and keep_any:
+        pp_group = ps.get_pipeline_model_parallel_group()
+        n_stages = ps.get_pipeline_model_parallel_world_size()
+        if len(keepers) == 1:
+            stages: Optional[list] = [None] * n_stages if dist.get_rank() == keepers[0] else None
+            dist.gather_object(out, stages, dst=keepers[0], group=pp_group)
+        else:
+            stages = [None] * n_stages
+            dist.all_gather_object(stages, out, group=pp_group)
+        out = {k: v for part in (stages or []) for k, v in part.items()}
+    if keep_set is not None and dist.get_rank() not in keep_set:
+        return {}
     if tied:
         out.pop("lm_head.weight", None)
     return out

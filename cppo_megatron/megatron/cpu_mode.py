@@ -45,13 +45,22 @@ def _is_cuda(dev) -> bool:
 
 
 class CudaToCpu(TorchFunctionMode):
-    """Maps cuda device arguments to cpu and makes ``Tensor.cuda()`` a no-op (per thread, as every
-    torch function mode; veRL's CPU mode extends it for its Megatron engine)."""
+    """Maps cuda device arguments to cpu, makes ``Tensor.cuda()`` a no-op and has ``Tensor.type()``
+    report ``torch.cuda.*`` names (per thread, as every torch function mode; veRL's CPU mode
+    extends it for its Megatron engine).
+
+    The type names: megatron-core's optimizers accept only CUDA parameter types
+    (``optimizer/optimizer.py:671,690`` for bf16 / fp16 master weights,
+    ``distrib_optimizer.py:361,431,582`` for the distributed optimizer's shards); nothing else
+    in the actor asks ``Tensor.type()``."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else "torch.cuda." + name[len("torch."):]
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
@@ -96,8 +105,6 @@ def check_cpu_supported(*, use_distributed_optimizer: bool = False, sequence_par
     if not on_cpu():
         return
     bad = []
-    if use_distributed_optimizer:
-        bad.append("use_distributed_optimizer=True (megatron's distributed optimizer needs CUDA buffers)")
     if sequence_parallel:
         bad.append("sequence_parallel=True (its reduce-scatter paths need CUDA)")
     if bad:

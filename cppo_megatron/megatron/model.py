@@ -263,6 +263,13 @@ def build_gpt_model(
             rotary_base=_rope_theta(hf_config),
         )
     model.cppo_vocab_size = vocab  # the real vocabulary: logits beyond it are padding
+    if config.bf16 or config.fp16:
+        from megatron.core.transformer.module import Float16Module
+
+        # what megatron's training loop does for half-precision runs: every parameter (norms
+        # included, which megatron's torch norm creates in float32) in the config's dtype, inputs
+        # cast on the first stage, logits back to float32 on the last
+        model = Float16Module(config, model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -173,6 +173,11 @@ class MegatronConfig:
     pp: int = setting(1, "pipeline-parallel size (must divide model.num_layers)", check="> 0")
     collective_timeout_s: int = setting(
         600, "a collective waiting longer than this (a rank died or hangs) fails the whole job", check="> 0")
+    distributed_optimizer: bool = setting(False, """megatron-core's distributed optimizer: float32 master weights
+        and Adam moments sharded over the DP ranks instead of held whole by every one""")
+    device_memory_gb: float = setting(0.0, """memory one rank may use, in GB, for the launch-time fit check (0:
+        this machine's, CUDA device memory or RAM / processes; set it to size a cluster from elsewhere)""",
+        check=">= 0")
 
 
 @dataclass

@@ -130,6 +130,7 @@ class ModelParallelRollout(_Rollout):
         self.slow_group = dist.new_group(backend="gloo", timeout=timedelta(hours=6))
         self.dp_group = self.mp_group = None
         self.dp_rank, self.dp, self.mp_src, self.generates = 0, 1, self.rank, True
+        self.weight_ranks: Optional[list[int]] = None  # known after attach(); None: every rank
 
     def attach(self, *, dp_group, mp_group, tp_group) -> None:
         """The data- and model-parallel groups, once the policy backend built them."""
@@ -145,6 +146,18 @@ class ModelParallelRollout(_Rollout):
                 dist.get_process_group_ranks(tp_group)):
             raise RuntimeError(f"rollout.vllm_tp={vtp}: vLLM's TP group of ranks {self.mp_src}..{self.mp_src + vtp - 1} "
                                "is not inside one Megatron TP group; use rollout.vllm_tp=1")
+        # the HF copy serves HF generation, and on rank 0 evaluation and final.pt: any other rank
+        # keeps no HF model, no HF engine and no weight copy, only its Megatron shards. (With vLLM
+        # every rank holds a vLLM engine: its external launcher makes every process of the job a
+        # vLLM worker, vllm/distributed/parallel_state.py init_distributed_environment; only the
+        # generating ranks' engines are synced.)
+        if not (self.rank == 0 or (self.generates and self.engine is self.hf_engine)):
+            if self.engine is self.hf_engine:
+                self.engine = self.eval_engine = None
+            self.hf_engine = None
+        flags = [None] * self.world
+        dist.all_gather_object(flags, self.hf_engine is not None or self.generates)
+        self.weight_ranks = [r for r, wants in enumerate(flags) if wants]  # who receives full HF weights
 
     def seed(self, step: int, round_: int) -> int:
         # one stream per (step, DP rank, round): reproducible and different across DP ranks
@@ -174,8 +187,9 @@ class ModelParallelRollout(_Rollout):
     def sync(self, weights: dict) -> None:
         """Full HF weights into this rank's HF copy (final.pt, evaluation, HF generation) and
         into the vLLM engines that generate (rank 0, which evaluates, is always one)."""
-        self.hf_engine.update_weights(weights.items())
-        if self.engine is not self.hf_engine and self.generates:
+        if self.hf_engine is not None:
+            self.hf_engine.update_weights(weights.items())
+        if self.engine is not None and self.engine is not self.hf_engine and self.generates:
             self.engine.update_weights(weights.items())
 
     def gather(self, obj) -> list:
@@ -209,7 +223,8 @@ class ModelParallelRollout(_Rollout):
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
     def close(self) -> None:
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
 
 
 def _round_rows(mine: dict, everyone: list, owners: list, *, local_start: int) -> RoundRows:

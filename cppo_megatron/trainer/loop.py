@@ -44,7 +44,7 @@ from ..rollout import build_engine
 from ..tasks import Task, build_task
 from . import faults
 from .backends import HFBackend
-from .checkpoint import checkpoints, find_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import checkpoints, filesystem_peers, find_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import Recipe, recipe_to_dict
 from .distribution import LocalRollout, ModelParallelRollout
 from .evaluate import evaluate
@@ -133,6 +133,7 @@ class Trainer:
         self._rl_started = False
         self._open_step: Optional[tuple] = None  # (sampler, planner, rng) as the running step began
         self.resumed_from: Optional[Path] = None
+        self._fs_peers: Optional[list[int]] = None  # ranks sharing this rank's out_dir (first checkpoint)
         self._resume_policy: Optional[dict] = None
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -190,7 +191,11 @@ class Trainer:
 
         weights = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         self.policy = MegatronBackend(self.r, self.model.config, weights, comm_device=self._comm_device())
+        del weights
         self.rollout.attach(dp_group=self.policy.dp_group, mp_group=self.policy.mp_group, tp_group=self.policy.tp_group)
+        if self.rollout.hf_engine is None:  # no HF generation or evaluation here: the shards are all it needs
+            self.model = None
+            self.engine = self.rollout.engine
 
     # ------------------------------------------------------------------ run
     def prepare(self, *, initial_eval: bool = True) -> None:
@@ -365,7 +370,12 @@ class Trainer:
     def _sync_engine(self) -> None:
         """Policy weights to the rollout engine(s) (a no-op for the HF engine of ``backend:
         hf``, which shares them; a collective under ``backend: megatron``)."""
-        self.rollout.sync(self.policy.export_weights() if self.policy is not None else self.model.state_dict())
+        if self.policy is None:
+            self.rollout.sync(self.model.state_dict())
+        elif self.distributed:  # full HF tensors only where an engine takes them
+            self.rollout.sync(self.policy.export_weights(self.rollout.weight_ranks))
+        else:
+            self.rollout.sync(self.policy.export_weights())
 
     def _evaluate(self, n: int) -> dict:
         engine = self.rollout.eval_engine
@@ -392,8 +402,13 @@ class Trainer:
             state = {"sampler": self.sampler.state_dict(), "planner": self.planner.state_dict(),
                      "elapsed": self.elapsed, "last_acc": self._last_acc, "recipe": recipe_to_dict(self.r)}
         # the slow group: writing a large shard may take longer than a collective may wait
+        barrier = lambda: self.rollout.barrier(slow=True)  # noqa: E731
+        if self._fs_peers is None:  # which ranks write into the same directory (local disks per node)
+            self._fs_peers = filesystem_peers(self.out, self.rollout.rank, gather=self.rollout.gather, barrier=barrier)
+        if self.rollout.world > 1 and len(self._fs_peers) < self.rollout.world:
+            state = self.rollout.gather(state)[0]  # each filesystem gets rank 0's trainer.pt
         return save_checkpoint(self.out, self.step, state, self.policy.state_dict(), rank=self.rollout.rank,
-                               barrier=lambda: self.rollout.barrier(slow=True))
+                               barrier=barrier, peers=self._fs_peers)
 
     def _resume(self) -> None:
         """The newest checkpoint every rank can read (``checkpoint.find_checkpoint``: a truncated
@@ -406,7 +421,7 @@ class Trainer:
             print(line, file=sys.stderr, flush=True)
 
         path, state, policy = find_checkpoint(self.out, self.rollout.rank, any_rank_failed=any_rank_failed,
-                                              log=log if self.is_main else None)
+                                              log=log if self.is_main else None, gather=self.rollout.gather)
         self.sampler.load_state_dict(state["sampler"])
         self.planner.load_state_dict(state["planner"])
         self.step = state["step"]

@@ -37,7 +37,8 @@ class MegatronBackend:
         cfg = ActorConfig(tp=r.megatron.tp, pp=r.megatron.pp, lr=t.lr, weight_decay=t.weight_decay,
                           adam_betas=(t.adam_beta1, t.adam_beta2), clip_grad=t.grad_clip, mu=t.mu,
                           max_tokens_per_micro_batch=t.micro_batch_tokens, loss=loss, seed=r.seed,
-                          timeout_minutes=max(1, math.ceil(r.megatron.collective_timeout_s / 60)))
+                          timeout_minutes=max(1, math.ceil(r.megatron.collective_timeout_s / 60)),
+                          dtype=r.model.dtype, distributed_optimizer=r.megatron.distributed_optimizer)
         self.actor = MegatronActor(hf_config, hf_weights, cfg)
         from megatron.core import parallel_state as ps
 
@@ -107,9 +108,10 @@ class MegatronBackend:
         return UpdateResult(its, None, lrs[-1], its[-1]["num_tokens"], its[-1]["num_seqs"],
                             counter.micro_batches // mu, counter.sequences, counter.padded_tokens)
 
-    def export_weights(self) -> dict:
-        """Full HF tensors on every rank (a collective: TP shards gathered, PP parts exchanged)."""
-        return self.actor.hf_state_dict()
+    def export_weights(self, dst_ranks=None) -> dict:
+        """Full HF tensors on every rank, or only on ``dst_ranks`` (``{}`` elsewhere); a collective:
+        TP shards gathered, PP parts sent to the ranks that keep them."""
+        return self.actor.hf_state_dict(dst_ranks)
 
     def state_dict(self) -> dict:
         return self.actor.state_dict()

@@ -67,6 +67,32 @@ def test_groups_follow_prompt_runs_not_a_fixed_reshape(make_rollout):
         hook.group_ids_from_samples(samples, 0)
 
 
+def test_a_prompt_drawn_twice_in_a_row_is_two_groups_with_their_own_statistics(
+    orl, make_args, make_maker, make_rollout, fresh
+):
+    # allocation's larger draws from a small data set repeat prompts; here "p0" back to back:
+    # two groups of n = 4 (cut after n samples), not one group of 8
+    groups = [("p0", [1, 0, 0, 0]), ("p0", [1, 1, 1, 0]), ("p1", [0, 1, 0, 0])]
+    samples = make_rollout(groups)
+    assert hook.group_ids_from_samples(samples, 4).tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    args = make_args("--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "4",
+                     "--rollout.micro_batch_size", "1", "--train.batch_size", "1")
+    maker, out = _run(orl, make_maker, args, fresh(samples), CPPOConfig(pruning_rate=0.5, eps=1e-9, scope="group"))
+    got = _by_uid(out)
+    # each group's own (r - mean) / std, unbiased: [1,0,0,0] -> +1.5 / -0.5, [1,1,1,0] -> +0.5 / -1.5
+    # (merged into one group of 8 they would all be +-0.935)
+    own = {0: 1.5, 1: -0.5, 2: -0.5, 3: -0.5, 4: 0.5, 5: 0.5, 6: 0.5, 7: -1.5,
+           8: -0.5, 9: 1.5, 10: -0.5, 11: -0.5}
+    # k = 2 per group of 4: the largest |A| of each group, ties broken by the seeded rule
+    kept = sorted(got)
+    assert [u for u in kept if u < 4][0] == 0 and 7 in kept and 9 in kept
+    assert [sum(1 for u in kept if u // 4 == g) for g in range(3)] == [2, 2, 2]
+    for uid, row in got.items():
+        assert row["adv"][-1].item() == pytest.approx(own[uid] - 0.01 * 1e-3 * uid, abs=1e-5), uid
+    m = maker._cppo_last_metrics
+    assert m["cppo/num_groups"] == 3 and m["cppo/num_kept"] == 6
+
+
 @pytest.mark.parametrize("estimator,adv_norm", [("group_norm", "std"), ("dr_grpo", "none")])
 def test_survivors_and_full_group_advantages_in_openrlhf_output(
     orl, make_args, make_maker, make_rollout, fresh, estimator, adv_norm

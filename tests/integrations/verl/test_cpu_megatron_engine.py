@@ -246,25 +246,105 @@ def test_rms_norm_is_hf_qwen2():
     assert torch.equal(rms_norm(x, hf.weight, 1e-6), hf(x))
 
 
-def test_cpu_rng_tracker_forks_like_megatrons():
+def _megatron_tracker_on_cpu(monkeypatch):
+    """megatron-core's own ``CudaRNGStatesTracker`` logic, run on the CPU generator: its CUDA state
+    accessors answer with torch's CPU state (the tracker code itself runs unchanged)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    monkeypatch.setattr(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+    monkeypatch.setattr(mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state())
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed))
+    # model_parallel_cuda_manual_seed replaces the module's tracker: put the original back afterwards
+    monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER", mrandom._CUDA_RNG_STATE_TRACKER)
+    monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+    return mrandom
+
+
+def _tracker_script(tracker) -> list:
+    """Draws from the caller's stream and from named streams: plain, repeated and nested forks,
+    and a get_states / set_states round trip (what megatron's layers and checkpoints do)."""
+    torch.manual_seed(1)
+    tracker.add("a", 5)
+    tracker.add("b", 7)
+    out = [torch.rand(2)]
+    with tracker.fork("a"):
+        out.append(torch.rand(3))
+    out.append(torch.rand(2))  # the caller's stream continues where it was
+    with tracker.fork("a"):
+        out.append(torch.rand(3))  # the named stream continues where the last fork left it
+    with tracker.fork("b"):
+        out.append(torch.rand(2))
+        with tracker.fork("a"):
+            out.append(torch.rand(2))
+        out.append(torch.rand(2))  # back on b
+        with tracker.fork("b"):
+            out.append(torch.rand(2))  # a nested fork of the same stream continues it
+        out.append(torch.rand(2))
+    saved = tracker.get_states()
+    with tracker.fork("a"):
+        out.append(torch.rand(3))
+    tracker.set_states(saved)
+    with tracker.fork("a"):
+        out.append(torch.rand(3))  # restored: the same draws again
+    out.append(torch.rand(2))
+    out.append(torch.get_rng_state())
+    return out
+
+
+def test_cpu_rng_tracker_forks_like_megatrons(monkeypatch):
     from cppo_megatron.integrations.verl.cpu.megatron_engine import CPURNGStatesTracker
 
+    mrandom = _megatron_tracker_on_cpu(monkeypatch)
+    ours = _tracker_script(CPURNGStatesTracker())
+    theirs = _tracker_script(mrandom.CudaRNGStatesTracker())
+    assert len(ours) == len(theirs)
+    for i, (x, y) in enumerate(zip(ours, theirs)):
+        assert torch.equal(x, y), f"draw {i} differs from megatron-core's tracker: {x} vs {y}"
+    # by value, without megatron: stream "a" is seed 5's sequence, split over the forks
+    a = torch.rand(9, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(ours[1], a[:3]) and torch.equal(ours[3], a[3:6])
+    assert torch.equal(ours[9], ours[10])  # set_states replays the saved stream
+    default = torch.rand(4, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(torch.cat([ours[0], ours[2]]), default)  # forks leave the caller's stream alone
     t = CPURNGStatesTracker()
     t.add("a", 5)
-    torch.manual_seed(1)
-    outer = torch.get_rng_state()
-    with t.fork("a"):
-        first = torch.rand(3)
-    assert torch.equal(torch.get_rng_state(), outer)  # the default stream is untouched
-    assert torch.equal(first, torch.rand(3, generator=torch.Generator().manual_seed(5)))
-    with t.fork("a"):
-        second = torch.rand(3)  # the named stream advanced
-    assert not torch.equal(first, second)
     with pytest.raises(ValueError, match="seed 5"):
         t.add("b", 5)
     with pytest.raises(KeyError):
         with t.fork("nope"):
             pass
+
+
+def test_cpu_rng_tracker_seeds_megatrons_named_streams(monkeypatch):
+    """``seed_cpu_rng_tracker(seed)`` holds the streams ``model_parallel_cuda_manual_seed(seed)``
+    makes (data-parallel, tensor-parallel per TP rank, expert), compared draw by draw."""
+    from megatron.core import parallel_state as mpu
+
+    from cppo_megatron.integrations.verl.cpu.megatron_engine import seed_cpu_rng_tracker
+
+    mrandom = _megatron_tracker_on_cpu(monkeypatch)
+    names = (mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME,
+             mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME)
+    for tp_rank, ep_rank, etp_rank in ((0, 0, 0), (1, 2, 1)):
+        monkeypatch.setattr(mpu, "get_tensor_model_parallel_rank", lambda r=tp_rank: r)
+        monkeypatch.setattr(mpu, "get_expert_model_parallel_rank", lambda r=ep_rank: r)
+        monkeypatch.setattr(mpu, "get_expert_tensor_parallel_rank", lambda r=etp_rank: r)
+        mrandom.model_parallel_cuda_manual_seed(11, tp_rank=tp_rank, ep_rank=ep_rank, etp_rank=etp_rank,
+                                                force_reset_rng=True)
+        theirs = mrandom.get_cuda_rng_tracker()
+        ours = seed_cpu_rng_tracker(11)
+        assert mrandom.get_cuda_rng_tracker() is ours
+        for name in names:
+            draws = []
+            for tracker in (ours, theirs):
+                with tracker.fork(name):
+                    draws.append(torch.rand(4))
+            assert torch.equal(draws[0], draws[1]), f"stream {name} at tp_rank {tp_rank}: {draws}"
+        with ours.fork(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            nxt = torch.rand(2)
+        expect = torch.rand(6, generator=torch.Generator().manual_seed(11 + 2718 + tp_rank))[4:]
+        assert torch.equal(nxt, expect)
 
 
 def test_pad_vocab_copies_the_pad_row(tmp_path):

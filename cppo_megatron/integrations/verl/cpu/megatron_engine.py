@@ -101,9 +101,17 @@ class CPURNGStatesTracker:
     """megatron-core's RNG-states tracker interface (``add``, ``fork``, ``get_states``,
     ``set_states``, ``reset``, ``is_initialized``) over torch's CPU generator.
 
-    ``fork(name)`` swaps the CPU generator to the named state for the block and back after it,
-    keeping the advanced named state — what ``CudaRNGStatesTracker`` does with the CUDA one.
+    The semantics of megatron-core 0.16's ``CudaRNGStatesTracker`` (``tensor_parallel/random.py:
+    161-278``) with the CPU generator in place of the CUDA one: ``add(name, seed)`` stores the state
+    of a generator seeded with ``seed``; ``fork(name)`` runs the block on the named stream and keeps
+    its advanced state for the next fork, then restores the caller's stream. A fork inside another
+    fork first stores the outer stream's progress (so a nested fork of the same name continues it
+    rather than replaying it), as megatron's ``_current_state_name`` bookkeeping does.
+    ``tests/integrations/verl/test_cpu_megatron_engine.py`` runs megatron-core's own tracker on CPU
+    generator states side by side and compares the draws.
     """
+
+    DEFAULT = "default-rng"  # megatron's name for the caller's stream (never stored)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.reset()
@@ -115,6 +123,7 @@ class CPURNGStatesTracker:
         self._is_initialized = False
         self.states_: dict[str, torch.Tensor] = {}
         self.seeds_: set[int] = set()
+        self._current_state_name = self.DEFAULT
 
     def get_states(self) -> dict[str, torch.Tensor]:
         return dict(self.states_)
@@ -136,13 +145,22 @@ class CPURNGStatesTracker:
     def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
         if name not in self.states_:
             raise KeyError(f"cpu rng tracker: state {name!r} is not added")
-        outer = torch.get_rng_state()
+        outer, outer_name = torch.get_rng_state(), self._current_state_name
+        if outer_name != self.DEFAULT:
+            self.states_[outer_name] = outer  # the enclosing fork's progress so far
         torch.set_rng_state(self.states_[name])
+        self._current_state_name = name
         try:
             yield
         finally:
-            self.states_[name] = torch.get_rng_state()
+            if self._current_state_name != name:
+                raise RuntimeError(f"cpu rng tracker: stream {self._current_state_name!r} is current at the end "
+                                   f"of fork({name!r})")
+            self.states_[name] = torch.get_rng_state()  # the named stream advanced
+            if outer_name != self.DEFAULT:
+                outer = self.states_[outer_name]
             torch.set_rng_state(outer)
+            self._current_state_name = outer_name
 
 
 def seed_cpu_rng_tracker(seed: int) -> CPURNGStatesTracker:
@@ -279,15 +297,12 @@ def _is_int_device(x: Any) -> bool:
 
 
 class EngineCudaToCpu(_cuda_to_cpu_base()):  # type: ignore[misc]
-    """Our Megatron actor's ``CudaToCpu`` mode (cuda devices -> cpu, ``.cuda()`` a no-op) plus
-    what veRL's engine and megatron-core's optimizer need: an int device (``.to(0)``,
-    ``device=0``) is the CPU, and ``Tensor.type()`` reports ``torch.cuda.*`` names."""
+    """Our Megatron actor's ``CudaToCpu`` mode (cuda devices -> cpu, ``.cuda()`` a no-op,
+    ``Tensor.type()`` reporting ``torch.cuda.*`` names for megatron-core's optimizers) plus what
+    veRL's engine needs: an int device (``.to(0)``, ``device=0``) is the CPU."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return name if name.startswith("torch.cuda.") else "torch.cuda." + name[len("torch."):]
         if _is_int_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.to and len(args) > 1 and _is_int_device(args[1]):
