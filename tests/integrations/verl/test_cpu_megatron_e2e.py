@@ -17,7 +17,17 @@ import math
 
 import pytest
 
-from .test_cpu_e2e import PROMPTS, STEPS, G, by_step, core_survivors, export_tiny_model, full_group_advantages, run_verl
+from .test_cpu_e2e import (
+    CHECKPOINTS,
+    PROMPTS,
+    STEPS,
+    G,
+    by_step,
+    core_survivors,
+    export_tiny_model,
+    full_group_advantages,
+    run_verl,
+)
 
 pytestmark = pytest.mark.verl
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (extra: megatron)")
@@ -40,9 +50,12 @@ def tiny_model(tmp_path_factory):
     return out
 
 
+V1_CPPO = (f"cppo.pruning_rate={P}", *CHECKPOINTS)
+
+
 @pytest.fixture(scope="module")
 def v1_cppo(tiny_model, tmp_path_factory):
-    return run_verl(RECIPE, tmp_path_factory.mktemp("mv1"), tiny_model, f"cppo.pruning_rate={P}")
+    return run_verl(RECIPE, tmp_path_factory.mktemp("mv1"), tiny_model, *V1_CPPO)
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +146,42 @@ def test_legacy_grpo_megatron_tp2_dp2_padded_keeps_every_row(legacy_grpo, tiny_m
     check_rows_and_advantages(legacy_grpo, pruning_rate=0.0, loop="legacy")
     check_dp_loads(legacy_grpo)
     check_syncs(legacy_grpo, tiny_model)
+
+
+# ------------------------------------------------------------------------------ a dead worker, resume
+@pytest.fixture(scope="module")
+def chain(tiny_model, tmp_path_factory):
+    """The run of ``v1_cppo`` three times in one run dir: worker rank 1 (TP peer of rank 0, DP
+    rank 0) SIGKILLed during step 2, after step 1's checkpoint; the same command, its driver
+    SIGKILLed during step 2 again; the same command, to the end."""
+    from . import resume
+
+    tmp = tmp_path_factory.mktemp("mchain")
+    dead = run_verl(RECIPE, tmp, tiny_model, *V1_CPPO, attempt="1", when=resume.strike_during(2, "worker", rank=1),
+                    expect_ok=False)
+    killed = run_verl(RECIPE, tmp, tiny_model, *V1_CPPO, attempt="2", when=resume.strike_during(2, "driver"),
+                      expect_ok=False)
+    return [dead, killed, run_verl(RECIPE, tmp, tiny_model, *V1_CPPO, attempt="3")]
+
+
+# a dead worker rank ends the run by itself: measured 10-15 s on a loaded 2-core machine
+DEAD_WORKER_EXIT_S = 180
+
+
+def test_a_dead_worker_rank_ends_the_run_with_a_message_naming_it(chain):
+    from cppo_megatron.integrations import watchdog
+
+    dead = chain[0]["run"]
+    assert dead.struck is not None and dead.struck.startswith("pid "), dead.log[-3000:]
+    assert dead.returncode not in (0, -9) and dead.exit_after_strike_s < DEAD_WORKER_EXIT_S, dead.log[-3000:]
+    pid, name = dead.struck.split()[1], dead.struck.split("(")[1].rstrip(")")
+    lines = [ln for ln in dead.log.splitlines() if ln.startswith(watchdog.PREFIX)]
+    assert lines and all(f"pid {pid}" in ln and repr(name) in ln for ln in lines), lines or dead.log[-3000:]
+    assert any("rank 1 of placement group 0" in ln and "Rerun the same command to resume from step 1" in ln
+               for ln in lines), lines
+
+
+def test_resume_after_a_dead_worker_and_a_sigkill_tp2_dp2(v1_cppo, chain):
+    from . import resume
+
+    resume.check_chain(v1_cppo, chain, kills=[1, 1], steps=STEPS, pruning_rate=P, prompts_per_step=PROMPTS)
