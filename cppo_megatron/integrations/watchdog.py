@@ -57,10 +57,11 @@ class DeadActor:
     detail: str = ""
 
     def describe(self) -> str:
-        who = f"Ray actor {self.name!r} ({self.class_name})" if self.name else f"Ray actor of class {self.class_name}"
+        cls = self.class_name.rsplit(".", 1)[-1]  # veRL's colocated class is 'create_colocated_worker_cls.<locals>.X'
+        who = f"Ray actor {self.name!r} ({cls})" if self.name else f"Ray actor of class {cls}"
         rank = re.search(r"_(\d+):(\d+)$", self.name or "")
         where = f", rank {rank.group(2)} of placement group {rank.group(1)}" if rank else ""
-        detail = f": {_short(self.detail)}" if self.detail else ""
+        detail = f": {_short(self.detail).rstrip('.')}" if self.detail else ""
         return f"{who}, pid {self.pid} on {self.node_ip or 'this node'}{where}, died ({self.reason}){detail}"
 
 

@@ -41,7 +41,12 @@ platform is ``cpu`` and CUDA is absent — on a GPU nothing changes.
    checkpoint (veRL's resume: ``megatron_checkpoint_manager.py:945`` -> ``sharded_state_dict`` ->
    ``distrib_optimizer.py:1246``) calls it on a fresh optimizer, which has no states yet, so every
    resume failed with a bare ``AssertionError``. On CPU an optimizer without states reports step 0,
-   as torch's Adam does before its first step; ``load_state_dict`` then sets the checkpoint's step.
+   as torch's Adam does before its first step. And ``load_state_dict`` on that path gives every
+   parameter's state ONE shared ``step`` tensor (``distrib_optimizer.py:817-823``), which torch's Adam
+   then increments in place once per parameter (15-16 per update on each rank of the TP 2 x DP 2
+   test model: bias corrections of step 16 instead of 2), and the parameter-state load copies into
+   it (``:936-940``): a resumed run trained with other updates than a run never stopped. On CPU,
+   after the load every parameter state gets its own ``step``: the checkpoint's (its param groups').
 """
 
 from __future__ import annotations
@@ -428,13 +433,34 @@ def _state_dict_before_first_step(original, module):
     return state_dict
 
 
+def _own_step_per_parameter(original, module):
+    @functools.wraps(original)
+    def load_state_dict(self, state_dict):
+        out = original(self, state_dict)
+        if not needed() or module.HAVE_APEX_OR_TE or "optimizer" not in state_dict:
+            return out
+        steps = {g["step"] for g in state_dict["optimizer"].get("param_groups", []) if "step" in g}
+        if len(steps) == 1:  # distrib_optimizer.py:817-823 shares one tensor among all states
+            step = float(steps.pop())
+            for st in self.optimizer.state.values():
+                if "step" in st:
+                    st["step"] = torch.tensor(step, dtype=torch.float32)
+        return out
+
+    setattr(load_state_dict, _MARK, original)
+    return load_state_dict
+
+
 def _patch_distrib_optimizer(module) -> None:
     cls = getattr(module, "DistributedOptimizer", None)
-    current = cls.__dict__.get("state_dict") if cls is not None else None
-    if cls is None or current is None or not hasattr(module, "HAVE_APEX_OR_TE"):
-        raise RuntimeError("cppo cpu mode: megatron-core DistributedOptimizer.state_dict is gone (pinned 0.16.1)")
-    if not hasattr(current, _MARK):
-        cls.state_dict = _state_dict_before_first_step(current, module)
+    names = ("state_dict", "load_state_dict")
+    if cls is None or any(n not in cls.__dict__ for n in names) or not hasattr(module, "HAVE_APEX_OR_TE"):
+        raise RuntimeError("cppo cpu mode: megatron-core DistributedOptimizer.state_dict / load_state_dict are gone "
+                           "(pinned 0.16.1)")
+    for name, wrap in zip(names, (_state_dict_before_first_step, _own_step_per_parameter)):
+        current = cls.__dict__[name]
+        if not hasattr(current, _MARK):
+            setattr(cls, name, wrap(current, module))
 
 
 def install() -> None:
