@@ -15,6 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("cppo_megatron.commands.doctor", "report which backends (torch/CUDA, megatron-core, veRL, vLLM, Ray, ...) import, with versions"),
     "demo": ("cppo_megatron.commands.demo", "run the CPPO core on synthetic rewards: advantages, pruning, allocation, balancing, timing"),
+    "recipes": ("cppo_megatron.commands.recipes", "list the shipped recipes (host, model, layout, cluster size); every command takes a recipe's name"),
     "train": ("cppo_megatron.commands.train", "train with GRPO/CPPO on one machine from a recipe YAML (the main job)"),
     "openrlhf": ("cppo_megatron.commands.openrlhf", "train with OpenRLHF 0.11.2 + CPPO from a recipe (recipes/openrlhf/*.yaml); --dry-run checks it"),
     "patch": ("cppo_megatron.commands.patch", "check or apply the CPPO source patch to an installed framework (openrlhf)"),
@@ -32,7 +33,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 EPILOG = """\
 examples:
   cppo-megatron doctor
+  cppo-megatron recipes                  (the shipped recipes; pass a name where a command takes a recipe file)
   cppo-megatron train recipes/tiny_cpu.yaml cppo.pruning_rate=0.5
+  cppo-megatron verl qwen2.5-7b-math-megatron-cppo --cppo-dry-run   (a recipe by name, e.g. from a wheel)
   cppo-megatron demo --group-size 16 --pruning-rate 0.875 --ranks 8
   cppo-megatron openrlhf recipes/openrlhf/qwen2.5-1.5b-gsm8k-cppo.yaml --dry-run
   cppo-megatron patch openrlhf --check

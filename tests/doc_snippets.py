@@ -15,7 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"<!--\s*(not-run|example):\s*(.*?)\s*-->")
 # first words of a line that is a command (after NAME=value environment assignments)
-PROGRAMS = ("cppo-megatron", ".venv/bin/cppo-megatron", ".venv-vllm/bin/cppo-megatron", "python",
+PROGRAMS = ("cppo-megatron", ".venv/bin/cppo-megatron", ".venv-vllm/bin/cppo-megatron", ".venv-bridge/bin/cppo-megatron",
+            "python",
             ".venv/bin/python", ".venv-vllm/bin/python", "bash", "pip", "grep", "torchrun")
 
 

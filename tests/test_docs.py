@@ -4,7 +4,7 @@
   be lines of PATH, in order, and PATH itself runs (test_megatron_example_runs_under_torchrun).
 - Shell command lines: cheap ones run as written, in a scratch directory that links the
   repository's recipes and scripts (``--help``, ``--dry-run``, ``--cppo-dry-run``,
-  ``--check``, ``--print-recipe``, ``demo``, ``doctor``, ``simulate``, ``example-data``).
+  ``--check``, ``--print-recipe``, ``demo``, ``doctor``, ``simulate``, ``example-data``, ``recipes``).
   Commands that train or benchmark for minutes are checked up to the expensive part: ``train`` with
   ``--print-recipe`` (recipe and every override validated), ``verl`` / ``openrlhf`` with their
   dry run, ``bench`` / ``study`` / ``megatron-check`` through the real argument parser and
@@ -30,14 +30,15 @@ from tests.doc_snippets import ROOT, Snippet, snippets
 
 ALL = snippets()
 CHEAP_FLAGS = {"--help", "-h", "--dry-run", "--cppo-dry-run", "--check", "--print-recipe"}
-RUN_COMMANDS = {"demo", "doctor", "simulate", "example-data"}
+RUN_COMMANDS = {"demo", "doctor", "simulate", "example-data", "recipes"}
 LINKED = ("recipes", "scripts", "examples", "patches", "requirements", "constraints")
-CLI_PREFIXES = ("cppo-megatron", ".venv/bin/cppo-megatron", ".venv-vllm/bin/cppo-megatron")
+CLI_PREFIXES = ("cppo-megatron", ".venv/bin/cppo-megatron", ".venv-vllm/bin/cppo-megatron", ".venv-bridge/bin/cppo-megatron")
 NOT_RUN_SCRIPTS = {
     "main.sh": "runs the main job (~10 minutes of training)",
     "test.sh": "runs the whole test suite and builds .venv-vllm",
     "setup.sh": "builds .venv (installs from PyPI)",
     "setup_vllm.sh": "builds .venv-vllm (a 2.5 GB install from PyPI)",
+    "setup_bridge.sh": "builds .venv-bridge (Python 3.12, Megatron-Bridge; a 6.4 GB cached install)",
     "gpu_wheels.sh": "downloads wheels from PyPI",
     "gpu_check.sh": "installs into a GPU machine's environment and runs the device checks (needs a GPU)",
     "verl_gpu_smoke.sh": "needs a GPU",
@@ -74,7 +75,8 @@ def classify(s: Snippet) -> tuple[str, str, list[str]]:
         cli = argv[1:]
     else:
         raise AssertionError(f"{s.id}: no rule for the command {s.text!r}")
-    env_note = " (in the main environment; the line names .venv-vllm)" if prog.startswith(".venv-vllm") else ""
+    env_note = (f" (in the main environment; the line names {prog.split('/')[0]})"
+                if prog.startswith((".venv-vllm", ".venv-bridge")) else "")
     name, flags = cli[0], set(cli[1:])
     if name == "patch" and flags & {"--apply", "--revert"}:
         return "skip", "changes the installed OpenRLHF package", []
@@ -249,6 +251,11 @@ def test_help_example_parses(line, workdir, monkeypatch):
         from cppo_megatron.integrations.openrlhf.recipe import load_recipe as load_openrlhf_recipe
 
         load_openrlhf_recipe(recipe)
+    elif argv[0] == "verl" and args.passthrough:  # a recipe file or a shipped recipe's name exists
+        from cppo_megatron.integrations.verl.main import _find_recipe, _names_a_recipe
+
+        if _names_a_recipe(args.passthrough[0]):
+            assert Path(_find_recipe(args.passthrough[0])).is_file(), line
     for arg in argv:
         if arg.startswith("--config-path="):
             name = next(a.split("=", 1)[1] for a in argv if a.startswith("--config-name="))

@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from ..recipes import arg_type as recipe_arg
 from .report import Report
 
 __all__ = ["KeptSet", "kept_sets", "policy_gradient", "compare", "configure", "run"]
@@ -115,7 +116,7 @@ def compare(g_set: torch.Tensor, g_full: torch.Tensor) -> dict[str, float]:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="recipe YAML (e.g. recipes/tiny_cpu.yaml)")
+    parser.add_argument("recipe", type=recipe_arg("train"), help="recipe YAML (e.g. recipes/tiny_cpu.yaml)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides key=value")
     parser.add_argument("--points", default="0,20,60",
                         help="RL steps (of the recipe's own training) at which to measure; 0 = right after "

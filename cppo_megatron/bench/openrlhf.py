@@ -36,6 +36,7 @@ from pathlib import Path
 
 import yaml
 
+from ..recipes import arg_type as recipe_arg
 from .bound import fraction_of_bound, speedup, speedup_bound
 from .report import Report, median, plot_step_split
 
@@ -45,7 +46,7 @@ PHASES = ("generation", "make_experience", "ppo_train", "broadcast")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="an OpenRLHF CPU recipe with a cppo section (tiny_cpu_cppo.yaml)")
+    parser.add_argument("recipe", type=recipe_arg("openrlhf"), help="an OpenRLHF CPU recipe with a cppo section (tiny_cpu_cppo.yaml)")
     parser.add_argument("--flags", default="", metavar="'--name value ...'",
                         help="OpenRLHF flags applied to every run, one quoted string")
     parser.add_argument("--python", default=None,

@@ -60,6 +60,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def _load(name: str):
     """(model, tokenizer, prompts-as-token-ids builder, workload) for a model name."""
+    from ..recipes import resolve
     from ..tasks import build_task
     from ..trainer.config import load_recipe
     from ..trainer.models import build_model
@@ -67,8 +68,10 @@ def _load(name: str):
     if name not in _WORKLOADS:
         raise ValueError(f"unknown benchmark model {name!r}; choose from {sorted(_WORKLOADS)}")
     w = dict(_WORKLOADS[name])
-    # the arithmetic task for both: offline, and the prompt only sets the workload's shape
-    recipe = load_recipe(w["recipe"], ["task.name=arithmetic", "task.train_size=200", "task.test_size=200"])
+    # the arithmetic task for both: offline, and the prompt only sets the workload's shape; the
+    # shipped recipe, found from any directory
+    recipe = load_recipe(resolve(w["recipe"], host="train"),
+                         ["task.name=arithmetic", "task.train_size=200", "task.test_size=200"])
     task = build_task(recipe.task)
     model, tok = build_model(recipe.model, task.alphabet, recipe.seed)
     model.eval()

@@ -20,6 +20,7 @@ import argparse
 import time
 from pathlib import Path
 
+from ..recipes import arg_type as recipe_arg
 from ..trainer.metrics import GEN_PHASES, PASS_PHASES, PHASES
 from .bound import fraction_of_bound, speedup, speedup_bound
 from .report import Report, median
@@ -30,7 +31,7 @@ ALL_PHASES = PHASES
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="recipe YAML (e.g. recipes/tiny_cpu.yaml)")
+    parser.add_argument("recipe", type=recipe_arg("train"), help="recipe YAML (e.g. recipes/tiny_cpu.yaml)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides key=value (applied to every run)")
     parser.add_argument("--rates", default="0,0.5,0.75,0.875,0.9375", help="comma-separated P values (0 is added)")
     parser.add_argument("--allocation", choices=["on", "off", "both"], default="both")

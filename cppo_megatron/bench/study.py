@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from ..recipes import arg_type as recipe_arg
 from .report import Report, publish
 from .speedup import _override, warm_start
 
@@ -51,7 +52,7 @@ METRIC_SETTINGS = {  # name -> (cppo.metric, cppo.use_abs)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="recipe YAML (e.g. recipes/tiny_cpu.yaml)")
+    parser.add_argument("recipe", type=recipe_arg("train", "verl"), help="recipe YAML (e.g. recipes/tiny_cpu.yaml)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides key=value (applied to every run)")
     parser.add_argument("--rates", default=None, help=f"comma-separated P (default {DEFAULT['rates']})")
     parser.add_argument("--metrics", default=None,

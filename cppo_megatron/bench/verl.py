@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..recipes import arg_type as recipe_arg
 from .bound import fraction_of_bound, speedup, speedup_bound
 from .report import Report, median, plot_step_split
 
@@ -42,7 +43,7 @@ PHASES = ("gen", "old_log_prob", "ref", "adv", "update_actor", "update_weights")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="a veRL CPU recipe (e.g. recipes/verl/tiny_cpu_grpo.yaml)")
+    parser.add_argument("recipe", type=recipe_arg("verl"), help="a veRL CPU recipe (e.g. recipes/verl/tiny_cpu_grpo.yaml)")
     parser.add_argument("overrides", nargs="*", help="veRL/hydra overrides applied to every run")
     parser.add_argument("--rate", type=float, default=0.875, help="pruning rate P of the CPPO runs (default 0.875)")
     parser.add_argument("--allocation", choices=["on", "off", "both"], default="both")

@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..recipes import arg_type as recipe_arg
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="RUN_DIR/warmup.pt, RUN_DIR/final.pt or RUN_DIR/checkpoints/step_NNNNNN")
     parser.add_argument("out_dir", help="directory to write (created; files in it are overwritten)")
-    parser.add_argument("--recipe", default=None,
+    parser.add_argument("--recipe", default=None, type=recipe_arg("train"),
                         help="the run's recipe (default: recipe.yaml beside the checkpoint or its run directory)")
 
 

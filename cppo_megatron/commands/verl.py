@@ -9,8 +9,9 @@ Every argument goes to veRL's hydra command line (its config plus the `cppo` gro
                                             (a cluster recipe on a CPU machine at toy size: the
                                             override file's keys over the recipe's)
   cppo-megatron verl --cppo-dry-run ...     (print the config after allocation and exit)
-  cppo-megatron verl --check                (veRL 0.9.1, plugin loaded by `import verl`, hooked
-                                            methods unchanged? exit 0 if so)
+  cppo-megatron verl --check                (plugin loaded by `import verl`, the functions the GPU
+                                            path hooks unchanged? exit 0 if so; CPU-mode drift warns)
+  cppo-megatron verl qwen2.5-7b-math-megatron-cppo --cppo-dry-run   (a shipped recipe by name)
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--check",
         action="store_true",
-        help="check that veRL is the supported version, that `import verl` loads the plugin and "
-        "that the veRL methods it hooks are unchanged (drift guard)",
+        help="check that `import verl` loads the plugin and that the veRL functions its GPU path hooks are "
+        "unchanged (drift guard; exit 1 if not); drift only in what the CPU mode patches (CPU seams, "
+        "megatron-core / mbridge functions) is a warning",
     )
 
 
@@ -44,8 +46,10 @@ def _check() -> int:
         "from verl.trainer.ppo import core_algos\n"
         "loaded = 'cppo_megatron.integrations.verl' in sys.modules\n"
         "from cppo_megatron.integrations.verl import drift\n"
+        "r = drift.report()\n"
         "print(json.dumps({'verl': verl.__version__, 'plugin_loaded': loaded,"
-        " 'estimator': 'cppo' in core_algos.ADV_ESTIMATOR_REGISTRY, 'drift': drift.changed()}))\n"
+        " 'estimator': 'cppo' in core_algos.ADV_ESTIMATOR_REGISTRY, 'drift': r.gpu_path,"
+        " 'cpu_mode_drift': r.cpu_mode, 'cpu_mode_versions': r.versions}))\n"
     )
     env = dict(os.environ)
     env.pop("VERL_USE_EXTERNAL_MODULES", None)
@@ -54,12 +58,35 @@ def _check() -> int:
         print(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "import verl failed")
         return 1
     report = json.loads(out.stdout.strip().splitlines()[-1])
+    code_, lines = verdict(report)
+    print(json.dumps(report))
+    for line in lines:
+        print(line, file=sys.stderr)
+    return code_
+
+
+def verdict(report: dict) -> tuple[int, list[str]]:
+    """(exit status, lines for the user) of a ``--check`` report: 1 when the plugin did not load or
+    a function the GPU path hooks drifted (``drift``); CPU-mode drift and another veRL version
+    whose hooked functions are unchanged are warnings (exit 0)."""
     from cppo_megatron.integrations.verl import SUPPORTED_VERL
+    from cppo_megatron.integrations.verl.drift import DriftReport
 
     report["supported_verl"] = SUPPORTED_VERL
-    print(json.dumps(report))
-    ok = report["plugin_loaded"] and report["estimator"] and not report["drift"] and report["verl"] == SUPPORTED_VERL
-    return 0 if ok else 1
+    lines = []
+    if not report["plugin_loaded"] or not report["estimator"]:
+        lines.append("error: `import verl` did not load the plugin (is cppo-megatron installed in this environment, "
+                     "and VERL_USE_EXTERNAL_PLUGINS not 'none'?)")
+    if report["drift"]:
+        lines.append(f"error: {len(report['drift'])} veRL function(s) the plugin's GPU path hooks or relies on differ "
+                     f"from veRL {SUPPORTED_VERL}'s: {'; '.join(report['drift'])}")
+    elif report["verl"] != SUPPORTED_VERL:
+        lines.append(f"warning: veRL {report['verl']} is not the release the plugin was built on ({SUPPORTED_VERL}); "
+                     "the functions it hooks are unchanged")
+    cpu = DriftReport([], list(report.get("cpu_mode_drift", [])), list(report.get("cpu_mode_versions", []))).warning()
+    if cpu:
+        lines.append(cpu)
+    return (1 if any(line.startswith("error:") for line in lines) else 0), lines
 
 
 def run(args: argparse.Namespace) -> int:

@@ -353,7 +353,7 @@ def load_recipe(path: Optional[str | Path], overrides: Sequence[str] = ()) -> Re
             p = Path(path)
             if not p.is_file():
                 what = "is a directory, not a YAML file" if p.is_dir() else "does not exist"
-                raise RecipeError(f"recipe {p} {what}; pass a recipe YAML file (see recipes/)")
+                raise RecipeError(f"recipe {p} {what}; pass a recipe YAML file or a shipped recipe's name (`cppo-megatron recipes`)")
             try:
                 loaded = OmegaConf.load(p)
             except yaml.YAMLError as exc:

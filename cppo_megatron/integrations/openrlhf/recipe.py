@@ -26,7 +26,7 @@ SECTIONS = ("description", "cppo", "openrlhf", "cpu")
 def load_recipe(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"recipe {str(path)!r} does not exist")
+        raise ValueError(f"recipe {str(path)!r} does not exist (give a file, or a shipped recipe's name: `cppo-megatron recipes --host openrlhf`)")
     data = yaml.safe_load(path.read_text())
     if not isinstance(data, dict):
         raise ValueError(f"recipe {path}: expected a mapping at the top, got {type(data).__name__}")

@@ -292,6 +292,10 @@ def run_argv(argv: list[str], cpu_num_gpus: int | None = None) -> int:
             args = parse_openrlhf_args(forwarded)
     for note in checkpoint_warnings(args):
         print(f"warning: {note}", file=sys.stderr)
+    # what OpenRLHF / DeepSpeed / vLLM would refuse minutes later in a Ray actor: one line now
+    from .preflight import check as preflight
+
+    preflight(args, cpu_num_gpus=cpu_num_gpus)
     command = shlex.join(["python", "-m", OPENRLHF_MODULE, *forwarded])
     if cfg is None:
         print("CPPO off: plain OpenRLHF")

@@ -11,6 +11,8 @@ plugin append JSON lines to ``DIR/<role>-<pid>.jsonl``:
 - ``update`` (``_update_actor``): the row ids with their uid, reward and advantage (mean over
   the response tokens; GRPO-type advantages are constant along a response) as the update read
   them;
+- ``placement`` (each Megatron engine rank, once built): its global, TP, PP and DP ranks and the
+  Ray node it runs on;
 - ``sync`` (the ``hf`` rollout adapter, leader rank): after each weight sync, the largest
   difference between the server's weights and the actor's tensors it was sent, and a
   fingerprint (sum of |w|) of those tensors, in all and per tensor name, and each tensor's sha1;
@@ -33,7 +35,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,7 +67,7 @@ def record(kind: str, role: str = "trainer", **fields: Any) -> None:
     _append(Path(root) / f"{role}-{os.getpid()}.jsonl", line)
 
 
-def read(root: str | Path, kind: Optional[str] = None) -> list[dict]:
+def read(root: str | Path, kind: str | None = None) -> list[dict]:
     """All records under ``root`` (every process), in time order; only ``kind`` when given."""
     out = []
     for path in sorted(Path(root).glob("*.jsonl")):
@@ -240,10 +242,65 @@ def _patch(module) -> None:
                 setattr(cls, meth, wrapped)
 
 
+MEGATRON_ENGINE = ("verl.workers.engine.megatron.transformer_impl", "MegatronEngine")
+
+
+def placement() -> dict:
+    """Where this Megatron rank runs: global and TP/PP/DP ranks, Ray node id, host, pid."""
+    import socket
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    node = None
+    try:
+        import ray
+
+        if ray.is_initialized():
+            node = ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - outside Ray: no node id
+        node = None
+    return {"rank": dist.get_rank() if dist.is_initialized() else 0, "tp_rank": mpu.get_tensor_model_parallel_rank(),
+            "pp_rank": mpu.get_pipeline_model_parallel_rank(), "dp_rank": mpu.get_data_parallel_rank(),
+            "node": node, "host": socket.gethostname(), "pid": os.getpid()}
+
+
+def _has_audit(fn) -> bool:
+    while fn is not None:  # the CPU mode's engine wrappers keep what they wrap under __cppo_cpu__
+        if hasattr(fn, _MARK):
+            return True
+        fn = getattr(fn, "__cppo_cpu__", None)
+    return False
+
+
+def _record_placement(module) -> None:
+    import inspect
+
+    # the engine classes veRL builds (the CPU mode may have given each its own wrapper already)
+    for name in (MEGATRON_ENGINE[1], "MegatronEngineWithLMHead", "MegatronEngineWithValueHead"):
+        cls = getattr(module, name, None)
+        current = inspect.getattr_static(cls, "initialize", None) if cls is not None else None
+        if current is None or _has_audit(current):
+            continue
+
+        def wrap(fn):
+            @functools.wraps(fn)
+            def initialize(self, *args, **kwargs):
+                out = fn(self, *args, **kwargs)
+                record("placement", role="megatron", **placement())
+                return out
+
+            setattr(initialize, _MARK, fn)
+            return initialize
+
+        cls.initialize = wrap(current)
+
+
 def install() -> bool:
     """Install the trainer-side recorders when ``CPPO_VERL_AUDIT`` is set; returns whether."""
     if not enabled():
         return False
     for mod_name, _ in _WRAPPERS:
         after_import(mod_name, _patch)
+    after_import(MEGATRON_ENGINE[0], _record_placement)  # each Megatron rank: where it runs
     return True

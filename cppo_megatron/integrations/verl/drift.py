@@ -1,12 +1,23 @@
 """Drift guard: hashes of the veRL 0.9.1 functions the plugin hooks or relies on.
 
-The plugin wraps ``_balance_batch`` and depends on what runs around it (the V1 step order,
-the loss-free padding, the mini-batch multiple, how the advantage step calls registered
-estimators). The CPU mode adds the
-platform selection, the process-group, engine-registry and FSDP offload seams it patches, the
-rollout registries and the calls its ``hf`` rollout answers, and (``MEGATRON_PINNED``) what the
-Megatron engine's CPU seams patch in veRL, mbridge and megatron-core. If any of these change in the
-installed veRL, ``changed()`` names them, so an upgrade fails loudly in the tests instead of silently training something else.
+Four sets, because they matter to different runs:
+
+- ``PINNED``, the GPU path: the plugin wraps ``_balance_batch`` and depends on what runs around
+  it (the V1 step order, the loss-free padding, the mini-batch multiple, how the advantage step
+  calls registered estimators). Every CPPO run inside veRL goes through these.
+- ``CPU_PINNED``, the CPU mode (``VERL_PLATFORM=cpu`` only): the platform selection, the
+  process-group, engine-registry and FSDP offload seams it patches, the rollout registries and the
+  calls its ``hf`` rollout answers, and the opt-in tools built on it (the audit recorders, the
+  study's wall clock).
+- ``MEGATRON_PINNED``, the CPU mode of veRL's Megatron engine: what its seams patch in veRL,
+  mbridge and megatron-core (written against ``MEGATRON_VERSIONS``);
+- ``BRIDGE_PINNED``, the same for veRL's default Megatron route, Megatron-Bridge
+  (``vanilla_mbridge: false``, written against ``BRIDGE_VERSIONS``), checked where it is installed.
+
+``changed()`` names every function that differs (the tests, on the pinned stack, want none);
+``report()`` keeps them apart, so ``cppo-megatron verl --check`` fails on drift in the GPU path and
+only warns about drift in what the CPU mode patches (a GPU image with another megatron-core, mbridge
+or a veRL whose CPU-side internals moved still runs the GPU path as built).
 """
 
 from __future__ import annotations
@@ -15,9 +26,11 @@ import hashlib
 import importlib
 import inspect
 import textwrap
+from dataclasses import dataclass
 
 __all__ = [
-    "MEGATRON_PINNED", "MEGATRON_VERSIONS", "PINNED", "changed", "megatron_installed", "source_hash",
+    "BRIDGE_PINNED", "BRIDGE_VERSIONS", "CPU_PINNED", "MEGATRON_PINNED", "MEGATRON_VERSIONS", "PINNED", "DriftReport",
+    "bridge_installed", "changed", "megatron_installed", "report", "source_hash",
 ]
 
 # "module:qualname" -> sha256[:16] of the dedented source, veRL 0.9.1
@@ -39,8 +52,11 @@ PINNED = {
     "verl.trainer.ppo.core_algos:agg_loss": "fd052ff7eb539f78",
     "verl.trainer.main_ppo:main": "eb706c4f6622ed04",
     "verl.trainer.main_ppo:run_ppo": "a65eddb189e56ae1",
-    # the CPU mode (integrations/verl/cpu/): platform choice, the three seams, the rollout
-    # registries and the calls our hf rollout answers; the audit recorders' targets
+}
+
+# the CPU mode (integrations/verl/cpu/, VERL_PLATFORM=cpu): platform choice, the three seams, the
+# rollout registries and the calls our hf rollout answers; the audit recorders' targets; the study clock
+CPU_PINNED = {
     "verl.plugin.platform.platform_manager:_detect_platform_name": "8dffc2174390e96d",
     "verl.utils.distributed:initialize_global_process_group_ray": "761a94d1a2e058d3",
     "verl.workers.engine.base:EngineRegistry.get_engine_cls": "e5c6c38ad4a0fcf2",
@@ -123,6 +139,56 @@ MEGATRON_PINNED = {
 }
 
 
+# veRL's DEFAULT Megatron route in the CPU mode (cpu/megatron_bridge.py plus the seams above):
+# NVIDIA Megatron-Bridge 0.5.1 on megatron-core 0.18.2 (Python 3.12, .venv-bridge). The veRL
+# entries are MEGATRON_PINNED's; megatron-core's are re-pinned at 0.18.2 — the seams were re-run
+# there (tests/integrations/verl/test_cpu_megatron_bridge.py), and these changed since 0.16.1:
+# get_gpt_layer_local_spec, get_gpt_decoder_block_spec (the MLP spec is now a functools.partial),
+# Attention.forward, ColumnParallelLinear.__init__/forward, SelfAttention.__init__, MLP.__init__,
+# TransformerBlock._build_layers. Checked when Megatron-Bridge is installed.
+BRIDGE_VERSIONS = {"megatron-core": "0.18.2", "megatron-bridge": "0.5.1"}
+BRIDGE_PINNED = {
+    **{k: v for k, v in MEGATRON_PINNED.items() if k.startswith("verl.")},
+    "megatron.core.models.gpt.gpt_layer_specs:get_gpt_layer_local_spec": "3072178d945b4d8b",
+    "megatron.core.models.gpt.gpt_layer_specs:get_gpt_decoder_block_spec": "e776b39cd6281de3",
+    "megatron.core.transformer.dot_product_attention:DotProductAttention.forward": "9965ba02d5a3a317",
+    "megatron.core.transformer.attention:Attention.forward": "a6462d1df6b2b5df",
+    "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.forward_torch_softmax": "f12995ec9fbc57a5",
+    "megatron.core.tensor_parallel.random:model_parallel_cuda_manual_seed": "7423a4a62741adea",
+    "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork": "d0dff9c6f8d38335",
+    "megatron.core.tensor_parallel.layers:ColumnParallelLinear.forward": "f5dfcff657cd22c9",
+    "megatron.core.distributed.finalize_model_grads:_allreduce_non_tensor_model_parallel_grads": "591de3cbdd75c68e",
+    "megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__": "fe98719f827f4f1e",
+    "megatron.core.tensor_parallel.random:get_cuda_rng_tracker": "6b91df8078dcd24b",
+    "megatron.core.tensor_parallel.random:initialize_rng_tracker": "4bc461df7c7f7a43",
+    "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.forward": "2f187ec89f647f80",
+    "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.is_kernel_available": "e6f289693d6cfc22",
+    "megatron.core.tensor_parallel.layers:ColumnParallelLinear.__init__": "ddc626973e2f505f",
+    "megatron.core.transformer.attention:SelfAttention.__init__": "69c7e4903dc840d5",
+    "megatron.core.transformer.mlp:MLP.__init__": "b2d86dbb317d26e0",
+    "megatron.core.transformer.transformer_block:TransformerBlock._build_layers": "4da66f1b7c092867",
+    # Megatron-Bridge: the provider whose TE spec the CPU mode replaces and its defaults, how its
+    # weight mappings classify our fused norm+linear, the DDP wrap's CUDA side stream, the
+    # entry veRL calls, and the two modules that import Transformer Engine at module level
+    "megatron.bridge.models.gpt_provider:GPTModelProvider.provide": "92ee3a0bc024996d",
+    "megatron.bridge.models.gpt_provider:default_layer_spec": "52a56e0426746573",
+    "megatron.bridge.models.gpt_provider:transformer_engine_layer_spec": "348cbc8f415d8fa8",
+    "megatron.bridge.models.conversion.param_mapping:AutoMapping._detect_parallelism_type": "72e96253dbb3dac4",
+    "megatron.bridge.models.conversion.param_mapping:ReplicatedMapping.hf_to_megatron": "585959ba90bc9f70",
+    "megatron.training.models.dist_utils:_ddp_wrap": "7fe613b33998a279",
+    "megatron.bridge.models.conversion.auto_bridge:AutoBridge.from_hf_pretrained": "8a1522c3768e91a3",
+    "megatron.bridge.peft.lora_layers:<module>": "b8d2233340cfaf26",
+    "megatron.bridge.peft.lora:<module>": "b8596ed74fb940dd",
+}
+
+
+def bridge_installed() -> bool:
+    """Megatron-Bridge is importable (veRL's default Megatron route can be checked)."""
+    import importlib.util
+
+    return importlib.util.find_spec("megatron.bridge") is not None
+
+
 def megatron_installed() -> bool:
     """megatron-core and mbridge are importable (veRL's Megatron engine can be checked)."""
     import importlib.util
@@ -133,6 +199,8 @@ def megatron_installed() -> bool:
 def _resolve(name: str):
     module_name, qualname = name.split(":")
     obj = importlib.import_module(module_name)
+    if qualname == "<module>":  # the whole module's source
+        return obj
     for part in qualname.split("."):
         obj = getattr(obj, part)
     # our own wrapper and hydra's decorator hide the function veRL wrote
@@ -148,10 +216,12 @@ def source_hash(name: str) -> str:
 
 def changed(pinned: dict[str, str] | None = None) -> list[str]:
     """Names whose installed source differs from the pinned hash (or that are gone). By default
-    ``PINNED``, plus ``MEGATRON_PINNED`` when megatron-core and mbridge are installed."""
+    ``PINNED`` and ``CPU_PINNED``, plus ``MEGATRON_PINNED`` when megatron-core and mbridge are installed and
+    ``BRIDGE_PINNED`` when Megatron-Bridge is."""
     out = []
     if pinned is None:
-        pinned = {**PINNED, **(MEGATRON_PINNED if megatron_installed() else {})}
+        pinned = {**PINNED, **CPU_PINNED, **(MEGATRON_PINNED if megatron_installed() else {}),
+                  **(BRIDGE_PINNED if bridge_installed() else {})}
     for name, digest in pinned.items():
         try:
             now = source_hash(name)
@@ -161,3 +231,53 @@ def changed(pinned: dict[str, str] | None = None) -> list[str]:
         if now != digest:
             out.append(f"{name} (source hash {now}, pinned {digest})")
     return out
+
+
+@dataclass(frozen=True)
+class DriftReport:
+    """What differs from the pinned sources, by who depends on it. ``gpu_path`` fails a check;
+    ``cpu_mode`` (CPU-mode seams and tools, and the Megatron engine's CPU seams) and
+    ``versions`` (installed megatron-core / mbridge other than the CPU seams' ones) only warn."""
+
+    gpu_path: list[str]
+    cpu_mode: list[str]
+    versions: list[str]
+
+    def warning(self) -> str:
+        """One line about the CPU-mode drift ("" when none)."""
+        if not (self.cpu_mode or self.versions):
+            return ""
+        what = "; ".join(self.versions + self.cpu_mode)
+        return (f"warning: {len(self.cpu_mode)} function(s) the CPU mode patches differ from the sources its seams "
+                f"were written against ({what}); only the CPU mode (VERL_PLATFORM=cpu) uses them, the GPU path is "
+                "unaffected")
+
+
+def _version_drift(wanted: dict[str, str], whose: str) -> list[str]:
+    """One line per installed distribution whose version is not the one the seams were written against."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for name, want in wanted.items():
+        try:
+            have = version(name)
+        except PackageNotFoundError:
+            have = "not installed"
+        if have != want:
+            out.append(f"{name} {have}, {whose} {want}")
+    return out
+
+
+def report(pinned: dict[str, str] | None = None, cpu_pinned: dict[str, str] | None = None,
+           megatron_pinned: dict[str, str] | None = None) -> DriftReport:
+    """``changed()`` split into the GPU path (``PINNED``) and the CPU mode (``CPU_PINNED``, and
+    ``MEGATRON_PINNED`` with its installed versions when megatron-core and mbridge are present)."""
+    cpu = changed(CPU_PINNED if cpu_pinned is None else cpu_pinned)
+    versions = []
+    if megatron_pinned is not None or megatron_installed():
+        cpu += changed(MEGATRON_PINNED if megatron_pinned is None else megatron_pinned)
+        versions += _version_drift(MEGATRON_VERSIONS, "the CPU seams'")
+    if bridge_installed():
+        cpu += changed(BRIDGE_PINNED)
+        versions += _version_drift(BRIDGE_VERSIONS, "the Megatron-Bridge CPU seams'")
+    return DriftReport(changed(PINNED if pinned is None else pinned), cpu, versions)

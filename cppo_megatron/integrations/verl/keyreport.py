@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...recipes import arg_type as recipe_arg
 from . import keytrace
 from .overrides import SKIP, flatten
 
@@ -243,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m cppo_megatron.integrations.verl.keyreport",
         description="Which keys of a veRL recipe a run read (from its CPPO_VERL_KEYS trace).")
-    parser.add_argument("recipe", help="the recipe file the run started from")
-    parser.add_argument("--cpu", dest="override_file", default=None,
+    parser.add_argument("recipe", type=recipe_arg("verl"), help="the recipe file the run started from")
+    parser.add_argument("--cpu", dest="override_file", default=None, type=recipe_arg("verl"),
                         help="the override file the run applied (e.g. recipes/verl/cpu_toy.yaml)")
     parser.add_argument("--trace", required=True, help="the CPPO_VERL_KEYS directory of the run")
     args = parser.parse_args(argv)

@@ -15,12 +15,15 @@ plugin to the Ray processes and hands the config to veRL's own ``main_ppo`` body
         --config-name=qwen2.5-1.5b-gsm8k-cppo data.train_files=...          # the same run
     python -m cppo_megatron.integrations.verl.main --config-name=cppo_megatron_trainer ...
 
-A recipe file may come first instead of ``--config-path``/``--config-name``:
+A recipe file, or a shipped recipe's name (``cppo-megatron recipes`` lists them; a wheel carries
+them), may come first instead of ``--config-path``/``--config-name``:
 
     python -m cppo_megatron.integrations.verl.main recipes/verl/tiny_cpu_cppo.yaml trainer.total_training_steps=4
+    python -m cppo_megatron.integrations.verl.main qwen2.5-7b-math-megatron-cppo --cppo-dry-run
 
-``--cpu FILE`` applies an override file over the recipe (``overrides.py``): the one set that runs
-a Megatron cluster recipe on a CPU machine at toy size is ``recipes/verl/cpu_toy.yaml``:
+``--cpu FILE`` applies an override file (or a shipped one by name: ``--cpu cpu_toy``) over the recipe
+(``overrides.py``): the one set that runs a Megatron cluster recipe on a CPU machine at toy size is
+``recipes/verl/cpu_toy.yaml``:
 
     python -m cppo_megatron.integrations.verl.main recipes/verl/qwen2.5-7b-math-megatron-cppo.yaml \
         --cpu recipes/verl/cpu_toy.yaml
@@ -45,7 +48,7 @@ def run(config, *, dry_run: bool = False):
     from omegaconf import OmegaConf
 
     from .. import watchdog
-    from . import load
+    from . import load, preflight
     from .checkpoint import resume_hint
     from .cpu.phases import FirstStepWatcher, Phases, timed_ray_init
     from .cpu.prepare import prepare_cpu_run
@@ -54,11 +57,16 @@ def run(config, *, dry_run: bool = False):
     load()
     phases = Phases()
     phases.durations["startup"] = phases.since_start()  # interpreter, imports, hydra's composition
+    # allocation first (the sizes the workers will see), then the host checks that would fail in
+    # a worker minutes later: config-only ones before a CPU run builds its start model, the
+    # model's (heads, layers, vocabulary, positions) as soon as the model directory exists
+    plan = prepare(config)
+    preflight.check(config)  # the model part only when its directory exists already
     cpu_run = None if dry_run else prepare_cpu_run(config, phases)
     if cpu_run is not None:
         print(cpu_run.describe())
         load()  # VERL_PLATFORM=cpu is set now: install the CPU mode in this process too
-    plan = prepare(config)
+    preflight.check(config)
     print(plan.describe() if plan is not None else "cppo: algorithm.adv_estimator is not cppo; plain veRL run")
     if dry_run:
         print(OmegaConf.to_yaml(config))
@@ -98,16 +106,31 @@ def recipe_args(argv: list[str], file_overrides: list[str] | None = None) -> lis
     ``file_overrides`` (an override file's, ``overrides.file_overrides``) go before the command
     line's own overrides, so those still win."""
     extra = list(file_overrides or [])
-    if argv and argv[0].endswith((".yaml", ".yml")) and not argv[0].startswith("-"):
-        path = os.path.abspath(argv[0])
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"veRL recipe {argv[0]!r} not found")
+    if argv and _names_a_recipe(argv[0]):
+        path = os.path.abspath(_find_recipe(argv[0]))
         stem = os.path.splitext(os.path.basename(path))[0]
         with open(path) as f:
             has_hydra = any(line.startswith("hydra:") for line in f)
         search = [] if has_hydra else [SEARCHPATH]
         return [f"--config-path={os.path.dirname(path)}", f"--config-name={stem}", *search, *extra, *argv[1:]]
     return [*extra, *argv]
+
+
+def _names_a_recipe(arg: str) -> bool:
+    """A recipe file or a shipped recipe's name (``qwen2.5-7b-math-megatron-cppo``), not a hydra
+    option (``--config-name=...``) or override (``key=value``, ``+key=...``, ``~key``)."""
+    return arg.endswith((".yaml", ".yml")) or not (arg.startswith(("-", "+", "~")) or "=" in arg)
+
+
+def _find_recipe(arg: str) -> str:
+    from ...recipes import resolve
+
+    if os.path.isfile(arg):
+        return arg
+    try:
+        return str(resolve(arg, host="verl"))
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"veRL recipe {arg!r} not found: {exc}") from exc
 
 
 def main(argv: list[str] | None = None) -> None:

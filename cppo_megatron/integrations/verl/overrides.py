@@ -72,7 +72,13 @@ def file_overrides(path: str | os.PathLike) -> list[str]:
 
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise OverrideFileError(f"{FLAG} {path!r}: no such override file (e.g. recipes/verl/cpu_toy.yaml)")
+        from ...recipes import resolve
+
+        try:  # a shipped override file by name: --cpu cpu_toy
+            path = os.fspath(resolve(path, host="verl"))
+        except FileNotFoundError:
+            raise OverrideFileError(f"{FLAG} {path!r}: no such override file (e.g. recipes/verl/cpu_toy.yaml, "
+                                    "or its name cpu_toy)") from None
     with open(path) as f:
         data = yaml.safe_load(f)
     if not isinstance(data, dict):

@@ -10,6 +10,7 @@ by k/G instead, so they still follow the kept count.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = [
     "cppo_config_from",
     "is_cppo",
     "check_compatible",
+    "dp_size",
     "export_plugin_to_workers",
     "host_warnings",
     "prepare",
@@ -238,33 +240,56 @@ def apply_allocation(config: Any) -> AllocationPlan:
                           noop_warning(cfg, group_size), tuple(micro) if not cfg.allocation else ())
 
 
-# per-GPU micro-batch sizes (sequences) that must divide the sequences a rank gets per pass
+# per-GPU micro-batch sizes (sequences) that must divide the sequences a DP rank gets per pass,
+# and the role whose layout decides that rank's share
 MICRO_BATCH_KEYS = (
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor"),
+    ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "actor"),
+    ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "ref"),
 )
+
+
+def dp_size(config: Any, role: str = "actor") -> int:
+    """Data-parallel ranks of ``actor_rollout_ref.<role>``: the world (``trainer.n_gpus_per_node`` x
+    ``trainer.nnodes``) over the model-parallel group, TP x PP x CP on the Megatron engine (the
+    ``megatron`` keys) or Ulysses sequence parallel on FSDP. veRL splits a pass's rows over these
+    ranks, not over all GPUs. Errors name the sizes that do not divide the world."""
+    from omegaconf import OmegaConf
+
+    world = int(OmegaConf.select(config, "trainer.n_gpus_per_node", default=1) or 1) * int(
+        OmegaConf.select(config, "trainer.nnodes", default=1) or 1)
+    node = f"actor_rollout_ref.{role}"
+    strategy = str(OmegaConf.select(config, f"{node}.strategy", default="") or "")
+    if strategy == "megatron":
+        keys = [f"{node}.megatron.{k}_parallel_size" for k in ("tensor_model", "pipeline_model", "context")]
+    else:
+        keys = [f"{node}.ulysses_sequence_parallel_size"]
+    sizes = [int(OmegaConf.select(config, k, default=1) or 1) for k in keys]
+    group = math.prod(sizes)
+    if group <= 0 or world % group:
+        named = " x ".join(f"{k.rsplit('.', 1)[1]}={v}" for k, v in zip(keys, sizes))
+        raise ValueError(f"{named} does not divide the {world} GPUs (trainer.n_gpus_per_node x trainer.nnodes) "
+                         f"of {node}; pick parallel sizes whose product divides the world")
+    return world // group
 
 
 def _shrink_micro_batches(config: Any, kept_rows: int, mini_rows: int) -> list[tuple[str, int, int]]:
     """allocation=false keeps only ``kept_rows`` sequences per step (``mini_rows`` per
-    mini-batch): a micro-batch size set for the full batch may no longer divide a rank's share
-    (veRL asserts it does). Shrink each fixed size to its gcd with the rank's share; dynamic
-    batch sizes (token budgets) need nothing. Returns (key, before, after) for each change."""
-    import math
-
+    mini-batch): a micro-batch size set for the full batch may no longer divide a DP rank's
+    share (veRL asserts it does). Shrink each fixed size to its gcd with the share of its role's
+    data-parallel rank (``dp_size``: under TP/PP the world is not the DP size); dynamic batch
+    sizes (token budgets) need nothing. Returns (key, before, after) for each change."""
     from omegaconf import OmegaConf
 
     if bool(OmegaConf.select(config, "actor_rollout_ref.actor.use_dynamic_bsz", default=False)):
         return []
-    world = int(OmegaConf.select(config, "trainer.n_gpus_per_node", default=1) or 1) * int(
-        OmegaConf.select(config, "trainer.nnodes", default=1) or 1)
-    share = math.gcd(kept_rows // max(world, 1), mini_rows // max(world, 1)) or 1
     changed = []
-    for key in MICRO_BATCH_KEYS:
+    for key, role in MICRO_BATCH_KEYS:
         value = OmegaConf.select(config, key, default=None)
         if value is None or int(value) <= 0:
             continue
+        dp = dp_size(config, role)
+        share = math.gcd(kept_rows // dp, mini_rows // dp) or 1
         new = math.gcd(int(value), share)
         if new != int(value):
             OmegaConf.update(config, key, new, merge=False)

@@ -19,6 +19,18 @@ import sys
 import threading
 
 
+# CPPO_TEST_BRIDGE=megatron-bridge: veRL's default route (vanilla_mbridge=false, Python 3.12 env)
+def _route() -> str:
+    import importlib.util
+
+    installed = "mbridge" if importlib.util.find_spec("mbridge") else "megatron-bridge"
+    return os.environ.get("CPPO_TEST_BRIDGE") or installed
+
+
+VANILLA = _route() != "megatron-bridge"  # True: mbridge (vanilla_mbridge: true)
+PP = int(os.environ.get("CPPO_TEST_PP", "1"))
+
+
 def batch(tokenizer_vocab: int, lengths: list[int], seed: int = 0):
     import torch
 
@@ -90,6 +102,8 @@ def tp_replica_max_diff(engine, tp: int) -> float:
 
 def engine_log_probs(engine, seqs, packed: bool) -> list[list[float]]:
     out = engine.infer_batch(engine_inputs(seqs, packed=packed), loss_function=None)
+    if "model_output" not in out:  # a pipeline stage before the last: no outputs here
+        return []
     lp = out["model_output"]["log_probs"]
     # the engine's log_probs[t] is log p(token_{t+1} | tokens_<=t) (rolled labels): drop the last
     return [row[:-1].float().tolist() for row in lp.unbind()]
@@ -101,13 +115,27 @@ def seams_installed() -> dict:
     import megatron.core.transformer.dot_product_attention as dpa
     import torch
     import verl.workers.engine.megatron.transformer_impl as impl
-    from mbridge.core import llm_bridge as llm
     from verl.workers.engine.base import EngineRegistry
 
+    extra: dict = {}
+    if VANILLA:
+        from mbridge.core import llm_bridge as llm
+
+        layer_spec = hasattr(llm.LLMBridge._get_transformer_layer_spec, "__cppo_cpu__")
+    else:
+        import sys
+
+        import megatron.bridge.peft.lora_layers as lora_layers
+        from megatron.bridge.models import gpt_provider
+
+        layer_spec = hasattr(gpt_provider.GPTModelProvider.provide, "__cppo_cpu__")
+        # the TE placeholder served the two modules that import TE, then left sys.modules
+        placeholder = getattr(lora_layers.te, "__cppo_cpu__", False)
+        extra = {"te_placeholder": bool(placeholder) and "transformer_engine" not in sys.modules}
     return {
         "cpu_engine": "cpu" in EngineRegistry._engines["language_model"].get("megatron", {}),
         "cpu_value_engine": "cpu" in EngineRegistry._engines["value_model"].get("megatron", {}),
-        "layer_spec": hasattr(llm.LLMBridge._get_transformer_layer_spec, "__cppo_cpu__"),
+        "layer_spec": layer_spec,
         "attention": hasattr(dpa.DotProductAttention.forward, "__cppo_cpu__"),
         "seed": hasattr(impl.set_random_seed, "__cppo_cpu__"),
         "methods": hasattr(impl.MegatronEngine.forward_backward_batch, "__cppo_cpu__"),
@@ -115,6 +143,7 @@ def seams_installed() -> dict:
                                for m in ("state_dict", "load_state_dict")),
         "current_device": str(torch.cuda.current_device()) if hasattr(torch.cuda.current_device, "__cppo_cpu__")
         else None,
+        **extra,
     }
 
 
@@ -191,7 +220,8 @@ def build_engine(model_dir: str, tp: int, packed: bool):
     cls = EngineRegistry.get_engine_cls("language_model", "megatron")
     engine = cls(
         model_config=HFModelConfig(path=model_dir),
-        engine_config=McoreEngineConfig(tensor_model_parallel_size=tp, vanilla_mbridge=True, use_mbridge=True,
+        engine_config=McoreEngineConfig(tensor_model_parallel_size=tp, vanilla_mbridge=VANILLA, use_mbridge=True,
+                                        pipeline_model_parallel_size=PP,
                                         use_remove_padding=packed, use_distributed_optimizer=True, seed=1,
                                         override_transformer_config={"attention_backend": "local"}),
         optimizer_config=McoreOptimizerConfig(lr=1e-2, clip_grad=1.0, lr_warmup_steps=0, total_training_steps=10,

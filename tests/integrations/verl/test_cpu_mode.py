@@ -30,7 +30,8 @@ out = {"device": get_device_name(), "hf_replica": "hf" in RolloutReplicaRegistry
        "hf_adapter": _ROLLOUT_REGISTRY.get(("hf", "async")),
        "cpu_engine": "cpu" in EngineRegistry._engines["language_model"]["fsdp2"],
        "pg_wrapped": hasattr(ew.initialize_global_process_group_ray, "__cppo_cpu__"),
-       "offload_wrapped": hasattr(fsdp.CPUOffloadPolicy, "__cppo_cpu__")}
+       "offload_wrapped": hasattr(fsdp.CPUOffloadPolicy, "__cppo_cpu__"),
+       "cpu_modules": sorted(m for m in sys.modules if m.startswith("cppo_megatron.integrations.verl.cpu"))}
 if out["device"] == "cpu":
     import torch.distributed as td
     out["backend"] = get_nccl_backend()
@@ -59,15 +60,18 @@ def probe(platform: str | None) -> dict:
 
 def test_cpu_platform_and_seams_only_when_asked():
     on = probe("cpu")
+    assert {f"cppo_megatron.integrations.verl.cpu.{m}" for m in ("platform", "seams", "megatron_engine", "rollout")} <= set(
+        on.pop("cpu_modules"))
     assert on == {"device": "cpu", "hf_replica": True, "hf_adapter": "cppo_megatron.integrations.verl.cpu.rollout.HFServerAdapter",
                   "cpu_engine": True, "pg_wrapped": True, "offload_wrapped": True, "backend": "gloo", "device_id": "cpu",
                   "engine": "FSDPEngineWithLMHead", "pg_backend": "gloo", "offload_pin": False}
-    # without VERL_PLATFORM nothing of the CPU mode is installed (a GPU machine keeps veRL as it is);
-    # only the `hf` rollout name is registered, which nobody selects by accident
+    # without VERL_PLATFORM nothing of the CPU mode is installed (a GPU machine keeps veRL as it is),
+    # not even the `hf` rollout's registration, and no module of the CPU mode but its switch is imported
     off = probe(None)
     assert off["device"] != "cpu"
     assert (off["cpu_engine"], off["pg_wrapped"], off["offload_wrapped"]) == (False, False, False)
-    assert off["hf_replica"] and off["hf_adapter"]
+    assert (off["hf_replica"], off["hf_adapter"]) == (False, None)
+    assert off["cpu_modules"] == ["cppo_megatron.integrations.verl.cpu"]
 
 
 def test_sampling_params_from_verl():

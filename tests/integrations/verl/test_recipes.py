@@ -40,6 +40,8 @@ def test_recipe_composes_and_validates(name, bases, monkeypatch):
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
+    from cppo_megatron.integrations.verl import preflight
+
     monkeypatch.setenv("HOME", "/home/user")
     raw = OmegaConf.load(RECIPES / f"{name}.yaml")
     text = (RECIPES / f"{name}.yaml").read_text()
@@ -52,6 +54,7 @@ def test_recipe_composes_and_validates(name, bases, monkeypatch):
     plan = prepare(config)
     assert (plan is not None) == name.endswith("-cppo")
     validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    assert preflight.check_config(config) == []  # the launcher's preflight passes at the cluster size
     assert config.actor_rollout_ref.rollout.n == 16
     if "megatron" in name:
         assert config.actor_rollout_ref.actor.strategy == "megatron"

@@ -12,6 +12,8 @@ from cppo_megatron import CPPOConfig
 from cppo_megatron.integrations.verl.hook import _check_single_output_sessions, decide
 from cppo_megatron.integrations.verl.runconfig import apply_allocation, check_compatible, cppo_config_from, prepare
 
+from .conftest import compose
+
 
 def test_yaml_group_matches_cppo_config_defaults(plugin):
     from cppo_megatron.integrations.verl.main import CONFIG_DIR
@@ -61,6 +63,63 @@ def test_no_allocation_shrinks_micro_batches_that_no_longer_divide(config):
     assert plan.micro_batches == (("actor.ppo_micro_batch_size_per_gpu", 32, 8),
                                   ("ref.log_prob_micro_batch_size_per_gpu", 12, 4))
     assert "actor.ppo_micro_batch_size_per_gpu 32 -> 8" in plan.describe()
+
+
+@pytest.fixture(scope="module")
+def megatron_config(plugin):
+    """cppo_megatron_trainer (veRL's Megatron engine) at TP 2 x DP 2 on 4 GPUs, G = 2, P = 0.5
+    without allocation: 18 prompts keep 18 completions, 9 per DP rank (odd, so a share taken over
+    the 4 GPUs instead of the 2 DP ranks divides differently)."""
+    from cppo_megatron.integrations.verl.main import CONFIG_DIR
+
+    return compose(CONFIG_DIR, "cppo_megatron_trainer", [
+        "actor_rollout_ref.rollout.n=2", "cppo.pruning_rate=0.5", "cppo.allocation=false",
+        "data.train_batch_size=18", "actor_rollout_ref.actor.ppo_mini_batch_size=18",
+        "trainer.n_gpus_per_node=4", "trainer.nnodes=1",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=9",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=6",
+    ])
+
+
+def test_no_allocation_sizes_micro_batches_by_the_dp_share_under_tp(megatron_config):
+    import copy
+
+    from cppo_megatron.integrations.verl.runconfig import dp_size
+
+    config = copy.deepcopy(megatron_config)
+    assert (dp_size(config, "actor"), dp_size(config, "ref")) == (2, 2)  # 4 GPUs / TP 2 (the ref follows the actor)
+    plan = apply_allocation(config)
+    assert (plan.kept_per_step, plan.actor_mini_batch) == (18, 9)  # 18 sequences, 9 per DP rank
+    actor, rollout, ref = (config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout, config.actor_rollout_ref.ref)
+    # 3 and 9 divide a DP rank's 9 rows: kept (over the world, 18 // 4 = 4 rows, they became 1 and 1);
+    # 6 does not: gcd(6, 9) = 3 (over the world it became 2, which veRL's assertion refuses for 9 rows)
+    assert (actor.ppo_micro_batch_size_per_gpu, rollout.log_prob_micro_batch_size_per_gpu,
+            ref.log_prob_micro_batch_size_per_gpu) == (3, 9, 3)
+    assert plan.micro_batches == (("ref.log_prob_micro_batch_size_per_gpu", 6, 3),)
+
+
+def test_dp_size_pp_cp_and_ulysses(megatron_config, config):
+    import copy
+
+    from cppo_megatron.integrations.verl.runconfig import dp_size
+
+    mega = copy.deepcopy(megatron_config)
+    with open_dict(mega):
+        mega.trainer.n_gpus_per_node, mega.trainer.nnodes = 8, 2
+        mega.actor_rollout_ref.actor.megatron.pipeline_model_parallel_size = 2
+        mega.actor_rollout_ref.actor.megatron.context_parallel_size = 2
+        mega.actor_rollout_ref.ref.megatron.tensor_model_parallel_size = 4  # the ref's own layout: TP 4 x PP 2 x CP 2
+    assert dp_size(mega, "actor") == 2 and dp_size(mega, "ref") == 1  # 16 / (2 x 2 x 2); 16 / (4 x 2 x 2)
+    with open_dict(config):
+        config.trainer.n_gpus_per_node = 4
+        config.actor_rollout_ref.actor.ulysses_sequence_parallel_size = 2
+    assert dp_size(config, "actor") == 2
+    with open_dict(mega):
+        mega.actor_rollout_ref.actor.megatron.tensor_model_parallel_size = 3
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=3 x pipeline_model_parallel_size=2"):
+        dp_size(mega, "actor")
 
 
 def test_allocation_errors_name_the_value(config):

@@ -28,11 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from ....recipes import root as recipes_root
 from . import worker_env
 
 __all__ = ["CPU_FLAGS", "CpuRun", "FIELDS", "cache_dir", "max_steps_flags", "prepare", "required_flags", "write_jsonl"]
 
-RECIPES_DIR = Path(__file__).resolve().parents[4] / "recipes"
+RECIPES_DIR = recipes_root()  # the clone's recipes/, or the copy an installed wheel carries
 FIELDS = {
     "warmup_recipe": "tiny_cpu.yaml", "model_dir": "runs/openrlhf_tiny/model", "data_dir": "runs/openrlhf_tiny/data",
     "run_dir": "runs/openrlhf_tiny/run", "eval_problems": 200, "eval_before_train": False, "threads": 1,

@@ -12,8 +12,10 @@ imports veRL (the plugin is loaded by ``import verl``):
 - ``megatron_engine`` (with ``layer_spec``): veRL's Megatron engine (``strategy: megatron``,
   mbridge with ``vanilla_mbridge: true``) on gloo without CUDA or Transformer Engine;
 - ``rollout``: an HF-``generate`` rollout (``actor_rollout_ref.rollout.name=hf``) — replica,
-  server actor and worker adapter. It is registered on every platform (a rollout name that
-  nobody selects changes nothing); the rest only with ``VERL_PLATFORM=cpu``.
+  server actor and worker adapter, registered in veRL's rollout registries.
+
+Without ``VERL_PLATFORM=cpu`` none of it is installed, the ``hf`` registration included: a GPU
+worker imports and patches nothing of the CPU mode.
 """
 
 from __future__ import annotations
@@ -51,13 +53,13 @@ def register_rollout() -> None:
 
 
 def enable() -> bool:
-    """Install the CPU mode in this process when ``VERL_PLATFORM=cpu``; returns whether it did.
-    The ``hf`` rollout is registered either way."""
-    register_rollout()
+    """Install the CPU mode in this process when ``VERL_PLATFORM=cpu`` (the platform, the seams,
+    the Megatron engine's CPU pieces and the ``hf`` rollout registration); returns whether it did."""
     if not enabled():
         return False
     from . import megatron_engine, platform, seams
 
+    register_rollout()
     platform.register()
     seams.install()
     megatron_engine.install()

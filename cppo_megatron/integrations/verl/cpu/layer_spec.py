@@ -9,9 +9,13 @@ and the pre-MLP RMSNorm ``mlp.linear_fc1.layer_norm_weight`` (TE fuses the norm 
 ``te_free_block_spec`` starts from megatron-core's local spec and keeps those names:
 
 - ``input_layernorm`` / ``pre_mlp_layernorm`` become ``IdentityOp``; ``linear_qkv`` and
-  ``linear_fc1`` are ``NormedColumnParallelLinear``, a ``ColumnParallelLinear`` that owns
+  ``linear_fc1`` are ``LocalLayerNormColumnParallelLinear``, a ``ColumnParallelLinear`` that owns
   ``layer_norm_weight`` and applies the RMSNorm to its input first (as TE's
   ``TELayerNormColumnParallelLinear``);
+- the class name contains ``LayerNormColumnParallelLinear`` on purpose: Megatron-Bridge's
+  ``AutoMapping`` recognises TE's fused norm + linear by that substring
+  (``megatron/bridge/models/conversion/param_mapping.py:1482``) and then treats
+  ``layer_norm_weight`` as replicated and ``weight``/``bias`` as column-parallel;
 - the final norm and q/k norms are ``SequenceParallelRMSNorm``: megatron-core's torch norm
   refuses sequence parallel (``transformer/torch_norm.py:32``), which mbridge switches on
   whenever TP > 1 (``llm_bridge.py:72``). Under sequence parallel each TP rank normalises a
@@ -26,11 +30,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from typing import Any
 
 import torch
 
-# NormedColumnParallelLinear too (built lazily by __getattr__: it subclasses megatron-core's linear)
+# LocalLayerNormColumnParallelLinear too (built lazily by __getattr__: it subclasses megatron-core's linear)
 __all__ = ["SequenceParallelRMSNorm", "rms_norm", "te_free_block_spec"]
 
 
@@ -93,18 +98,18 @@ class _NormedMixin:
 def __getattr__(name: str):
     # the class subclasses megatron-core's ColumnParallelLinear: built on first use, so importing
     # this module does not import megatron-core
-    if name == "NormedColumnParallelLinear":
+    if name == "LocalLayerNormColumnParallelLinear":
         base = _column_parallel_linear()
 
-        class NormedColumnParallelLinear(_NormedMixin, base):  # type: ignore[valid-type, misc]
+        class LocalLayerNormColumnParallelLinear(_NormedMixin, base):  # type: ignore[valid-type, misc]
             """``ColumnParallelLinear`` with TE's fused input RMSNorm (``layer_norm_weight``)."""
 
             def __init__(self, input_size: int, output_size: int, *args: Any, **kwargs: Any) -> None:
                 super().__init__(input_size, output_size, *args, **kwargs)
                 self._init_norm(input_size, kwargs["config"])
 
-        globals()[name] = NormedColumnParallelLinear
-        return NormedColumnParallelLinear
+        globals()[name] = LocalLayerNormColumnParallelLinear
+        return LocalLayerNormColumnParallelLinear
     raise AttributeError(name)
 
 
@@ -121,12 +126,18 @@ def _te_named_layer(layer_spec, normed_linear, norm):
     if not hasattr(attn.submodules, "linear_qkv"):
         raise ValueError("cppo cpu mode: the TE-free layer spec supports standard self-attention only (not MLA)")
     mlp = sub.mlp
-    if not hasattr(getattr(mlp, "submodules", None), "linear_fc1") or mlp.submodules.linear_fc1 is None:
+    # megatron-core 0.16: a ModuleSpec; 0.18: functools.partial(MLP.as_mlp_submodule, submodules=...)
+    mlp_sub = mlp.keywords.get("submodules") if isinstance(mlp, functools.partial) else getattr(mlp, "submodules", None)
+    if getattr(mlp_sub, "linear_fc1", None) is None:
         raise ValueError("cppo cpu mode: the TE-free layer spec supports dense MLPs only (not MoE)")
     qk = {k: (norm if getattr(attn.submodules, k) is not IdentityOp else IdentityOp)
           for k in ("q_layernorm", "k_layernorm")}
     attn = _replace(attn, linear_qkv=normed_linear, **qk)
-    mlp = _replace(mlp, linear_fc1=normed_linear)
+    if isinstance(mlp, functools.partial):
+        mlp = functools.partial(mlp.func, *mlp.args,
+                                **{**mlp.keywords, "submodules": dataclasses.replace(mlp_sub, linear_fc1=normed_linear)})
+    else:
+        mlp = _replace(mlp, linear_fc1=normed_linear)
     layer = _replace(layer_spec, input_layernorm=IdentityOp, self_attention=attn,
                      pre_mlp_layernorm=IdentityOp, mlp=mlp)
     # the local spec maps input_layernorm./pre_mlp_layernorm. to the TE names for checkpoints;
@@ -150,7 +161,7 @@ def te_free_block_spec(config, vp_stage: int | None = None):
         raise ValueError("cppo cpu mode: MoE models are not supported by the TE-free layer spec")
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                        vp_stage=vp_stage)
-    normed = __getattr__("NormedColumnParallelLinear")
+    normed = __getattr__("LocalLayerNormColumnParallelLinear")
     done: dict[int, Any] = {}  # one replacement per distinct layer spec (layers share them)
     layers = []
     for spec in block.layer_specs:

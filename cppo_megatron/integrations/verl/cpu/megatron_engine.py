@@ -238,7 +238,47 @@ def install_cuda_device_calls() -> bool:
     if not hasattr(torch.cuda.synchronize, _MARK):
         setattr(_noop, _MARK, torch.cuda.synchronize)
         torch.cuda.synchronize = _noop
+    # CUDA streams (Megatron-Bridge's DDP wrap: megatron/training/models/dist_utils.py:246 makes a
+    # side stream, waits on the current one and enters it): a stream that orders nothing on CPU
+    if not hasattr(torch.cuda.Stream, _MARK):
+        setattr(_CpuStream, _MARK, torch.cuda.Stream)
+        torch.cuda.Stream = _CpuStream  # type: ignore[misc, assignment]
+        setattr(_cpu_current_stream, _MARK, torch.cuda.current_stream)
+        torch.cuda.current_stream = _cpu_current_stream  # type: ignore[assignment]
+        setattr(_cpu_stream_context, _MARK, torch.cuda.stream)
+        torch.cuda.stream = _cpu_stream_context  # type: ignore[assignment]
     return True
+
+
+class _CpuStream:
+    """``torch.cuda.Stream`` on CPU: work runs in program order, so there is nothing to order."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _cpu_current_stream(device: Any = None) -> _CpuStream:
+    return _CPU_STREAM
+
+
+@contextlib.contextmanager
+def _cpu_stream_context(stream: Any = None) -> Iterator[None]:
+    yield
 
 
 # ------------------------------------------------------------------------ 5. engine cpu mode
@@ -470,3 +510,6 @@ def install() -> None:
     after_import(LLM_BRIDGE_MODULE, _patch_llm_bridge)
     after_import(ATTENTION_MODULE, _patch_attention)
     after_import(DISTRIB_OPTIMIZER_MODULE, _patch_distrib_optimizer)
+    from .megatron_bridge import install as install_bridge
+
+    install_bridge()  # vanilla_mbridge: false (Megatron-Bridge, Python 3.12)

@@ -32,16 +32,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ....recipes import root as recipes_root
 from ..audit import ENV as AUDIT_ENV
 from ..clock import ENV as CLOCK_ENV
 from ..keytrace import ENV as KEYS_ENV
 from ..runconfig import export_plugin_to_workers
 from .phases import Phases, choose_threads, machine_load
 
-__all__ = ["CPU_ENV", "CpuRun", "build_start_model", "ensure_inputs", "is_cpu_run", "prepare_cpu_run",
+__all__ = ["CPU_ENV", "CpuRun", "ray_address", "build_start_model", "ensure_inputs", "is_cpu_run", "prepare_cpu_run",
            "start_model_info", "write_data"]
 
-RECIPES_DIR = Path(__file__).resolve().parents[4] / "recipes"
+RECIPES_DIR = recipes_root()  # the clone's recipes/, or the copy an installed wheel carries
 # set in the driver and in every Ray process of a CPU run
 CPU_ENV = {"VERL_PLATFORM": "cpu", "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -236,6 +237,34 @@ def ensure_inputs(group: Any, model_dir: Path, data_dir: Path, phases: Phases) -
     return built, wrote
 
 
+# what only a Ray node started by this run can take (ray.init refuses them with an address)
+NODE_RESOURCES = ("num_cpus", "num_gpus")
+
+
+def ray_address(config: Any) -> str:
+    """Which Ray a CPU run uses, made explicit in ``ray_kwargs.ray_init.address``:
+
+    - none given: ``"local"``, a new single-node Ray of this run. Without it ``ray.init()``
+      connects to whatever cluster ``ray start`` last left in ``/tmp/ray/ray_current_cluster``
+      (or ``RAY_ADDRESS``; ``ray/_private/services.py:get_ray_address_from_environment``) — on a
+      shared machine, someone else's;
+    - a cluster's address (``ray start --head`` + ``ray start --address=...`` per node): its
+      nodes declare their own CPUs and logical GPUs, so the single-node keys ``num_cpus`` /
+      ``num_gpus`` are dropped (``ray.init`` refuses them when connecting).
+    Returns the address used."""
+    from omegaconf import open_dict
+
+    with open_dict(config):
+        ray_init = config.ray_kwargs.ray_init
+        address = str(ray_init.get("address", None) or "local")
+        ray_init.address = address
+        if address != "local":
+            for key in NODE_RESOURCES:
+                if key in ray_init:
+                    del ray_init[key]
+    return address
+
+
 def prepare_cpu_run(config: Any, phases: Phases | None = None) -> CpuRun | None:
     """Prepare a CPU run in place (see the module docstring); None when ``trainer.device`` is
     not ``cpu``. Also sets ``CPU_ENV`` in this process and in ``ray_kwargs`` for Ray's.
@@ -266,5 +295,6 @@ def prepare_cpu_run(config: Any, phases: Phases | None = None) -> CpuRun | None:
             env[name] = str(Path(os.environ[name]).resolve())
     os.environ.update(env)
     export_plugin_to_workers(config, env)  # the Ray runtime env every Ray process starts with
+    ray_address(config)
     return CpuRun(model_dir, data_dir, run_dir, built, wrote, start_model_info(model_dir))
 
