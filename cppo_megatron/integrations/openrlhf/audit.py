@@ -33,7 +33,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -208,13 +208,21 @@ def record_engine_sync(worker, weights: dict[str, torch.Tensor]) -> None:
 
 
 # ------------------------------------------------------------------------------ checkpoints (every actor rank)
+def _tag_of(path) -> Optional[str]:
+    """The checkpoint tag (``global_step1``): save_ckpt is given it; load_ckpt returns DeepSpeed's
+    ``load_path``, the loaded model-states file (``.../global_step1/mp_rank_00_model_states.pt``)."""
+    if path is None:
+        return None
+    p = Path(str(path))
+    return p.parent.name if p.suffix == ".pt" else p.name
+
+
 def _wrap_ckpt(op: str, original):
     @functools.wraps(original)
     def method(self, model, directory, *args, **kwargs):
         out = original(self, model, directory, *args, **kwargs)
         tag = out[0] if op == "load" and isinstance(out, tuple) else kwargs.get("tag", args[0] if args else None)
-        record("checkpoint", f"actor{_rank()}", op=op, rank=_rank(), dir=str(directory),
-               tag=None if tag is None else os.path.basename(str(tag)),
+        record("checkpoint", f"actor{_rank()}", op=op, rank=_rank(), dir=str(directory), tag=_tag_of(tag),
                optimizer=optimizer_fingerprint(getattr(model, "optimizer", None)))
         return out
 

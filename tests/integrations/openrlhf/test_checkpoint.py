@@ -49,3 +49,12 @@ def test_buffered_generation_with_checkpoints_is_warned_about(make_args):
     (line,) = checkpoint.checkpoint_warnings(
         make_args("--ckpt.save_steps", "5", "--rollout.batch_size", "2", "--rollout.vllm_generate_batch_size", "8"))
     assert "vllm_generate_batch_size 8 > --rollout.batch_size 2" in line and "never trains those prompts" in line
+
+
+def test_the_audit_names_a_loaded_checkpoint_by_its_tag():
+    from cppo_megatron.integrations.openrlhf.audit import _tag_of
+
+    # load_ckpt returns DeepSpeed's load_path, the model-states file (deepspeed engine.py:4369-4379)
+    assert _tag_of("/r/ckpt/checkpoints/_actor/global_step1/mp_rank_00_model_states.pt") == "global_step1"
+    assert _tag_of("global_step2") == "global_step2"  # save_ckpt's tag
+    assert _tag_of(None) is None

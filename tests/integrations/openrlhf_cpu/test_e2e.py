@@ -275,6 +275,7 @@ def test_a_dead_actor_rank_ends_the_run_with_a_message_naming_it(chain):
     dead = chain[0]["run"]
     assert dead.struck is not None and dead.struck.startswith("pid "), dead.log[-3000:]
     assert dead.returncode not in (0, -9) and dead.exit_after_strike_s < DEAD_WORKER_EXIT_S, dead.log[-3000:]
+    print(f"dead worker: exit status {dead.returncode}, {dead.exit_after_strike_s:.1f} s after the kill")  # -rP
     pid = dead.struck.split()[1]
     lines = [ln for ln in dead.log.splitlines() if ln.startswith(watchdog.PREFIX)]
     assert lines and all(f"pid {pid}" in ln for ln in lines), lines or dead.log[-3000:]

@@ -142,3 +142,25 @@ def check_restart(before: dict, after: dict, step: int):
         assert rec["path"].endswith(f"global_step_{step}/actor")
         assert rec["optimizer"]["tensors"] > 0
         assert json.dumps(rec["optimizer"], sort_keys=True) == json.dumps(saved[rank]["optimizer"], sort_keys=True)
+
+
+# a dead worker rank ends the run by itself within seconds (measured: docs/integrations/verl.md);
+# this bound is what "does not hang" means here
+DEAD_WORKER_EXIT_S = 180
+
+
+def check_dead_worker(attempt: dict, rank: int, resume_from: int):
+    """The attempt whose worker ``rank`` was SIGKILLed ended by itself, non-zero, within
+    ``DEAD_WORKER_EXIT_S``, with the launcher's line naming the killed pid, its Ray actor name and
+    rank, and the step a rerun resumes from."""
+    from cppo_megatron.integrations import watchdog
+
+    dead = attempt["run"]
+    assert dead.struck is not None and dead.struck.startswith("pid "), dead.log[-3000:]
+    assert dead.returncode not in (0, -9) and dead.exit_after_strike_s < DEAD_WORKER_EXIT_S, dead.log[-3000:]
+    print(f"dead worker: exit status {dead.returncode}, {dead.exit_after_strike_s:.1f} s after the kill")  # -rP
+    pid, name = dead.struck.split()[1], dead.struck.split("(")[1].rstrip(")")
+    lines = [ln for ln in dead.log.splitlines() if ln.startswith(watchdog.PREFIX)]
+    assert lines and all(f"pid {pid}" in ln and repr(name) in ln for ln in lines), lines or dead.log[-3000:]
+    assert any(f"rank {rank} of placement group 0" in ln
+               and f"Rerun the same command to resume from step {resume_from}" in ln for ln in lines), lines

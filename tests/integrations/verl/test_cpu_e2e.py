@@ -183,23 +183,32 @@ def test_v1_cppo_trains_the_core_survivors_with_full_group_advantages(v1_cppo):
 
 @pytest.fixture(scope="module")
 def v1_resumed(tiny_model, tmp_path_factory):
-    """The same run as ``v1_cppo``, SIGKILLed during step 2 after step 1's checkpoint, then the
-    same command again."""
+    """The run of ``v1_cppo`` three times in one run dir: its worker (rank 0, this recipe's one
+    FSDP rank) SIGKILLed during step 2, after step 1's checkpoint; the same command, its driver
+    SIGKILLed during step 2 again; the same command, to the end."""
     from . import resume
 
     recipe, *overrides = V1_CPPO
     tmp = tmp_path_factory.mktemp("v1_resume")
-    killed = run_verl(recipe, tmp, tiny_model, *overrides, attempt="1", when=resume.strike_during(2),
+    dead = run_verl(recipe, tmp, tiny_model, *overrides, attempt="1", when=resume.strike_during(2, "worker", rank=0),
+                    expect_ok=False)
+    killed = run_verl(recipe, tmp, tiny_model, *overrides, attempt="2", when=resume.strike_during(2),
                       expect_ok=False)
     assert killed["run"].struck == "driver" and killed["run"].returncode == -9, killed["log"][-3000:]
-    return [killed, run_verl(recipe, tmp, tiny_model, *overrides, attempt="2")]
+    return [dead, killed, run_verl(recipe, tmp, tiny_model, *overrides, attempt="3")]
 
 
-def test_v1_resume_after_sigkill_of_the_driver_continues_the_run(v1_cppo, v1_resumed):
+def test_v1_a_dead_worker_rank_ends_the_run_with_a_message_naming_it(v1_resumed):
     from . import resume
 
-    resume.check_chain(v1_cppo, v1_resumed, kills=[1], steps=STEPS, pruning_rate=P, prompts_per_step=PROMPTS)
-    killed, resumed = v1_resumed
+    resume.check_dead_worker(v1_resumed[0], rank=0, resume_from=1)
+
+
+def test_v1_resume_after_a_dead_worker_and_a_sigkill_of_the_driver_continues_the_run(v1_cppo, v1_resumed):
+    from . import resume
+
+    resume.check_chain(v1_cppo, v1_resumed, kills=[1, 1], steps=STEPS, pruning_rate=P, prompts_per_step=PROMPTS)
+    resumed = v1_resumed[-1]
     # veRL logged the resumed run's step as step 2, and continued its LR schedule
     assert resumed["metrics"][2]["training/global_step"] == 2
     assert resumed["metrics"][2]["actor/lr"] == v1_cppo["metrics"][2]["actor/lr"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 
 import pytest
 
@@ -155,6 +156,10 @@ def test_legacy_grpo_megatron_tp2_dp2_padded_keeps_every_row(legacy_grpo, tiny_m
 
 
 # ------------------------------------------------------------------------------ a dead worker, resume
+# CI's share of resume-chain time goes to the FSDP and OpenRLHF chains; this one (three more
+# TP 2 x DP 2 runs, ~4 min on an idle machine) runs with RESUME_TESTS=all (docs/integrations/verl.md)
+needs_resume_all = pytest.mark.skipif(os.environ.get("RESUME_TESTS", "") != "all",
+                                      reason="the Megatron resume chain runs with RESUME_TESTS=all")
 @pytest.fixture(scope="module")
 def chain(tiny_model, tmp_path_factory):
     """The run of ``v1_cppo`` three times in one run dir: worker rank 1 (TP peer of rank 0, DP
@@ -170,23 +175,14 @@ def chain(tiny_model, tmp_path_factory):
     return [dead, killed, run_verl(RECIPE, tmp, tiny_model, *V1_CPPO, attempt="3")]
 
 
-# a dead worker rank ends the run by itself: measured 10-15 s on a loaded 2-core machine
-DEAD_WORKER_EXIT_S = 180
-
-
+@needs_resume_all
 def test_a_dead_worker_rank_ends_the_run_with_a_message_naming_it(chain):
-    from cppo_megatron.integrations import watchdog
+    from . import resume
 
-    dead = chain[0]["run"]
-    assert dead.struck is not None and dead.struck.startswith("pid "), dead.log[-3000:]
-    assert dead.returncode not in (0, -9) and dead.exit_after_strike_s < DEAD_WORKER_EXIT_S, dead.log[-3000:]
-    pid, name = dead.struck.split()[1], dead.struck.split("(")[1].rstrip(")")
-    lines = [ln for ln in dead.log.splitlines() if ln.startswith(watchdog.PREFIX)]
-    assert lines and all(f"pid {pid}" in ln and repr(name) in ln for ln in lines), lines or dead.log[-3000:]
-    assert any("rank 1 of placement group 0" in ln and "Rerun the same command to resume from step 1" in ln
-               for ln in lines), lines
+    resume.check_dead_worker(chain[0], rank=1, resume_from=1)
 
 
+@needs_resume_all
 def test_resume_after_a_dead_worker_and_a_sigkill_tp2_dp2(v1_cppo, chain):
     from . import resume
 
