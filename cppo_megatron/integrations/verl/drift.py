@@ -274,8 +274,10 @@ def report(pinned: dict[str, str] | None = None, cpu_pinned: dict[str, str] | No
     ``MEGATRON_PINNED`` with its installed versions when megatron-core and mbridge are present)."""
     cpu = changed(CPU_PINNED if cpu_pinned is None else cpu_pinned)
     versions = []
-    if megatron_pinned is not None or megatron_installed():
-        cpu += changed(MEGATRON_PINNED if megatron_pinned is None else megatron_pinned)
+    if megatron_pinned is not None:  # an explicit set: only its functions, no version check
+        cpu += changed(megatron_pinned)
+    elif megatron_installed():
+        cpu += changed(MEGATRON_PINNED)
         versions += _version_drift(MEGATRON_VERSIONS, "the CPU seams'")
     if bridge_installed():
         cpu += changed(BRIDGE_PINNED)

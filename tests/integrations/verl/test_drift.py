@@ -92,8 +92,9 @@ def test_report_keeps_the_gpu_path_apart_from_the_cpu_mode(plugin, monkeypatch):
     monkeypatch.setitem(drift.PINNED, gpu, drift.source_hash(gpu))
     if drift.megatron_installed():  # another megatron-core than the CPU seams' is a CPU-mode warning
         monkeypatch.setitem(drift.MEGATRON_VERSIONS, "megatron-core", "0.18.2")
-        out = drift.report(megatron_pinned={})
+        out = drift.report()
         assert out.versions == ["megatron-core 0.16.1, the CPU seams' 0.18.2"] and out.gpu_path == []
+        assert drift.report(megatron_pinned={}).versions == []  # an explicit set: its functions only
 
 
 def test_check_fails_on_gpu_path_drift_and_warns_on_cpu_mode_drift(plugin):
