@@ -15,30 +15,39 @@ makes each process append JSON lines to ``DIR/<role>-<pid>.jsonl``:
 - ``sync_actor`` (``ActorPPOTrainer.broadcast_to_vllm``, rank 0; not under ZeRO-3) and ``sync_engine`` (the vLLM
   worker, after reloading): a hash of every tensor sent / received, and for the engine the
   largest difference between its parameters that vLLM keeps readable (embedding, norms,
-  biases) and the tensors received.
+  biases) and the tensors received;
+- ``actor_worker`` (``ActorPPOTrainer.__init__``, every actor rank): the rank's pid and Ray actor
+  id (the dead-worker tests kill a rank by it);
+- ``checkpoint`` (``DeepspeedStrategy.save_ckpt`` / ``load_ckpt``, every actor rank): the tag and a
+  fingerprint of the rank's optimizer state after saving / loading (sum of |moments|, steps, lr).
 
-Off (the default) nothing is installed. It reads; it never changes what trains.
+Steps count as OpenRLHF's global step, also in a run resumed from a checkpoint
+(``checkpoint.resumed_step``). Records are single appends; a reader skips a line cut short by a
+kill (``integrations/records.py``). Off (the default) nothing is installed. It reads; it never changes what trains.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from ..importhook import after_import
+from ..records import append as _append
+from ..records import complete_lines, optimizer_fingerprint, tensor_hash
+from .checkpoint import resumed_step
 
 __all__ = ["ENV", "ROW_KEY", "enabled", "install", "read", "record", "tensor_hash"]
 
 ENV = "CPPO_OPENRLHF_AUDIT"
 ROW_KEY = "cppo_row"
 ACTOR_MODULE = "openrlhf.trainer.ray.ppo_actor"
+STRATEGY_MODULE = "openrlhf.utils.deepspeed.deepspeed"
 _MARK = "__cppo_audit__"
 
 
@@ -53,19 +62,17 @@ def record(kind: str, role: str, **fields: Any) -> None:
         return
     Path(root).mkdir(parents=True, exist_ok=True)
     line = json.dumps({"kind": kind, "time": time.time(), "pid": os.getpid(), **fields}, default=_jsonable)
-    with open(Path(root) / f"{role}-{os.getpid()}.jsonl", "a") as f:
-        f.write(line + "\n")
+    _append(Path(root) / f"{role}-{os.getpid()}.jsonl", line)
 
 
 def read(root: str | Path, kind: str | None = None) -> list[dict]:
     """All records under ``root`` (every process), in time order; only ``kind`` when given."""
     out = []
     for path in sorted(Path(root).glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                if kind is None or rec["kind"] == kind:
-                    out.append(rec)
+        for line in complete_lines(path):
+            rec = json.loads(line)
+            if kind is None or rec["kind"] == kind:
+                out.append(rec)
     return sorted(out, key=lambda r: r["time"])
 
 
@@ -73,14 +80,6 @@ def _jsonable(x):
     if isinstance(x, torch.Tensor):
         return x.tolist()
     return str(x)
-
-
-def tensor_hash(t: torch.Tensor) -> str:
-    """sha1 of a tensor's bytes (dtype and shape included)."""
-    t = t.detach().cpu().contiguous()
-    h = hashlib.sha1(f"{t.dtype}{tuple(t.shape)}".encode())
-    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def _fingerprint(model) -> float:
@@ -132,7 +131,9 @@ def _wrap_training_step(original):
 def _wrap_ppo_train(original):
     @functools.wraps(original)
     def ppo_train(self, kl_ctl):
-        self._cppo_audit_step = int(getattr(self, "_cppo_audit_step", 0)) + 1
+        if not hasattr(self, "_cppo_audit_step"):  # a resumed run continues OpenRLHF's count
+            self._cppo_audit_step = resumed_step(self.args)
+        self._cppo_audit_step += 1
         model = self.actor.model
         # ZeRO-3 partitions the parameters: a rank's module holds placeholders, not weights
         sharded = self.args.ds.zero_stage == 3
@@ -152,16 +153,35 @@ def _wrap_broadcast(original):
         if _rank() == 0 and self.args.ds.zero_stage != 3:
             model = self.actor.model.module
             hashes = {n: tensor_hash(p.data) for n, p in model.named_parameters()}
-            record("sync_actor", "actor0", step=int(getattr(self, "_cppo_audit_step", 0)), hashes=hashes)
+            # at a resume OpenRLHF broadcasts the loaded weights before its first step (ppo_trainer.py:515)
+            step = getattr(self, "_cppo_audit_step", None)
+            record("sync_actor", "actor0", step=resumed_step(self.args) if step is None else int(step), hashes=hashes)
         return out
 
     return broadcast_to_vllm
 
 
+def _wrap_init(original):
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        actor_id = name = None
+        try:
+            import ray
+
+            ctx = ray.get_runtime_context()
+            actor_id, name = ctx.get_actor_id(), ctx.get_actor_name()
+        except Exception:  # noqa: BLE001 - outside Ray (tests) there is no actor
+            pass
+        record("actor_worker", f"actor{_rank()}", rank=_rank(), actor_id=actor_id, actor_name=name)
+
+    return __init__
+
+
 def _patch_actor(module) -> None:
     cls = module.ActorPPOTrainer
-    for name, wrap in (("training_step", _wrap_training_step), ("ppo_train", _wrap_ppo_train),
-                       ("broadcast_to_vllm", _wrap_broadcast)):
+    for name, wrap in (("__init__", _wrap_init), ("training_step", _wrap_training_step),
+                       ("ppo_train", _wrap_ppo_train), ("broadcast_to_vllm", _wrap_broadcast)):
         current = cls.__dict__[name]
         if not hasattr(current, _MARK):
             wrapped = wrap(current)
@@ -187,9 +207,42 @@ def record_engine_sync(worker, weights: dict[str, torch.Tensor]) -> None:
            max_abs_diff=max_diff)
 
 
+# ------------------------------------------------------------------------------ checkpoints (every actor rank)
+def _tag_of(path) -> Optional[str]:
+    """The checkpoint tag (``global_step1``): save_ckpt is given it; load_ckpt returns DeepSpeed's
+    ``load_path``, the loaded model-states file (``.../global_step1/mp_rank_00_model_states.pt``)."""
+    if path is None:
+        return None
+    p = Path(str(path))
+    return p.parent.name if p.suffix == ".pt" else p.name
+
+
+def _wrap_ckpt(op: str, original):
+    @functools.wraps(original)
+    def method(self, model, directory, *args, **kwargs):
+        out = original(self, model, directory, *args, **kwargs)
+        tag = out[0] if op == "load" and isinstance(out, tuple) else kwargs.get("tag", args[0] if args else None)
+        record("checkpoint", f"actor{_rank()}", op=op, rank=_rank(), dir=str(directory), tag=_tag_of(tag),
+               optimizer=optimizer_fingerprint(getattr(model, "optimizer", None)))
+        return out
+
+    return method
+
+
+def _patch_strategy(module) -> None:
+    cls = module.DeepspeedStrategy
+    for name, op in (("save_ckpt", "save"), ("load_ckpt", "load")):
+        current = cls.__dict__[name]
+        if not hasattr(current, _MARK):
+            wrapped = _wrap_ckpt(op, current)
+            setattr(wrapped, _MARK, current)
+            setattr(cls, name, wrapped)
+
+
 def install() -> bool:
     """Install the actor-side recorders when ``CPPO_OPENRLHF_AUDIT`` is set; returns whether."""
     if not enabled():
         return False
     after_import(ACTOR_MODULE, _patch_actor)
+    after_import(STRATEGY_MODULE, _patch_strategy)
     return True

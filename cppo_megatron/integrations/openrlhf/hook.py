@@ -52,6 +52,7 @@ from ...core import (
     sequence_workload,
 )
 from . import audit
+from .checkpoint import resumed_step
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +228,8 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
     rewards = torch.cat([s.rewards.reshape(1) for s in rollout_samples])
     group_ids = group_ids_from_samples(rollout_samples, args.rollout.n_samples_per_prompt)
 
-    step = int(getattr(maker, "_cppo_step", 0))
+    # OpenRLHF's global step before this one (0-based): a resumed run continues the count
+    step = int(maker._cppo_step) if hasattr(maker, "_cppo_step") else resumed_step(args)
     maker._cppo_step = step + 1
     run_cfg = cfg if cfg.adv_norm == adv_norm else dataclasses.replace(cfg, adv_norm=adv_norm)
     result = prune(rewards, group_ids, run_cfg, step=step)

@@ -16,7 +16,8 @@ outside; the logger is imported by reference.)
 
 ``CPPO_OPENRLHF_EVAL_BEFORE_TRAIN=1`` evaluates once before the first step (step 0), through
 OpenRLHF's own ``SamplesGenerator.generate_eval_samples`` and ``compute_eval_metrics`` with the
-run's eval settings, so a run's held-out accuracy has a "before" on the same path.
+run's eval settings, so a run's held-out accuracy has a "before" on the same path (not again
+when the run resumes from a checkpoint: the run it continues logged it).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..importhook import after_import
+from .checkpoint import resumed_step
 
 __all__ = ["ENV", "EVAL_BEFORE_ENV", "install", "read", "write"]
 
@@ -95,7 +97,8 @@ def _wrap_generate(original):
     def generate_samples(self, **generate_kwargs):
         if not getattr(self, "_cppo_evaluated_before", False):
             self._cppo_evaluated_before = True
-            if self.eval_dataloader is not None:
+            # a resumed run had its "before" in the run it continues
+            if self.eval_dataloader is not None and resumed_step(self.args) == 0:
                 from openrlhf.trainer.ppo_trainer import compute_eval_metrics
 
                 kwargs = dict(generate_kwargs)

@@ -38,6 +38,17 @@ SEAMS: dict[tuple[str, str], str] = {
     ("trainer/ppo_utils/experience.py", "Experience"): "91f90b8a8ccaf342",
     # both trainers reach the seam through this one method (the async TrainingActor inherits it)
     ("trainer/ppo_trainer.py", "BasePPOTrainer.train_step"): "7fbb0b95ea71cec0",
+    # resume (checkpoint.py): where the step, weights, optimizer and dataloader are saved and
+    # restored, the checkpoint tags the hook's step comes from, and the prompt draw it continues
+    ("trainer/ppo_trainer.py", "PPOTrainer.fit"): "6f5590a9c7bb071c",
+    ("trainer/ppo_trainer.py", "BasePPOTrainer.init_checkpoint_states"): "b4c60c2f04bf3a07",
+    ("trainer/ppo_trainer.py", "BasePPOTrainer.save_logs_and_checkpoints"): "77eefda69d3bc952",
+    ("trainer/ray/ppo_actor.py", "PolicyModelActor.init_model_from_pretrained"): "10d388c5a29aa03f",
+    ("trainer/ray/ppo_actor.py", "PolicyModelActor.save_checkpoint"): "12645c42bd350818",
+    ("utils/deepspeed/deepspeed.py", "DeepspeedStrategy.save_ckpt"): "9c0b2afbf86b7111",
+    ("utils/deepspeed/deepspeed.py", "DeepspeedStrategy.load_ckpt"): "4e88305c12e0adde",
+    ("utils/deepspeed/deepspeed.py", "DeepspeedStrategy.setup_dataloader"): "786cdca220c6c8b5",
+    ("trainer/ppo_utils/samples_generator.py", "SamplesGenerator.generate_samples"): "3d524afe664ef9f1",
 }
 
 

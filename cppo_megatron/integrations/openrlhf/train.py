@@ -25,12 +25,13 @@ import re
 import runpy
 import shlex
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
 from ...config import CPPOConfig
 from . import hook
+from .checkpoint import checkpoint_warnings, resume_hint
 from .pinned import PINNED_VERSION, installed_version, pinned_parser
 
 CPPO_PREFIX = "--cppo."
@@ -201,9 +202,12 @@ def ray_runtime_env(cfg: CPPOConfig | None) -> dict:
     return {"env_vars": env, "worker_process_setup_hook": HOOK}
 
 
-def launch(forwarded: list[str], cfg: CPPOConfig | None, num_gpus: int | None = None) -> None:
+def launch(forwarded: list[str], cfg: CPPOConfig | None, num_gpus: int | None = None,
+           resume_hint: Callable[[], str] = lambda: "") -> None:
     """Start Ray with our worker setup hook (CPPO hook, CPU mode, audit, metrics), then run
-    OpenRLHF's __main__ block. ``num_gpus``: logical GPUs for a CPU run."""
+    OpenRLHF's __main__ block. ``num_gpus``: logical GPUs for a CPU run. A dead Ray worker ends
+    the run with a line naming it (``integrations/watchdog.py``) and ``resume_hint()``."""
+    from .. import watchdog
     from . import audit, cpu, metrics
     from .worker import setup
 
@@ -224,9 +228,18 @@ def launch(forwarded: list[str], cfg: CPPOConfig | None, num_gpus: int | None = 
             kwargs.update(num_gpus=slots, num_cpus=slots, include_dashboard=False)
         ray.init(**kwargs)
     sys.argv = [OPENRLHF_MODULE, *forwarded]
+    dog = watchdog.start(resume_hint)
     try:
         runpy.run_module(OPENRLHF_MODULE, run_name="__main__", alter_sys=True)
+    except BaseException as exc:
+        dead = watchdog.explain(exc)
+        if dead is not None:
+            print(f"{watchdog.PREFIX} OpenRLHF stopped because {dead.describe()}. {resume_hint()}",
+                  file=sys.stderr, flush=True)
+        raise
     finally:
+        if dog is not None:
+            dog.stop()
         if ours:
             import ray
 
@@ -277,6 +290,8 @@ def run_argv(argv: list[str], cpu_num_gpus: int | None = None) -> int:
         if steps:
             forwarded = forwarded + steps
             args = parse_openrlhf_args(forwarded)
+    for note in checkpoint_warnings(args):
+        print(f"warning: {note}", file=sys.stderr)
     # what OpenRLHF / DeepSpeed / vLLM would refuse minutes later in a Ray actor: one line now
     from .preflight import check as preflight
 
@@ -324,7 +339,7 @@ def run_argv(argv: list[str], cpu_num_gpus: int | None = None) -> int:
         if cfg is not None:
             print(f"patched checkout instead: export {hook.ENV_CONFIG}='{json.dumps(cfg.to_dict())}'")
         return 0
-    launch(forwarded, cfg, num_gpus=cpu_num_gpus)
+    launch(forwarded, cfg, num_gpus=cpu_num_gpus, resume_hint=lambda: resume_hint(args))
     return 0
 
 

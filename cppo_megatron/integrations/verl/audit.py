@@ -15,8 +15,16 @@ plugin append JSON lines to ``DIR/<role>-<pid>.jsonl``:
   Ray node it runs on;
 - ``sync`` (the ``hf`` rollout adapter, leader rank): after each weight sync, the largest
   difference between the server's weights and the actor's tensors it was sent, and a
-  fingerprint (sum of |w|) of those tensors, in all and per tensor name.
+  fingerprint (sum of |w|) of those tensors, in all and per tensor name, and each tensor's sha1;
+- ``prune`` also names each row's prompt by its dataset row (``prompts``: veRL's ``index``; V1),
+  which identifies a prompt across runs where the ``uid`` (a fresh uuid4 per draw) does not;
+- ``worker`` (``ActorRolloutRefWorker.__init__``, every worker process): its pid, rank and Ray
+  actor name (the dead-worker tests kill a rank by it);
+- ``checkpoint`` (``ActorRolloutRefWorker.save_checkpoint`` / ``load_checkpoint``, every rank): the
+  folder and a fingerprint of the rank's optimizer state after saving / loading (sum of
+  |moments|, Adam steps, learning rates).
 
+Records are single appends; a reader skips a line cut short by a kill (``integrations/records.py``).
 Off (the default) it installs nothing. It reads the batch; it never changes what trains.
 """
 
@@ -33,6 +41,8 @@ import numpy as np
 import torch
 
 from ..importhook import after_import
+from ..records import append as _append
+from ..records import complete_lines, optimizer_fingerprint
 
 __all__ = ["ENV", "enabled", "install", "read", "record"]
 
@@ -40,6 +50,7 @@ ENV = "CPPO_VERL_AUDIT"
 _MARK = "__cppo_audit__"
 V1 = ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer")
 LEGACY = ("verl.trainer.ppo.ray_trainer", "RayPPOTrainer")
+WORKER = ("verl.workers.engine_workers", "ActorRolloutRefWorker")
 
 
 def enabled() -> bool:
@@ -53,19 +64,17 @@ def record(kind: str, role: str = "trainer", **fields: Any) -> None:
         return
     Path(root).mkdir(parents=True, exist_ok=True)
     line = json.dumps({"kind": kind, "time": time.time(), **fields}, default=_jsonable)
-    with open(Path(root) / f"{role}-{os.getpid()}.jsonl", "a") as f:
-        f.write(line + "\n")
+    _append(Path(root) / f"{role}-{os.getpid()}.jsonl", line)
 
 
 def read(root: str | Path, kind: str | None = None) -> list[dict]:
     """All records under ``root`` (every process), in time order; only ``kind`` when given."""
     out = []
     for path in sorted(Path(root).glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                if kind is None or rec["kind"] == kind:
-                    out.append(rec)
+        for line in complete_lines(path):
+            rec = json.loads(line)
+            if kind is None or rec["kind"] == kind:
+                out.append(rec)
     return sorted(out, key=lambda r: r["time"])
 
 
@@ -95,6 +104,18 @@ def _row_sums(values) -> list[float]:
 
 
 # ------------------------------------------------------------------------------ V1 (TransferQueue)
+def v1_prompt_ids(keys: list, batch) -> Optional[list]:
+    """The dataset row (veRL's ``index``, from ``extra_info.index``) each V1 row's prompt came
+    from: what identifies a prompt across runs (``uid`` is a fresh uuid4 per draw)."""
+    import transfer_queue as tq
+
+    try:
+        data = tq.kv_batch_get(keys=list(keys), partition_id=batch.partition_id, select_fields=["index"])
+    except Exception as exc:  # noqa: BLE001 - the audit must not stop a run
+        return [f"unavailable: {exc}"[:200]]
+    return [_jsonable(x) if not isinstance(x, (int, str)) else x for x in list(data["index"])]
+
+
 def _v1_rows(batch) -> tuple[list[str], list[bool]]:
     return [str(k) for k in batch.keys], [bool(t.get("is_padding", False)) for t in batch.tags]
 
@@ -165,9 +186,44 @@ def _legacy_update(original):
     return _update_actor
 
 
+# ------------------------------------------------------------------------------ worker processes
+def _worker_init(original):
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        name = None
+        try:
+            import ray
+
+            name = ray.get_runtime_context().get_actor_name()
+        except Exception:  # noqa: BLE001 - outside Ray (tests) there is no actor name
+            pass
+        record("worker", role="worker", pid=os.getpid(), rank=int(os.environ.get("RANK", -1)),
+               world_size=int(os.environ.get("WORLD_SIZE", -1)), actor_name=name, worker_role=getattr(self, "role", None))
+
+    return __init__
+
+
+def _worker_checkpoint(op: str):
+    def wrap(original):
+        @functools.wraps(original)
+        def method(self, local_path, *args, **kwargs):
+            out = original(self, local_path, *args, **kwargs)
+            engine = getattr(getattr(self, "actor", None), "engine", None)
+            record("checkpoint", role="worker", op=op, path=str(local_path), pid=os.getpid(),
+                   rank=int(os.environ.get("RANK", -1)), optimizer=optimizer_fingerprint(getattr(engine, "optimizer", None)))
+            return out
+
+        return method
+
+    return wrap
+
+
 _WRAPPERS = {
     V1: {"_compute_old_log_prob": _v1_old_log_prob, "_update_actor": _v1_update},
     LEGACY: {"_compute_old_log_prob": _legacy_old_log_prob, "_update_actor": _legacy_update},
+    WORKER: {"__init__": _worker_init, "save_checkpoint": _worker_checkpoint("save"),
+             "load_checkpoint": _worker_checkpoint("load")},
 }
 
 

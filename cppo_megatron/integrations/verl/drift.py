@@ -72,10 +72,22 @@ CPU_PINNED = {
     "verl.trainer.ppo.ray_trainer:RayPPOTrainer._compute_old_log_prob": "37936dd4c6debf30",
     # the wall-clock budget of the veRL study (clock.py): the first call of a legacy step
     "verl.trainer.ppo.ray_trainer:RayPPOTrainer._get_gen_batch": "9a436d3f19493c7b",
+    # resume (checkpoint.py, docs "Checkpoints and resume"): what veRL saves and restores (step,
+    # weights, optimizer, dataloader), where V1 draws prompts and names them (uuid4 uids), and the
+    # worker methods the audit records checkpoints and worker pids at
+    "verl.trainer.ppo.v1.trainer_base:PPOTrainer._load_checkpoint": "52b412c5395b2cae",
+    "verl.trainer.ppo.v1.trainer_base:PPOTrainer._save_checkpoint": "1ceb1e087ce91c92",
+    "verl.trainer.ppo.v1.trainer_base:PPOTrainer._fetch_one_gen_batch": "37a980de651f5fd6",
+    "verl.trainer.ppo.v1.trainer_base:PPOTrainer.fit": "f1c6fc155674e5be",
+    "verl.trainer.ppo.ray_trainer:RayPPOTrainer._load_checkpoint": "c12325a6a96d90ad",
+    "verl.trainer.ppo.ray_trainer:RayPPOTrainer._save_checkpoint": "d22cc8cf75f07798",
+    "verl.workers.engine_workers:ActorRolloutRefWorker.__init__": "484b07a7dd7a1585",
+    "verl.workers.engine_workers:ActorRolloutRefWorker.save_checkpoint": "31ecd24c0576b57c",
+    "verl.workers.engine_workers:ActorRolloutRefWorker.load_checkpoint": "2713c0c8f4705df9",
 }
 
 
-# veRL's Megatron engine in the CPU mode (cpu/megatron_engine.py, cpu/layer_spec.py): what its six
+# veRL's Megatron engine in the CPU mode (cpu/megatron_engine.py, cpu/layer_spec.py): what its seven
 # seams patch or rely on, in veRL 0.9.1, mbridge 0.15.1 and megatron-core 0.16.1 (MEGATRON_VERSIONS).
 # Checked when megatron-core and mbridge are installed (the `megatron` and `verl` extras).
 MEGATRON_VERSIONS = {"megatron-core": "0.16.1", "mbridge": "0.15.1"}
@@ -120,6 +132,10 @@ MEGATRON_PINNED = {
     "megatron.core.transformer.attention:SelfAttention.__init__": "653e96b767fb9a20",
     "megatron.core.transformer.mlp:MLP.__init__": "e9ce346b844fd757",
     "megatron.core.transformer.transformer_block:TransformerBlock._build_layers": "3b2014d35d684f03",
+    # seam 7: the state dict of an optimizer without states (a resume), and who asks for it
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict": "cc2fc62014a96b4e",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.sharded_state_dict": "189887c765308b3f",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict": "37ce4b9e883612a2",
 }
 
 

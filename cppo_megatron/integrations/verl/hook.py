@@ -130,8 +130,10 @@ def prune_kv_batch(trainer, batch, metrics: dict):
     result, records = decide(uids, rewards, cfg, getattr(trainer, "global_steps", 0))
     kept = [real[j] for j in result.selection.kept.tolist()] + pads
     pruned_keys = [batch.keys[real[j]] for j in result.selection.pruned.tolist()]
-    audit.record("prune", step=int(getattr(trainer, "global_steps", 0)), loop="v1", rows=[str(k) for k in keys],
-                 uids=uids, rewards=rewards.tolist(), kept=result.selection.kept.tolist())
+    if audit.enabled():
+        audit.record("prune", step=int(getattr(trainer, "global_steps", 0)), loop="v1", rows=[str(k) for k in keys],
+                     uids=uids, rewards=rewards.tolist(), kept=result.selection.kept.tolist(),
+                     prompts=audit.v1_prompt_ids(keys, batch), fields=list(batch.fields or []))
     if pruned_keys:
         tq.kv_clear(keys=pruned_keys, partition_id=batch.partition_id)
     record_groups(records)

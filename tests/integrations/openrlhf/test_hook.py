@@ -282,3 +282,34 @@ def test_keep_multiple_covers_every_model_group(make_args):
     assert hook.minimum_keep_multiple(make_args(*flags, "--algo.kl.init_coef", "0")) == 2  # no reference model
     dynamic = make_args(*flags, "--algo.kl.init_coef", "0.01", "--train.dynamic_batch_enable", "--train.batch_size", "4")
     assert hook.minimum_keep_multiple(dynamic) == 12
+
+
+def test_a_resumed_run_continues_the_step_seeds(orl, make_args, make_maker, make_rollout, fresh, tmp_path):
+    """The hook's seed step is OpenRLHF's global step: a run resumed from the checkpoint of step 5
+    decides its first step with step 5 (the same seed as the 6th step of a run never stopped),
+    not step 0 again; it then counts on."""
+    ckpt = tmp_path / "ckpt"
+    flags = ("--rollout.n_samples_per_prompt", "8", "--rollout.micro_batch_size", "1", "--train.batch_size", "1",
+             "--ckpt.path", str(ckpt), "--ckpt.load_enable")
+    cfg = CPPOConfig(pruning_rate=0.75, eps=1e-9)
+    samples = make_rollout(GROUPS)
+    at = {s: sorted(prune(REWARDS, GROUP_IDS, cfg, step=s).selection.kept.tolist()) for s in (0, 5, 6)}
+    assert at[0] != at[5] != at[6]  # ties among equal |A| are broken by the step's seed
+
+    fresh_run, out = _run(orl, make_maker, make_args(*flags), fresh(samples), cfg)  # nothing saved yet: step 0
+    assert sorted(_by_uid(out)) == at[0] and fresh_run._cppo_step == 1
+
+    (ckpt / "_actor").mkdir(parents=True)
+    (ckpt / "_actor" / "latest").write_text("global_step5")  # what OpenRLHF's save_checkpoint leaves
+    args = make_args(*flags)
+    maker = make_maker(args)
+    hook.install(cfg, orl.Maker)
+    try:
+        first = maker.make_experience_batch(fresh(samples))
+        second = maker.make_experience_batch(fresh(samples))
+    finally:
+        hook.uninstall(orl.Maker)
+    assert sorted(_by_uid(first)) == at[5] and sorted(_by_uid(second)) == at[6] and maker._cppo_step == 7
+    # without --ckpt.load_enable OpenRLHF starts over, and so does the count
+    _, out = _run(orl, make_maker, make_args(*flags[:-1]), fresh(samples), cfg)
+    assert sorted(_by_uid(out)) == at[0]

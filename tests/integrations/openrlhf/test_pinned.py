@@ -93,9 +93,11 @@ def test_recipes_pair_grpo_and_cppo_with_the_same_update_batch():
             cppo = by_stem[stem]
             assert grpo["cppo"] is None and cppo["cppo"]["pruning_rate"] == 0.875
             g, c = grpo["openrlhf"], cppo["openrlhf"]
-            # the same GRPO prompt count: the launcher's allocation draws 1 / (1 - P) times more
-            same = {k for k in g if k != "ckpt.output_dir"}
+            # the same GRPO prompt count: the launcher's allocation draws 1 / (1 - P) times more;
+            # own output folders, and checkpoints about equally often in time (CPPO's steps are longer)
+            same = {k for k in g if k not in ("ckpt.output_dir", "ckpt.path", "ckpt.save_steps")}
             assert {k: g[k] for k in same} == {k: c[k] for k in same}
+            assert g["ckpt.load_enable"] is True and c["ckpt.save_steps"] < g["ckpt.save_steps"]
 
 
 def test_bad_flags_and_recipes_are_named(tmp_path):

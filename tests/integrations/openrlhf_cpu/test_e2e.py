@@ -16,9 +16,8 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import subprocess
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -68,15 +67,24 @@ def workdir(tmp_path_factory):
     return root
 
 
-def run_openrlhf(workdir: Path, name: str, *extra: str) -> dict:
-    """One ``cppo-megatron openrlhf`` run of tiny_cpu_cppo.yaml at test size, audited."""
+# a checkpoint every step (OpenRLHF's --ckpt.path is the recipe's, in the run dir), and the same
+# command resumes from the newest: OpenRLHF's own flags
+CHECKPOINTS = ("--ckpt.save_steps", "1", "--ckpt.load_enable")
+
+
+def run_openrlhf(workdir: Path, name: str, *extra: str, attempt: str = "", when=None, expect_ok: bool = True) -> dict:
+    """One ``cppo-megatron openrlhf`` run of tiny_cpu_cppo.yaml at test size, audited. The runs of
+    one resume chain share ``name`` (its run dir and checkpoints); ``attempt`` keeps their audit
+    records apart; ``when``: see tests/integrations/interrupt.run."""
+    from .. import interrupt
+
     base = yaml.safe_load((ROOT / "recipes" / "openrlhf" / "tiny_cpu_cppo.yaml").read_text())
     run_dir = workdir / name
     base["cpu"].update(model_dir=str(workdir / "model"), data_dir=str(workdir / "data"), run_dir=str(run_dir),
                        eval_problems=8, eval_before_train=False, max_steps=STEPS)
     recipe = workdir / f"{name}.yaml"
     recipe.write_text(yaml.safe_dump(base, sort_keys=False))
-    audit_dir = workdir / f"{name}_audit"
+    audit_dir = workdir / f"{name}_audit{attempt}"
     args = [
         sys.executable, "-m", "cppo_megatron.cli", "openrlhf", str(recipe),
         "--reward.remote_url", str(workdir / "reward_digits.py"),
@@ -86,12 +94,15 @@ def run_openrlhf(workdir: Path, name: str, *extra: str) -> dict:
         *extra,
     ]  # fmt: skip
     env = {**os.environ, "CPPO_OPENRLHF_AUDIT": str(audit_dir), "PYTHONHASHSEED": "0"}
-    out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900, cwd=workdir)
-    log = out.stdout + out.stderr
-    assert out.returncode == 0, log[-8000:]
+    out = interrupt.run(args, env=env, cwd=workdir, log_path=workdir / f"{name}{attempt}.log",
+                        when=when(audit_dir, run_dir) if when else None)
+    if expect_ok:
+        assert out.returncode == 0, out.log[-8000:]
     from cppo_megatron.integrations.openrlhf import audit, metrics
 
-    return {"audit": audit.read(audit_dir), "metrics": metrics.read(run_dir / "metrics.jsonl"), "log": log}
+    path = run_dir / "metrics.jsonl"
+    return {"audit": audit.read(audit_dir) if audit_dir.is_dir() else [],
+            "metrics": metrics.read(path) if path.is_file() else [], "log": out.log, "run": out, "run_dir": run_dir}
 
 
 def by_kind(records, kind):
@@ -137,39 +148,17 @@ def check_run(run, *, pruning_rate):
     records = run["audit"]
     prunes, trains, weights = by_kind(records, "prune"), by_kind(records, "train"), by_kind(records, "weights")
     assert [p["step"] for p in prunes] == list(range(STEPS)), [p["step"] for p in prunes]
-    keep = round(G * (1 - pruning_rate))
-    prompts = PROMPTS * G // keep  # allocation
     for hook_step, pr in enumerate(prunes):
         step = hook_step + 1  # the actors count their ppo_train calls from 1
-        assert len(pr["rows"]) == prompts * G
-        # groups are the prompts' runs, found independently of the hook
-        assert pr["group_ids"] == independent_groups(pr["prompts"])
-        assert len(set(pr["prompts"])) == prompts
-        # the core's survivors, recomputed here from the recorded rewards...
-        kept = core_survivors(pr["group_ids"], pr["rewards"], hook_step, pruning_rate)
-        assert sorted(pr["selected"]) == kept
-        assert sorted(pr["survivors"]) == kept  # nothing topped up at these sizes
-        assert len(kept) == PROMPTS * G  # allocation: the survivors fill GRPO's batch
-        # ...are exactly the rows that reached the actors' loss: each once, over both ranks
-        step_trains = [t for t in trains if t["step"] == step]
-        assert {t["rank"] for t in step_trains} == {0, 1}
-        trained = [row for t in step_trains for row in t["rows"]]
-        assert sorted(trained) == kept, (step, sorted(trained), kept)
-        # each trained row carries its FULL-group advantage (not one recomputed on survivors)
-        full = full_group_advantages(pr["group_ids"], pr["rewards"])
-        for t in step_trains:
-            for row, adv in zip(t["rows"], t["advantages"]):
-                assert adv == pytest.approx(full[row], abs=2e-3), (step, row)
-            assert math.isfinite(t["policy_loss"])
-            # the rollout engine's log-probs came back (is_correction_level) and match the
-            # actor's old-policy log-probs of the same weights up to bf16 noise
-            assert t["rollout_vs_old_max_abs"] is not None and t["rollout_vs_old_max_abs"] < 0.5
+        check_step(pr, [t for t in trains if t["step"] == step], pruning_rate=pruning_rate)
         # the update moved every rank's weights, identically (ZeRO-2: one model)
         step_weights = [w for w in weights if w["step"] == step]
         assert len(step_weights) == 2
         for w in step_weights:
             assert w["after"] != w["before"]
         assert step_weights[0]["after"] == pytest.approx(step_weights[1]["after"], rel=1e-6)
+    keep = round(G * (1 - pruning_rate))
+    prompts = PROMPTS * G // keep  # allocation
     metrics = {m["step"]: m for m in run["metrics"]}
     for step in range(1, STEPS + 1):
         m = metrics[step]
@@ -177,6 +166,36 @@ def check_run(run, *, pruning_rate):
         assert m["cppo/num_pruned"] == prompts * G - PROMPTS * G
         assert m["timing/generation"] > 0 and m["timing/ppo_train"] > 0 and m["timing/broadcast"] > 0
     check_syncs(records)
+
+
+def check_step(pr, step_trains, *, pruning_rate):
+    """One step: the hook's groups, the core's survivors for the step's seed (``pr["step"]``, the
+    hook's count: OpenRLHF's global step before this one), exactly those rows in both ranks'
+    loss, each with its full-group advantage."""
+    keep = round(G * (1 - pruning_rate))
+    prompts = PROMPTS * G // keep  # allocation
+    assert len(pr["rows"]) == prompts * G
+    # groups are the prompts' runs, found independently of the hook
+    assert pr["group_ids"] == independent_groups(pr["prompts"])
+    assert len(set(pr["prompts"])) == prompts
+    # the core's survivors, recomputed here from the recorded rewards...
+    kept = core_survivors(pr["group_ids"], pr["rewards"], pr["step"], pruning_rate)
+    assert sorted(pr["selected"]) == kept
+    assert sorted(pr["survivors"]) == kept  # nothing topped up at these sizes
+    assert len(kept) == PROMPTS * G  # allocation: the survivors fill GRPO's batch
+    # ...are exactly the rows that reached the actors' loss: each once, over both ranks
+    assert {t["rank"] for t in step_trains} == {0, 1}
+    trained = [row for t in step_trains for row in t["rows"]]
+    assert sorted(trained) == kept, (pr["step"], sorted(trained), kept)
+    # each trained row carries its FULL-group advantage (not one recomputed on survivors)
+    full = full_group_advantages(pr["group_ids"], pr["rewards"])
+    for t in step_trains:
+        for row, adv in zip(t["rows"], t["advantages"]):
+            assert adv == pytest.approx(full[row], abs=2e-3), (pr["step"], row)
+        assert math.isfinite(t["policy_loss"])
+        # the rollout engine's log-probs came back (is_correction_level) and match the
+        # actor's old-policy log-probs of the same weights up to bf16 noise
+        assert t["rollout_vs_old_max_abs"] is not None and t["rollout_vs_old_max_abs"] < 0.5
 
 
 def check_syncs(records):
@@ -191,9 +210,12 @@ def check_syncs(records):
     assert sent[0]["hashes"] != sent[1]["hashes"]  # the second update moved the weights again
 
 
+CPPO = ("--cppo.pruning_rate", str(P), *CHECKPOINTS)
+
+
 @pytest.fixture(scope="module")
 def cppo_run(workdir):
-    return run_openrlhf(workdir, "cppo", "--cppo.pruning_rate", str(P))
+    return run_openrlhf(workdir, "cppo", *CPPO)
 
 
 def test_cppo_trains_the_core_survivors_with_full_group_advantages(cppo_run):
@@ -203,3 +225,99 @@ def test_cppo_trains_the_core_survivors_with_full_group_advantages(cppo_run):
 def test_grpo_through_the_same_hook_trains_every_row(workdir):
     run = run_openrlhf(workdir, "grpo", "--cppo.pruning_rate", "0.0")
     check_run(run, pruning_rate=0.0)
+
+
+# ------------------------------------------------------------------------------ resume and a dead worker
+def strike_during(step: int, victim: str = "driver", rank: int = 0):
+    """``when`` for ``run_openrlhf``: strike once OpenRLHF's checkpoint of ``step - 1`` is the
+    newest (its ``latest`` tag) and step ``step`` has reached the hook (rollout done, update not):
+    SIGKILL the command ("driver") or the Ray actor process of actor rank ``rank`` ("actor")."""
+    from .. import interrupt
+
+    def when(audit_dir, run_dir):
+        from cppo_megatron.integrations.openrlhf import audit
+
+        latest = run_dir / "ckpt" / "checkpoints" / "_actor" / "latest"
+
+        def check():
+            if not (latest.is_file() and latest.read_text().strip() == f"global_step{step - 1}"):
+                return None
+            recs = audit.read(audit_dir) if audit_dir.is_dir() else []
+            if not any(r["kind"] == "prune" and r["step"] == step - 1 for r in recs):
+                return None
+            if victim == "driver":
+                return interrupt.kill_driver
+            (worker,) = [r for r in recs if r["kind"] == "actor_worker" and r["rank"] == rank]
+            return interrupt.kill_pid(worker["pid"], f"actor rank {rank}, Ray actor {worker['actor_id']}")
+
+        return check
+
+    return when
+
+
+@pytest.fixture(scope="module")
+def chain(workdir):
+    """The run of ``cppo_run`` three times in one run dir: actor rank 1 SIGKILLed during step 2
+    (after step 1's checkpoint); the same command, its driver SIGKILLed during step 2 again; the
+    same command, to the end."""
+    dead = run_openrlhf(workdir, "chain", *CPPO, attempt="1", when=strike_during(2, "actor", 1), expect_ok=False)
+    killed = run_openrlhf(workdir, "chain", *CPPO, attempt="2", when=strike_during(2, "driver"), expect_ok=False)
+    return [dead, killed, run_openrlhf(workdir, "chain", *CPPO, attempt="3")]
+
+
+# a dead actor rank ends the run by itself: measured 10-40 s on a loaded 2-core machine
+DEAD_WORKER_EXIT_S = 180
+
+
+def test_a_dead_actor_rank_ends_the_run_with_a_message_naming_it(chain):
+    from cppo_megatron.integrations import watchdog
+
+    dead = chain[0]["run"]
+    assert dead.struck is not None and dead.struck.startswith("pid "), dead.log[-3000:]
+    assert dead.returncode not in (0, -9) and dead.exit_after_strike_s < DEAD_WORKER_EXIT_S, dead.log[-3000:]
+    print(f"dead worker: exit status {dead.returncode}, {dead.exit_after_strike_s:.1f} s after the kill")  # -rP
+    pid = dead.struck.split()[1]
+    lines = [ln for ln in dead.log.splitlines() if ln.startswith(watchdog.PREFIX)]
+    assert lines and all(f"pid {pid}" in ln for ln in lines), lines or dead.log[-3000:]
+    assert any("PolicyModelActor" in ln and "Rerun the same command to resume from step 1" in ln for ln in lines), lines
+
+
+def test_resume_after_a_dead_worker_and_a_sigkill_continues_the_run(cppo_run, chain):
+    """What OpenRLHF determines across the restarts, compared (see docs/integrations/openrlhf.md,
+    "Checkpoints and resume"): the steps and their seeds, the prompts, survivors and advantages,
+    weights and optimizer states. Not compared with ``cppo_run``: OpenRLHF draws its prompt order
+    from an unseeded sampler in the trainer process and vLLM samples from its engine seed, so two
+    fresh runs already differ; the chain is compared with itself across each restart."""
+    dead, killed, done = chain
+    assert killed["run"].struck == "driver" and killed["run"].returncode == -9
+    prunes = [by_kind(a["audit"], "prune") for a in chain]
+    # the dead and the killed attempt reached step 2's hook; each restart decides step 2 again, seeded as step 2
+    assert [[p["step"] for p in pr] for pr in prunes] == [[0, 1], [1], [1]]
+    trains = [by_kind(a["audit"], "train") for a in chain]
+    assert {t["step"] for t in trains[0]} == {1} and trains[1] == [] and {t["step"] for t in trains[2]} == {2}
+    check_step(prunes[0][0], trains[0], pruning_rate=P)
+    check_step(prunes[2][0], trains[2], pruning_rate=P)
+    # step 2 draws the same prompts in every attempt (the dataloader state of step 1's checkpoint)
+    step2 = [Counter(pr[-1]["prompts"]) for pr in prunes]
+    assert step2[0] == step2[1] == step2[2]
+    # over the chain every prompt of the data set (--data.max_samples = 2 steps' worth) is trained
+    # exactly once, as in the straight run
+    trained = [set(prunes[0][0]["prompts"]), set(prunes[2][0]["prompts"])]
+    assert not trained[0] & trained[1]
+    assert trained[0] | trained[1] == {p for pr in by_kind(cppo_run["audit"], "prune") for p in pr["prompts"]}
+    # each restart: OpenRLHF broadcasts the loaded weights first, bit-identical to what the dead
+    # attempt sent after step 1; every rank loads the optimizer state it saved
+    sent = {s["step"]: s["hashes"] for s in by_kind(dead["audit"], "sync_actor")}
+    saved = {c["rank"]: c for c in by_kind(dead["audit"], "checkpoint") if c["op"] == "save"}
+    assert sorted(saved) == [0, 1] and {c["tag"] for c in saved.values()} == {"global_step1"}
+    for attempt in (killed, done):
+        first = by_kind(attempt["audit"], "sync_actor")[0]
+        assert first["step"] == 1 and first["hashes"] == sent[1]
+        loads = {c["rank"]: c for c in by_kind(attempt["audit"], "checkpoint") if c["op"] == "load"}
+        assert sorted(loads) == [0, 1]
+        for rank, c in loads.items():
+            assert c["tag"] == "global_step1" and c["optimizer"]["tensors"] > 0
+            assert c["optimizer"] == saved[rank]["optimizer"], rank
+    # OpenRLHF logged the last attempt's step as step 2 and saved its checkpoint
+    assert [m["step"] for m in done["metrics"]][-1] == STEPS
+    assert (done["run_dir"] / "ckpt" / "checkpoints" / "_actor" / "latest").read_text().strip() == f"global_step{STEPS}"

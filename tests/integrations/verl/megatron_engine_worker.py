@@ -111,6 +111,7 @@ def engine_log_probs(engine, seqs, packed: bool) -> list[list[float]]:
 
 def seams_installed() -> dict:
     """Which of the CPU mode's Megatron seams this process has (test_cpu_megatron_engine.PROBE)."""
+    import megatron.core.optimizer.distrib_optimizer as dopt
     import megatron.core.transformer.dot_product_attention as dpa
     import torch
     import verl.workers.engine.megatron.transformer_impl as impl
@@ -138,6 +139,8 @@ def seams_installed() -> dict:
         "attention": hasattr(dpa.DotProductAttention.forward, "__cppo_cpu__"),
         "seed": hasattr(impl.set_random_seed, "__cppo_cpu__"),
         "methods": hasattr(impl.MegatronEngine.forward_backward_batch, "__cppo_cpu__"),
+        "optimizer_state": all(hasattr(getattr(dopt.DistributedOptimizer, m), "__cppo_cpu__")
+                               for m in ("state_dict", "load_state_dict")),
         "current_device": str(torch.cuda.current_device()) if hasattr(torch.cuda.current_device, "__cppo_cpu__")
         else None,
         **extra,
@@ -155,21 +158,8 @@ def run_one(model_dir: str, tp: int, packed: bool, thread: bool) -> dict:
     """Build the engine (veRL's way), infer, export, step, infer; the result on output ranks."""
     import torch
     import torch.distributed as dist
-    from verl.trainer.config import CheckpointConfig
-    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
-    from verl.workers.engine.base import EngineRegistry
 
-    cls = EngineRegistry.get_engine_cls("language_model", "megatron")
-    engine = cls(
-        model_config=HFModelConfig(path=model_dir),
-        engine_config=McoreEngineConfig(tensor_model_parallel_size=tp, vanilla_mbridge=VANILLA, use_mbridge=True,
-                                        pipeline_model_parallel_size=PP,
-                                        use_remove_padding=packed, use_distributed_optimizer=True, seed=1,
-                                        override_transformer_config={"attention_backend": "local"}),
-        optimizer_config=McoreOptimizerConfig(lr=1e-2, clip_grad=1.0, lr_warmup_steps=0, total_training_steps=10),
-        checkpoint_config=CheckpointConfig(),
-    )
-    engine.initialize()
+    engine = build_engine(model_dir, tp, packed)
     seqs = batch(19, [5, 9, 12, 7])
     result: dict = {"rank": dist.get_rank(), "engine": type(engine).__name__, "dp": engine.get_data_parallel_size(),
                     "packed": packed, "thread": thread}
@@ -221,8 +211,74 @@ def run_one(model_dir: str, tp: int, packed: bool, thread: bool) -> dict:
     return result
 
 
+def build_engine(model_dir: str, tp: int, packed: bool):
+    """veRL's Megatron engine as its worker builds it (the LR schedule restored with a checkpoint)."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
+    from verl.workers.engine.base import EngineRegistry
+
+    cls = EngineRegistry.get_engine_cls("language_model", "megatron")
+    engine = cls(
+        model_config=HFModelConfig(path=model_dir),
+        engine_config=McoreEngineConfig(tensor_model_parallel_size=tp, vanilla_mbridge=VANILLA, use_mbridge=True,
+                                        pipeline_model_parallel_size=PP,
+                                        use_remove_padding=packed, use_distributed_optimizer=True, seed=1,
+                                        override_transformer_config={"attention_backend": "local"}),
+        optimizer_config=McoreOptimizerConfig(lr=1e-2, clip_grad=1.0, lr_warmup_steps=0, total_training_steps=10,
+                                              use_checkpoint_opt_param_scheduler=True),
+        checkpoint_config=CheckpointConfig(),
+    )
+    engine.initialize()
+    return engine
+
+
+def run_resume(model_dir: str, tp: int, ckpt_dir: str) -> dict:
+    """Exact resume of the engine: A steps, saves, steps again; B (a new engine) loads A's
+    checkpoint and takes the same second step. Per rank: the optimizer's fingerprint after A's
+    save and after B's load, and the log-probs after each one's second step."""
+    import torch
+    import torch.distributed as dist
+
+    from cppo_megatron.integrations.records import optimizer_fingerprint
+
+    seqs = batch(19, [5, 9, 12, 7])
+    second = batch(19, [8, 6, 11, 4], seed=1)
+
+    def loss_fn(model_output, data, dp_group=None):
+        rows = model_output["log_probs"].unbind()
+        loss = -torch.cat([r[:-1] for r in rows]).float().mean()
+        return loss, {"loss": float(loss.detach())}
+
+    def step(engine, data):  # one update as veRL's worker runs it: the batch, then the LR schedule
+        with engine.train_mode():
+            engine.train_batch(engine_inputs(data, packed=False), loss_function=loss_fn)
+        engine.lr_scheduler_step()
+
+    out: dict = {"rank": dist.get_rank(), "dp": None}
+    a = build_engine(model_dir, tp, packed=False)
+    out["dp"] = a.get_data_parallel_size()
+    step(a, seqs)
+    a.save_checkpoint(ckpt_dir, global_step=1)
+    out["saved"] = optimizer_fingerprint(a.optimizer)
+    step(a, second)
+    out["a_after"] = optimizer_fingerprint(a.optimizer)
+    with a.eval_mode():
+        out["a_log_probs"] = engine_log_probs(a, seqs, False)
+    dist.barrier()
+    b = build_engine(model_dir, tp, packed=False)
+    b.load_checkpoint(ckpt_dir, del_local_after_load=False)
+    out["loaded"] = optimizer_fingerprint(b.optimizer)
+    out["b_scheduler_steps"] = int(b.lr_scheduler.num_steps) if b.lr_scheduler is not None else None
+    step(b, second)
+    out["b_after"] = optimizer_fingerprint(b.optimizer)
+    with b.eval_mode():
+        out["b_log_probs"] = engine_log_probs(b, seqs, False)
+    return out
+
+
 def main() -> None:
-    # RUNS: comma-separated PACKED:THREAD pairs, one engine each, in this process (e.g. "1:1,0:0")
+    # RUNS: comma-separated PACKED:THREAD pairs, one engine each, in this process (e.g. "1:1,0:0");
+    # "resume:DIR" runs run_resume with its checkpoint in DIR
     model_dir, out_path, tp, runs = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     os.environ["VERL_PLATFORM"] = "cpu"
     import torch.distributed as dist
@@ -232,6 +288,13 @@ def main() -> None:
     dist.init_process_group("gloo")
     out = {"seams": seams_installed(), "runs": []}
     for spec in runs.split(","):
+        if spec.startswith("resume:"):
+            result = run_resume(model_dir, tp, spec.split(":", 1)[1])
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, result)  # every rank's optimizer shard, on every rank
+            out["runs"].append({"resume": gathered, "log_probs": True})  # every output rank writes the same
+            dist.barrier()
+            continue
         packed, thread = (x == "1" for x in spec.split(":"))
         out["runs"].append(run_one(model_dir, tp, packed, thread))
         dist.barrier()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from collections import defaultdict
 
@@ -28,6 +27,8 @@ pytestmark = pytest.mark.verl
 G, PROMPTS, P = 8, 4, 0.75  # 4 prompts x G=8; CPPO keeps 2 of 8 and allocates 16 prompts
 STEPS = 2
 EPS = 1e-6  # veRL's GRPO epsilon, the core's default
+# a checkpoint every step, and the same command resumes from the newest: veRL's own settings
+CHECKPOINTS = ("trainer.save_freq=1", "trainer.resume_mode=auto")
 
 
 def export_tiny_model(out):
@@ -48,9 +49,10 @@ def tiny_model(tmp_path_factory):
     return export_tiny_model(tmp_path_factory.mktemp("model"))
 
 
-def run_verl(recipe: str, tmp, model_dir, *overrides: str) -> dict:
-    audit_dir, run_dir = tmp / "audit", tmp / "run"
-    args = [
+def verl_command(recipe: str, tmp, model_dir, *overrides: str) -> list[str]:
+    """The `cppo-megatron verl` command of a CI run: the recipe at test size, run dir ``tmp/run``."""
+    run_dir = tmp / "run"
+    return [
         sys.executable, "-m", "cppo_megatron.integrations.verl.main", str(ROOT / "recipes" / "verl" / recipe),
         f"cppo_cpu.model_dir={model_dir}", f"cppo_cpu.data_dir={tmp / 'data'}", f"cppo_cpu.run_dir={run_dir}",
         "cppo_cpu.eval_problems=16",
@@ -62,14 +64,28 @@ def run_verl(recipe: str, tmp, model_dir, *overrides: str) -> dict:
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={G}",
         *overrides,
     ]
-    env = {**os.environ, "CPPO_VERL_AUDIT": str(audit_dir), "PYTHONHASHSEED": "0"}
-    out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900, cwd=tmp)
-    log = out.stdout + out.stderr
-    assert out.returncode == 0, log[-6000:]
+
+
+def run_verl(recipe: str, tmp, model_dir, *overrides: str, attempt: str = "", when=None,
+             expect_ok: bool = True) -> dict:
+    """One run; ``attempt`` names its audit folder (``audit{attempt}``) so that the runs of one
+    resume chain, which share ``tmp/run``, keep apart records; ``when``: see interrupt.run."""
     from cppo_megatron.integrations.verl import audit
 
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {"metrics": {m["step"]: m["data"] for m in metrics}, "audit": audit.read(audit_dir), "log": log}
+    from .. import interrupt
+
+    audit_dir, run_dir = tmp / f"audit{attempt}", tmp / "run"
+    env = {**os.environ, "CPPO_VERL_AUDIT": str(audit_dir), "PYTHONHASHSEED": "0"}
+    out = interrupt.run(verl_command(recipe, tmp, model_dir, *overrides), env=env, cwd=tmp,
+                        log_path=tmp / f"log{attempt}.txt", when=when(audit_dir, run_dir) if when else None)
+    if expect_ok:
+        assert out.returncode == 0, out.log[-6000:]
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    metrics = [json.loads(line) for line in lines if line.strip()]
+    # the metrics file is shared by a chain's runs: a step logged twice keeps its last value
+    return {"metrics": {m["step"]: m["data"] for m in metrics}, "audit": audit.read(audit_dir) if audit_dir.is_dir()
+            else [], "log": out.log, "run": out, "run_dir": run_dir}
 
 
 def by_step(records, kind):
@@ -152,14 +168,50 @@ def check_syncs(records):
     assert all(a != b for a, b in zip(prints[-STEPS - 1:], prints[-STEPS:])), prints  # each update moved the weights
 
 
+V1_CPPO = ("tiny_cpu_cppo.yaml", f"cppo.pruning_rate={P}", "trainer.use_v1=true", *CHECKPOINTS)
+
+
 @pytest.fixture(scope="module")
 def v1_cppo(tiny_model, tmp_path_factory):
-    return run_verl("tiny_cpu_cppo.yaml", tmp_path_factory.mktemp("v1_cppo"), tiny_model, f"cppo.pruning_rate={P}",
-                    "trainer.use_v1=true")
+    recipe, *overrides = V1_CPPO
+    return run_verl(recipe, tmp_path_factory.mktemp("v1_cppo"), tiny_model, *overrides)
 
 
 def test_v1_cppo_trains_the_core_survivors_with_full_group_advantages(v1_cppo):
     check_run(v1_cppo, pruning_rate=P, loop="v1")
+
+
+@pytest.fixture(scope="module")
+def v1_resumed(tiny_model, tmp_path_factory):
+    """The run of ``v1_cppo`` three times in one run dir: its worker (rank 0, this recipe's one
+    FSDP rank) SIGKILLed during step 2, after step 1's checkpoint; the same command, its driver
+    SIGKILLed during step 2 again; the same command, to the end."""
+    from . import resume
+
+    recipe, *overrides = V1_CPPO
+    tmp = tmp_path_factory.mktemp("v1_resume")
+    dead = run_verl(recipe, tmp, tiny_model, *overrides, attempt="1", when=resume.strike_during(2, "worker", rank=0),
+                    expect_ok=False)
+    killed = run_verl(recipe, tmp, tiny_model, *overrides, attempt="2", when=resume.strike_during(2),
+                      expect_ok=False)
+    assert killed["run"].struck == "driver" and killed["run"].returncode == -9, killed["log"][-3000:]
+    return [dead, killed, run_verl(recipe, tmp, tiny_model, *overrides, attempt="3")]
+
+
+def test_v1_a_dead_worker_rank_ends_the_run_with_a_message_naming_it(v1_resumed):
+    from . import resume
+
+    resume.check_dead_worker(v1_resumed[0], rank=0, resume_from=1)
+
+
+def test_v1_resume_after_a_dead_worker_and_a_sigkill_of_the_driver_continues_the_run(v1_cppo, v1_resumed):
+    from . import resume
+
+    resume.check_chain(v1_cppo, v1_resumed, kills=[1, 1], steps=STEPS, pruning_rate=P, prompts_per_step=PROMPTS)
+    resumed = v1_resumed[-1]
+    # veRL logged the resumed run's step as step 2, and continued its LR schedule
+    assert resumed["metrics"][2]["training/global_step"] == 2
+    assert resumed["metrics"][2]["actor/lr"] == v1_cppo["metrics"][2]["actor/lr"]
 
 
 def test_v1_grpo_through_the_same_path_keeps_every_row(tiny_model, tmp_path_factory):

@@ -15,10 +15,21 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 
 import pytest
 
-from .test_cpu_e2e import PROMPTS, STEPS, G, by_step, core_survivors, export_tiny_model, full_group_advantages, run_verl
+from .test_cpu_e2e import (
+    CHECKPOINTS,
+    PROMPTS,
+    STEPS,
+    G,
+    by_step,
+    core_survivors,
+    export_tiny_model,
+    full_group_advantages,
+    run_verl,
+)
 
 pytestmark = pytest.mark.verl
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (extra: megatron)")
@@ -44,9 +55,12 @@ def tiny_model(tmp_path_factory):
     return out
 
 
+V1_CPPO = (f"cppo.pruning_rate={P}", *CHECKPOINTS)
+
+
 @pytest.fixture(scope="module")
 def v1_cppo(tiny_model, tmp_path_factory):
-    return run_verl(RECIPE, tmp_path_factory.mktemp("mv1"), tiny_model, f"cppo.pruning_rate={P}")
+    return run_verl(RECIPE, tmp_path_factory.mktemp("mv1"), tiny_model, *V1_CPPO)
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +153,37 @@ def test_legacy_grpo_megatron_tp2_dp2_padded_keeps_every_row(legacy_grpo, tiny_m
     check_rows_and_advantages(legacy_grpo, pruning_rate=0.0, loop="legacy")
     check_dp_loads(legacy_grpo)
     check_syncs(legacy_grpo, tiny_model)
+
+
+# ------------------------------------------------------------------------------ a dead worker, resume
+# CI's share of resume-chain time goes to the FSDP and OpenRLHF chains; this one (three more
+# TP 2 x DP 2 runs, ~4 min on an idle machine) runs with RESUME_TESTS=all (docs/integrations/verl.md)
+needs_resume_all = pytest.mark.skipif(os.environ.get("RESUME_TESTS", "") != "all",
+                                      reason="the Megatron resume chain runs with RESUME_TESTS=all")
+@pytest.fixture(scope="module")
+def chain(tiny_model, tmp_path_factory):
+    """The run of ``v1_cppo`` three times in one run dir: worker rank 1 (TP peer of rank 0, DP
+    rank 0) SIGKILLed during step 2, after step 1's checkpoint; the same command, its driver
+    SIGKILLed during step 2 again; the same command, to the end."""
+    from . import resume
+
+    tmp = tmp_path_factory.mktemp("mchain")
+    dead = run_verl(RECIPE, tmp, tiny_model, *V1_CPPO, attempt="1", when=resume.strike_during(2, "worker", rank=1),
+                    expect_ok=False)
+    killed = run_verl(RECIPE, tmp, tiny_model, *V1_CPPO, attempt="2", when=resume.strike_during(2, "driver"),
+                      expect_ok=False)
+    return [dead, killed, run_verl(RECIPE, tmp, tiny_model, *V1_CPPO, attempt="3")]
+
+
+@needs_resume_all
+def test_a_dead_worker_rank_ends_the_run_with_a_message_naming_it(chain):
+    from . import resume
+
+    resume.check_dead_worker(chain[0], rank=1, resume_from=1)
+
+
+@needs_resume_all
+def test_resume_after_a_dead_worker_and_a_sigkill_tp2_dp2(v1_cppo, chain):
+    from . import resume
+
+    resume.check_chain(v1_cppo, chain, kills=[1, 1], steps=STEPS, pruning_rate=P, prompts_per_step=PROMPTS)

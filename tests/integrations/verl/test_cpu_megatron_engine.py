@@ -135,18 +135,42 @@ def test_engine_tp2_padded_log_probs_export_and_step(padded, packed_on_thread):
     assert padded["grad_norm"] == pytest.approx(packed_on_thread["grad_norm"], rel=0.05)
 
 
-def test_engine_tp2_dp2_distributed_optimizer_steps_like_dp1(padded, sharp_model, tmp_path_factory):
+@pytest.fixture(scope="module")
+def tp2_dp2(sharp_model, tmp_path_factory):
+    """One launch, 4 ranks (TP 2 x DP 2): a padded engine, then the checkpoint resume run."""
+    if ROUTE == "megatron-bridge":  # CI time: DP 2 with the distributed optimizer runs in the V1 loop there
+        pytest.skip("Megatron-Bridge: TP 2 x DP 2 runs in test_cpu_megatron_bridge.py's V1 CPPO run")
+    tmp = tmp_path_factory.mktemp("eng")
+    return run_engine(sharp_model, tmp, f"0:0,resume:{tmp / 'ckpt'}", world=4)["runs"]
+
+
+def test_engine_tp2_dp2_distributed_optimizer_steps_like_dp1(padded, tp2_dp2):
     """TP 2 x DP 2 (4 ranks) with veRL's default distributed optimizer (optimizer state and the
     fp32 main weights sharded over DP, gradients reduce-scattered, weights all-gathered, on
     gloo): both DP ranks get the same batch, so the step must equal the DP 1 run's exactly."""
-    if ROUTE == "megatron-bridge":  # CI time: DP 2 with the distributed optimizer runs in the V1 loop there
-        pytest.skip("Megatron-Bridge: TP 2 x DP 2 runs in test_cpu_megatron_bridge.py's V1 CPPO run")
-    r = run_engine(sharp_model, tmp_path_factory.mktemp("eng"), "0:0", world=4)["runs"][0]
+    r = tp2_dp2[0]
     assert r["dp"] == 2 and padded["dp"] == 1
     assert r["log_probs"] == padded["log_probs"]
     assert r["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-6)
     assert max(abs(a - b) for x, y in zip(r["after"], padded["after"]) for a, b in zip(x, y)) <= 1e-6
     assert r["tp_replica_max_diff"] == 0.0 and r["sent_equal"] == padded["sent_equal"]
+
+
+def test_engine_resumes_exactly_from_its_checkpoint_tp2_dp2(tp2_dp2):
+    """veRL's Megatron checkpoint, saved after one step and loaded into a new engine, continues
+    exactly: every rank's optimizer shard (moments, Adam step, lr) is what it saved, the LR
+    schedule continues, and the next step gives the same weights (log-probs) as the engine that
+    never stopped. Without CPU seam 7 the load fails (AssertionError, distrib_optimizer.py:642) or,
+    with the shared step tensor of distrib_optimizer.py:817-823, the step after it uses Adam's bias
+    correction of step 16 instead of 2."""
+    ranks = tp2_dp2[1]["resume"]
+    assert [r["dp"] for r in ranks] == [2, 2, 2, 2]
+    for r in ranks:
+        assert r["saved"]["tensors"] > 0 and r["saved"]["steps"] == [1.0]
+        assert r["loaded"] == r["saved"], r["rank"]
+        assert r["b_scheduler_steps"] == 1
+        assert r["a_after"]["steps"] == [2.0] and r["b_after"] == r["a_after"], r["rank"]
+        assert r["b_log_probs"] == r["a_log_probs"]
 
 
 PROBE = r"""
@@ -169,16 +193,17 @@ def probe(platform):
 
 
 def test_megatron_seams_installed_only_in_cpu_mode(tp2):
-    # with VERL_PLATFORM=cpu (the engine run's processes): all six (Megatron-Bridge: and the TE
+    # with VERL_PLATFORM=cpu (the engine run's processes): all seven (Megatron-Bridge: and the TE
     # placeholder, gone from sys.modules after the two modules that import TE)
     bridge = {"te_placeholder": True} if ROUTE == "megatron-bridge" else {}
     assert tp2["seams"] == {"cpu_engine": True, "cpu_value_engine": True, "layer_spec": True,
-                            "attention": True, "seed": True, "methods": True, "current_device": "cpu", **bridge}
+                            "attention": True, "seed": True, "methods": True, "optimizer_state": True,
+                            "current_device": "cpu", **bridge}
     if ROUTE == "megatron-bridge":
         return  # without the CPU mode `import megatron.bridge` fails here: Transformer Engine is CUDA-only
     off = probe(None)  # a GPU machine's veRL (no VERL_PLATFORM): nothing of it
     assert off == {"cpu_engine": False, "cpu_value_engine": False, "layer_spec": False, "attention": False,
-                   "seed": False, "methods": False, "current_device": None}
+                   "seed": False, "methods": False, "optimizer_state": False, "current_device": None}
 
 
 # ------------------------------------------------------------------------------ pieces, in-process

@@ -35,6 +35,18 @@ platform is ``cpu`` and CUDA is absent — on a GPU nothing changes.
    builds the full mask — causal | key padding for ``[b, s]`` masks, block-diagonal causal from
    ``cu_seqlens`` for packed (``thd``) inputs — and uses megatron-core's torch softmax (its fused
    kernel is CUDA-only: ``fusions/fused_softmax.py:254``).
+7. ``optimizer_state_before_first_step``: without Transformer Engine or Apex, megatron-core's
+   ``DistributedOptimizer.state_dict`` reads the Adam ``step`` from the per-parameter states and
+   asserts there is exactly one (``megatron/core/optimizer/distrib_optimizer.py:641-642``). Loading a
+   checkpoint (veRL's resume: ``megatron_checkpoint_manager.py:945`` -> ``sharded_state_dict`` ->
+   ``distrib_optimizer.py:1246``) calls it on a fresh optimizer, which has no states yet, so every
+   resume failed with a bare ``AssertionError``. On CPU an optimizer without states reports step 0,
+   as torch's Adam does before its first step. And ``load_state_dict`` on that path gives every
+   parameter's state ONE shared ``step`` tensor (``distrib_optimizer.py:817-823``), which torch's Adam
+   then increments in place once per parameter (15-16 per update on each rank of the TP 2 x DP 2
+   test model: bias corrections of step 16 instead of 2), and the parameter-state load copies into
+   it (``:936-940``): a resumed run trained with other updates than a run never stopped. On CPU,
+   after the load every parameter state gets its own ``step``: the checkpoint's (its param groups').
 """
 
 from __future__ import annotations
@@ -53,6 +65,7 @@ from ...importhook import after_import
 
 __all__ = [
     "ATTENTION_MODULE",
+    "DISTRIB_OPTIMIZER_MODULE",
     "ENGINE_MODULE",
     "LLM_BRIDGE_MODULE",
     "MEGATRON_ENGINES",
@@ -70,6 +83,7 @@ _MARK = "__cppo_cpu__"
 ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 LLM_BRIDGE_MODULE = "mbridge.core.llm_bridge"
 ATTENTION_MODULE = "megatron.core.transformer.dot_product_attention"
+DISTRIB_OPTIMIZER_MODULE = "megatron.core.optimizer.distrib_optimizer"
 # veRL 0.9.1's Megatron engine classes, by registry model type
 MEGATRON_ENGINES = {"language_model": "MegatronEngineWithLMHead", "value_model": "MegatronEngineWithValueHead"}
 
@@ -453,12 +467,64 @@ def _patch_attention(module) -> None:
         cls.forward = _cpu_attention(current)
 
 
+# ------------------------------------------------------------------------ 7. optimizer state at load
+def _state_dict_before_first_step(original, module):
+    @functools.wraps(original)
+    def state_dict(self):
+        if not needed() or module.HAVE_APEX_OR_TE or len(self.optimizer.state) > 0:
+            return original(self)
+        # distrib_optimizer.py:641-642 takes 'step' from the per-parameter states; a fresh
+        # optimizer (a checkpoint about to be loaded into it) has none: step 0, as torch's Adam
+        inner = self.optimizer.state_dict()
+        out: dict[str, Any] = {"optimizer": {k: v for k, v in inner.items() if k != "state"}}
+        for group in out["optimizer"]["param_groups"]:
+            del group["params"]
+            group["step"] = 0
+        if self.grad_scaler:
+            out["grad_scaler"] = self.grad_scaler.state_dict()
+        return out
+
+    setattr(state_dict, _MARK, original)
+    return state_dict
+
+
+def _own_step_per_parameter(original, module):
+    @functools.wraps(original)
+    def load_state_dict(self, state_dict):
+        out = original(self, state_dict)
+        if not needed() or module.HAVE_APEX_OR_TE or "optimizer" not in state_dict:
+            return out
+        steps = {g["step"] for g in state_dict["optimizer"].get("param_groups", []) if "step" in g}
+        if len(steps) == 1:  # distrib_optimizer.py:817-823 shares one tensor among all states
+            step = float(steps.pop())
+            for st in self.optimizer.state.values():
+                if "step" in st:
+                    st["step"] = torch.tensor(step, dtype=torch.float32)
+        return out
+
+    setattr(load_state_dict, _MARK, original)
+    return load_state_dict
+
+
+def _patch_distrib_optimizer(module) -> None:
+    cls = getattr(module, "DistributedOptimizer", None)
+    names = ("state_dict", "load_state_dict")
+    if cls is None or any(n not in cls.__dict__ for n in names) or not hasattr(module, "HAVE_APEX_OR_TE"):
+        raise RuntimeError("cppo cpu mode: megatron-core DistributedOptimizer.state_dict / load_state_dict are gone "
+                           "(pinned 0.16.1)")
+    for name, wrap in zip(names, (_state_dict_before_first_step, _own_step_per_parameter)):
+        current = cls.__dict__[name]
+        if not hasattr(current, _MARK):
+            setattr(cls, name, wrap(current, module))
+
+
 def install() -> None:
-    """Install the six seams as their modules are imported (idempotent); each acts only when
+    """Install the seven seams as their modules are imported (idempotent); each acts only when
     ``needed()``. Called by ``cpu.enable`` with ``VERL_PLATFORM=cpu``."""
     after_import(ENGINE_MODULE, _patch_engine_module)
     after_import(LLM_BRIDGE_MODULE, _patch_llm_bridge)
     after_import(ATTENTION_MODULE, _patch_attention)
+    after_import(DISTRIB_OPTIMIZER_MODULE, _patch_distrib_optimizer)
     from .megatron_bridge import install as install_bridge
 
     install_bridge()  # vanilla_mbridge: false (Megatron-Bridge, Python 3.12)

@@ -286,6 +286,7 @@ def __getattr__(name: str):
 
 
 def _make_adapter():
+    from ...records import tensor_hash
     from .. import audit
 
     BaseRollout = _adapter_base()
@@ -347,6 +348,7 @@ def _make_adapter():
                     audit.record("sync", role="rollout-adapter", global_steps=kwargs.get("global_steps"),
                                  max_abs_diff=diff, num_tensors=len(state), missing=missing,
                                  fingerprint=float(sum(float(v.double().abs().sum()) for v in state.values())),
-                                 sums={k: float(v.double().abs().sum()) for k, v in state.items()})
+                                 sums={k: float(v.double().abs().sum()) for k, v in state.items()},
+                                 hashes={k: tensor_hash(v) for k, v in state.items()})
 
     return HFServerAdapter
