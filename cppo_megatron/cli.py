@@ -144,5 +144,15 @@ def parse_command(name: str, rest: list[str]) -> tuple[object, argparse.Namespac
     return module, args
 
 
+def console() -> int:
+    """The ``cppo-megatron`` command: ``main`` with each repeated warning of the libraries it
+    drives shown once and counted at exit (a job log, not a wall of repeats); ``main`` itself,
+    which tests call in-process, changes no logging."""
+    from .integrations.logs import collapse_repeated_logs
+
+    collapse_repeated_logs()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())

@@ -304,11 +304,9 @@ def run(args: argparse.Namespace) -> Report:
 def _bar(total: int, progress: bool):
     if not progress:
         return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="bench gradient", dynamic_ncols=True)
+    from ..progress import progress
+
+    return progress(total, "bench gradient")
 
 
 def _plot(fig, rows: list[dict], points: list[int]) -> None:

@@ -125,12 +125,9 @@ def measure(recipe, rates: list[float], allocations: list[bool], steps: int, rep
     total = len(keys) * steps * repeats
     bar = None
     if progress:
-        try:
-            from tqdm.auto import tqdm
+        from ..progress import progress as progress_bar
 
-            bar = tqdm(total=total, desc="bench speedup", dynamic_ncols=True)
-        except ImportError:
-            bar = None
+        bar = progress_bar(total, "bench speedup")
     for rep in range(repeats):
         order = keys if rep % 2 == 0 else keys[::-1]  # A B C, C B A: linear drift cancels
         for k in order:

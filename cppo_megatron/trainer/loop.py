@@ -445,11 +445,9 @@ class Trainer:
     def _progress(self):
         if not self.r.log.progress or not self.is_main:
             return None
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:
-            return None
-        return tqdm(total=self.r.train.steps, initial=self.step, desc="RL", dynamic_ncols=True)
+        from ..progress import progress
+
+        return progress(self.r.train.steps, "RL", initial=self.step)
 
     def close(self) -> None:
         self.rollout.close()

@@ -70,8 +70,6 @@ def sft_warmup(model, tok, task: Task, cfg, *, device, seed: int, prompt_templat
 def _bar(total: int, enabled: bool):
     if not enabled:
         return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="warm-up (SFT)", dynamic_ncols=True, leave=False)
+    from ..progress import progress
+
+    return progress(total, "warm-up (SFT)", leave=False)

@@ -49,8 +49,10 @@ def install() -> bool:
 
         warnings.warn(f"{ENV}=1 on a machine with CUDA: the OpenRLHF CPU mode is not installed", stacklevel=2)
         return False
+    from ...logs import collapse_repeated_logs
     from . import seams, vllm_sync
 
+    collapse_repeated_logs()  # a CPU job log: each host warning once
     seams.install()
     vllm_sync.install()
     return True

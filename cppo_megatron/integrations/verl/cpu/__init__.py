@@ -57,8 +57,10 @@ def enable() -> bool:
     the Megatron engine's CPU pieces and the ``hf`` rollout registration); returns whether it did."""
     if not enabled():
         return False
+    from ...logs import collapse_repeated_logs
     from . import megatron_engine, platform, seams
 
+    collapse_repeated_logs()  # a CPU job log: each host warning once (TransferQueue's, 232 times per run)
     register_rollout()
     platform.register()
     seams.install()
