@@ -148,7 +148,10 @@ def test_v1_cppo_megatron_tp2_dp2_trains_the_core_survivors(v1_cppo, tiny_model)
     check_syncs(v1_cppo, tiny_model)
 
 
+# CI time: the legacy loop's plain GRPO on Megatron (padded attention, also checked at engine level in
+# test_cpu_megatron_engine.py) runs with E2E_TESTS=all
 @needs_mbridge
+@pytest.mark.skipif(os.environ.get("E2E_TESTS", "") != "all", reason="the legacy Megatron GRPO run runs with E2E_TESTS=all")
 def test_legacy_grpo_megatron_tp2_dp2_padded_keeps_every_row(legacy_grpo, tiny_model):
     check_rows_and_advantages(legacy_grpo, pruning_rate=0.0, loop="legacy")
     check_dp_loads(legacy_grpo)
