@@ -25,7 +25,7 @@ from ..config import CPPOConfig
 from ..core import AllocationPlanner, balance_partitions, group_advantages, select_completions, sequence_workload
 from .report import Report, median
 
-__all__ = ["OverheadSettings", "run_overhead", "load_step_seconds", "PHASES"]
+__all__ = ["OverheadSettings", "run_overhead", "load_step_seconds", "synthetic_step", "PHASES"]
 
 PHASES = ("advantage", "selection", "allocation", "balancing")
 
@@ -78,7 +78,10 @@ def load_step_seconds(value: str) -> float:
     return x
 
 
-def _synthetic_step(n: int, group_size: int, seed: int):
+def synthetic_step(n: int, group_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One seeded synthetic batch of ``n`` completions in groups of ``group_size``: binary
+    rewards [n] float32 (a per-prompt success rate), group ids [n] int64, lognormal lengths
+    [n] (8..16384 tokens), as ``(rewards, group_ids, lengths)``."""
     gen = torch.Generator().manual_seed(seed)
     prompts = -(-n // group_size)
     rate = torch.rand(prompts, generator=gen)  # per-prompt success rate
@@ -116,7 +119,7 @@ def run_overhead(s: OverheadSettings, *, log=print) -> Report:
         torch.set_num_threads(nthreads)
         try:
             for n in s.sizes:
-                rewards, gids, lengths = _synthetic_step(n, s.group_size, s.seed)
+                rewards, gids, lengths = synthetic_step(n, s.group_size, s.seed)
                 _one_pass(cfg, rewards, gids, lengths, s.group_size, s.ranks, s.equal_size, 0)  # warm-up
                 times = []
                 for r in range(s.repeats):

@@ -49,10 +49,10 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from .report import Report, median, publish
-from .study import _run_id, _write_csv, grid, plot_curves, summarize, verdict_line
+from .study_table import grid, plot_curves, run_id, summarize, verdict_line, write_csv
 
 __all__ = ["Evaluator", "arm_overrides", "default_target", "interleave", "is_verl_recipe", "phase_split", "run",
            "run_overrides", "time_to_target", "verdicts"]
@@ -128,14 +128,14 @@ class Evaluator:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from ..integrations.verl.cpu.prepare import _warmup_recipe
+        from ..recipes import resolve as resolve_recipe
         from ..rollout import HFEngine
         from ..tasks import build_task
         from ..trainer.config import load_recipe
 
         if problems < 1 or max_new_tokens < 1:
             raise ValueError(f"Evaluator: problems and max_new_tokens must be >= 1, got {problems}, {max_new_tokens}")
-        recipe = load_recipe(_warmup_recipe(warmup_recipe))
+        recipe = load_recipe(resolve_recipe(warmup_recipe, host="train"))  # an embedded-trainer recipe
         task = build_task(recipe.task)
         if problems > len(task.test):
             raise ValueError(f"--eval-problems {problems}: the task has {len(task.test)} test problems")
@@ -289,8 +289,8 @@ def run_one(recipe: str, user_overrides: list[str], spec: dict, out: Path, model
     """One arm-seed: the veRL run under the clock; returns the raw result (no evaluation)."""
     from ..integrations.verl import clock
 
-    run_id = _run_id(spec)
-    run_dir = (out / "runs" / run_id).resolve()
+    name = run_id(spec)
+    run_dir = (out / "runs" / name).resolve()
     clock_dir = run_dir / "clock"
     if run_dir.exists():
         import shutil
@@ -298,17 +298,17 @@ def run_one(recipe: str, user_overrides: list[str], spec: dict, out: Path, model
         shutil.rmtree(run_dir)  # a clean slate: veRL's file logger appends, the clock's logs too
     clock.write_settings(clock_dir, budget, marks)
     args_list = [sys.executable, "-m", "cppo_megatron.integrations.verl.main", recipe, *user_overrides,
-                 *arm_overrides(spec), *run_overrides(run_dir, model_dir, data_dir, run_id)]
+                 *arm_overrides(spec), *run_overrides(run_dir, model_dir, data_dir, name)]
     env = {**os.environ, clock.ENV: str(clock_dir)}
     env.pop("CPPO_VERL_AUDIT", None)
-    print(f"study verl: {run_id}: {' '.join(arm_overrides(spec)[:3])} for {budget:g} s (log {run_dir / 'verl.log'})",
+    print(f"study verl: {name}: {' '.join(arm_overrides(spec)[:3])} for {budget:g} s (log {run_dir / 'verl.log'})",
           flush=True)
     with LoadSampler() as load:
         rc, wall = _run_verl(args_list, env, run_dir / "verl.log", budget + timeout_s)
     if rc != 0:
         tail = "\n".join((run_dir / "verl.log").read_text(errors="replace").splitlines()[-15:])
-        raise RuntimeError(f"study verl: run {run_id} failed (exit {rc}); log {run_dir / 'verl.log'}:\n{tail}")
-    result = {"run": run_id, "spec": spec, "command": args_list[2:], "wall_s": wall, **load.summary()}
+        raise RuntimeError(f"study verl: run {name} failed (exit {rc}); log {run_dir / 'verl.log'}:\n{tail}")
+    result = {"run": name, "spec": spec, "command": args_list[2:], "wall_s": wall, **load.summary()}
     (run_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
@@ -527,7 +527,7 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     t0 = time.perf_counter()
     for i, spec in enumerate(runs):
-        done = out / "runs" / _run_id(spec) / "result.json"
+        done = out / "runs" / run_id(spec) / "result.json"
         if a.reuse and done.is_file():
             result = json.loads(done.read_text())
             print(f"study verl: reusing {result['run']}", flush=True)
@@ -537,7 +537,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(choose_threads())
         row = evaluate_run(result, out, evaluator, start)
         rows.append(row)
-        _write_csv(out / "study.csv", [{k: v for k, v in r.items() if k != "phases"} for r in rows])
+        write_csv(out / "study.csv", [{k: v for k, v in r.items() if k != "phases"} for r in rows])
         print(f"[{i + 1}/{len(runs)}] {row['run']}: accuracy {row['accuracy_start']:.3f} -> {row['accuracy_final']:.3f} "
               f"at {a.budget:g} s ({row['steps']} steps, load {row['load_mean']:.1f}, "
               f"{time.perf_counter() - t0:.0f} s elapsed)", flush=True)

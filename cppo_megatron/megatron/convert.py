@@ -24,7 +24,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from .model import _hf_get
+from .model import hf_get
 
 __all__ = ["export_hf_weights", "load_hf_weights", "unwrap_model"]
 
@@ -37,10 +37,10 @@ def unwrap_model(model):
 
 
 def _dims(hf_config):
-    heads = int(_hf_get(hf_config, "num_attention_heads"))
-    groups = int(_hf_get(hf_config, "num_key_value_heads") or heads)
-    hidden = int(_hf_get(hf_config, "hidden_size"))
-    head_dim = int(_hf_get(hf_config, "head_dim") or hidden // heads)
+    heads = int(hf_get(hf_config, "num_attention_heads"))
+    groups = int(hf_get(hf_config, "num_key_value_heads") or heads)
+    hidden = int(hf_get(hf_config, "hidden_size"))
+    head_dim = int(hf_get(hf_config, "head_dim") or hidden // heads)
     return heads, groups, head_dim
 
 
@@ -114,7 +114,7 @@ def load_hf_weights(model, hf_state_dict: dict, hf_config: Any) -> None:
     params = _params(model)
     te_fused = any(k.endswith("layer_norm_weight") for k in params)
     lmap = _layer_map(te_fused)
-    tied = bool(_hf_get(hf_config, "tie_word_embeddings", False))
+    tied = bool(hf_get(hf_config, "tie_word_embeddings", False))
     sd = {k: v for k, v in hf_state_dict.items()}
 
     def hf(key):
@@ -198,8 +198,8 @@ def export_hf_weights(model, hf_config: Any, *, dst_ranks: Optional[Iterable[int
     keepers = _pipeline_keepers(keep_set)
     keep_any = bool(keepers)  # someone in my pipeline group needs my stage's part
     heads, groups, d = _dims(hf_config)
-    vocab = int(_hf_get(hf_config, "vocab_size"))
-    tied = bool(_hf_get(hf_config, "tie_word_embeddings", False))
+    vocab = int(hf_get(hf_config, "vocab_size"))
+    tied = bool(hf_get(hf_config, "tie_word_embeddings", False))
     params = _params(model)
     te_fused = any(k.endswith("layer_norm_weight") for k in params)
     lmap = _layer_map(te_fused)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .common import _finite
+from .common import finite
 
 if TYPE_CHECKING:
     from .settings import GpuCheckSettings
@@ -85,7 +85,7 @@ def check_trainer(s: GpuCheckSettings, ctx: dict) -> tuple[dict, list[str]]:
     failures = []
     for r in rows:
         for k in ("ms/prompt", "speedup", "bound", "of bound", "ms/prompt rollout"):
-            if not (_finite(r[k]) and r[k] > 0):
+            if not (finite(r[k]) and r[k] > 0):
                 failures.append(f"P={r['P']} allocation={r['allocation']}: {k} = {r[k]} is not a positive number")
         if r["steps measured"] != steps * repeats:
             failures.append(f"P={r['P']} allocation={r['allocation']}: {r['steps measured']} steps measured, "
@@ -100,7 +100,7 @@ def check_trainer(s: GpuCheckSettings, ctx: dict) -> tuple[dict, list[str]]:
     if alloc["trained/step"] != grpo["trained/step"]:
         failures.append(f"with allocation {alloc['trained/step']} completions trained per step, expected GRPO's "
                         f"{grpo['trained/step']:g} (the capacity)")
-    if _finite(alloc["bound"]) and abs(alloc["bound"] - _bound(P, split)) > 1e-9 * alloc["bound"]:
+    if finite(alloc["bound"]) and abs(alloc["bound"] - _bound(P, split)) > 1e-9 * alloc["bound"]:
         failures.append("the reported bound does not follow from the GRPO phase split")
     return nums, failures
 
