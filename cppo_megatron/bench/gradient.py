@@ -247,8 +247,8 @@ def run(args: argparse.Namespace) -> Report:
         acc: dict[str, list[dict]] = {k: [] for k in labels}
         skipped[point] = 0
         for b in range(args.batches):
-            batch = _sample_batch(trainer, sampler, args.prompts)
-            res = measure_batch(trainer, *batch, sets, step=1000 * point + b)
+            prompts_rep, completions, rewards = _sample_batch(trainer, sampler, args.prompts)
+            res = measure_batch(trainer, prompts_rep, completions, rewards, sets, step=1000 * point + b)
             if not res:
                 skipped[point] += 1
             for k, v in res.items():
@@ -258,7 +258,7 @@ def run(args: argparse.Namespace) -> Report:
         per_point[point] = acc
     if bar is not None:
         bar.close()
-    trainer.logger.close()
+    trainer.main_logger.close()
 
     rows = []
     for point, acc in per_point.items():
@@ -300,8 +300,8 @@ def run(args: argparse.Namespace) -> Report:
     )
 
 
-def _bar(total: int, progress: bool):
-    if not progress:
+def _bar(total: int, enabled: bool):
+    if not enabled:
         return None
     from ..progress import progress
 

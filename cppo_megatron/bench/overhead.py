@@ -16,7 +16,6 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -41,9 +40,9 @@ class OverheadSettings:
     repeats: int = 5
     threads: list[int] = field(default_factory=lambda: [1, 0])  # 0 = torch's default
     seed: int = 0
-    step_seconds: Optional[float] = None
+    step_seconds: float | None = None
 
-    def validate(self) -> "OverheadSettings":
+    def validate(self) -> OverheadSettings:
         if not self.sizes or any((not isinstance(n, int)) or n < 1 for n in self.sizes):
             raise ValueError(f"sizes must be positive integers, got {self.sizes!r}")
         for name in ("group_size", "ranks", "repeats"):
@@ -166,7 +165,7 @@ def run_overhead(s: OverheadSettings, *, log=print) -> Report:
             sub = [r for r in rows if r["threads"] == threads]
             x = [r["completions"] for r in sub]
             ax.plot(x, [r["total_ms"] for r in sub], marker="o", label=f"total, {threads} thread(s)")
-            for ph, style in zip(PHASES, (":", "--", "-.", (0, (1, 3)))):
+            for ph, style in zip(PHASES, (":", "--", "-.", (0, (1, 3))), strict=True):
                 ax.plot(x, [max(r[f"{ph}_ms"], 1e-3) for r in sub], linestyle=style, alpha=0.6,
                         label=f"{ph}, {threads}t")
         if s.step_seconds:

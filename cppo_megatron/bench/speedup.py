@@ -70,7 +70,7 @@ def warm_start(recipe, out: Path, explicit: str | None) -> Path:
     warm = replace_recipe(recipe, out_dir=str(path.parent), **{"train.steps": 0})
     t = Trainer(warm)
     t.prepare(initial_eval=False)
-    t.logger.close()
+    t.main_logger.close()
     return path
 
 
@@ -121,7 +121,7 @@ def measure(recipe, rates: list[float], allocations: list[bool], steps: int, rep
     if bar is not None:
         bar.close()
     for t in trainers.values():
-        t.logger.close()
+        t.main_logger.close()
     return records
 
 
@@ -174,7 +174,8 @@ def run(args: argparse.Namespace) -> Report:
     rows, split = analyse(records, rates, allocations)
     report = Report(
         name="speedup",
-        title=f"CPPO speedup vs GRPO, {Path(args.recipe).name} ({args.steps} steps x {args.repeats} interleaved rounds)",
+        title=f"CPPO speedup vs GRPO, {Path(args.recipe).name} "
+              f"({args.steps} steps x {args.repeats} interleaved rounds)",
         params={"recipe": args.recipe, "overrides": args.overrides, "rates": rates, "allocation": args.allocation,
                 "steps": args.steps, "repeats": args.repeats, "warm_start": str(warm)},
         columns=["P", "allocation", "prompts/step", "trained/step", "ms/prompt", "speedup", "bound", "of bound",
@@ -196,7 +197,8 @@ def _plot(fig, rows: list[dict], allocations: list[bool]) -> None:
     ax = fig.add_subplot(1, 1, 1)
     for a in allocations:
         sel = [r for r in rows if r["allocation"] == a]
-        ax.plot([r["P"] for r in sel], [r["speedup"] for r in sel], "o-", label=f"measured, allocation {'on' if a else 'off'}")
+        ax.plot([r["P"] for r in sel], [r["speedup"] for r in sel], "o-",
+                label=f"measured, allocation {'on' if a else 'off'}")
     sel = [r for r in rows if r["allocation"] == allocations[0]]
     ax.plot([r["P"] for r in sel], [r["bound"] for r in sel], "k--", label="bound S_max(P)")
     ax.set(xlabel="pruning rate P", ylabel="speedup vs GRPO (time per prompt)", title="CPPO speedup and its bound")

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Optional
 
 from ..recipes import arg_type as recipe_arg
 from ..trainer.config import replace_recipe
@@ -79,7 +78,7 @@ def _clock(name: str):
 
 
 def run_rl(recipe, warm: Path, spec: dict, budget: float, clock_name: str, evals: int, out: Path,
-           eval_at_prompts: Optional[float] = None) -> dict:
+           eval_at_prompts: float | None = None) -> dict:
     """One RL run for ``budget`` seconds; ``eval_at_prompts``: evaluate once more when the
     prompts drawn first reach this count (the equal-prompts reading)."""
     from ..trainer import Trainer
@@ -109,7 +108,7 @@ def run_rl(recipe, warm: Path, spec: dict, budget: float, clock_name: str, evals
     while used < budget:
         c0 = clock()
         last = t.step_once()
-        t.logger.log(last, t.step)
+        t.main_logger.log(last, t.step)
         used += clock() - c0
         drawn = float(last["alloc/total_prompts_drawn"])
         if at_prompts is None and eval_at_prompts is not None and drawn >= eval_at_prompts:
@@ -117,7 +116,7 @@ def run_rl(recipe, warm: Path, spec: dict, budget: float, clock_name: str, evals
         if used >= next_eval or used >= budget:
             curve.append((used, t._evaluate(r.eval.num_problems), drawn))
             next_eval += budget / evals
-    t.logger.close()
+    t.main_logger.close()
     row = _row(spec, curve, t.step, last)
     if at_prompts is not None:
         row["prompts_at_grpo_prompts"] = at_prompts[0]
@@ -144,7 +143,7 @@ def run_control(recipe, warm: Path, spec: dict, budget: float, clock_name: str, 
                       prompt_template=r.task.prompt_template, evaluate_fn=lambda n: {"eval/accuracy": 0.0},
                       log_fn=lambda rec: None, progress=False, max_time_s=budget, clock=_clock(clock_name))
     after = t._evaluate(r.eval.num_problems)
-    t.logger.close()
+    t.main_logger.close()
     return _row(spec, [(0.0, before, None), (budget, after, None)], int(info.get("warmup/steps", 0)), {})
 
 
@@ -197,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
                 grpo_prompts[spec["seed"]] = float(row["prompts_drawn"])
         rows.append(row)
         write_csv(csv_path, rows)
-        print(f"[{i + 1}/{len(runs)}] {row['run']}: accuracy {row['accuracy_start']:.3f} -> {row['accuracy_final']:.3f} "
+        print(f"[{i + 1}/{len(runs)}] {row['run']}: accuracy {row['accuracy_start']:.3f} -> "
+              f"{row['accuracy_final']:.3f} "
               f"({row['steps']} steps, {time.perf_counter() - t0:.0f} s elapsed)", flush=True)
     table, findings = summarize(rows)
     report = Report(

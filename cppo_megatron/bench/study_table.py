@@ -164,7 +164,8 @@ def findings(table: list[dict]) -> list[str]:
     cppo = next((t for t in table if t["metric"] == "smallest" and t["P"] and t["allocation"]), None)
     for t in table:
         if cppo and t["metric"] in ("importance", "keep_mass") and t["allocation"]:
-            out.append(verdict_line(t, cppo, name_a=t["config"], name_b=f"CPPO {cppo['config']}", where=" at equal time"))
+            out.append(verdict_line(t, cppo, name_a=t["config"], name_b=f"CPPO {cppo['config']}",
+                                    where=" at equal time"))
     if grpo:
         key = "acc @ GRPO's prompts"
         eq = [f"{t['config']} {t[key]:.3f}" for t in table if t.get(key) is not None and t["metric"] != "sft"]
@@ -204,7 +205,7 @@ def plot_curves(ax, rows: list[dict], xlabel: str = "RL time (s)", label=None) -
         ms = [statistics.mean(c[i][1] for c in curves) for i in range(n)]
         sd = [statistics.stdev([c[i][1] for c in curves]) if len(curves) > 1 else 0.0 for i in range(n)]
         line = ax.plot(ts, ms, "o-" if "control" not in name else "s--", ms=3, label=label(name) if label else name)[0]
-        ax.fill_between(ts, [m - s for m, s in zip(ms, sd)], [m + s for m, s in zip(ms, sd)], alpha=0.15,
-                        color=line.get_color())
+        ax.fill_between(ts, [m - s for m, s in zip(ms, sd, strict=True)], [m + s for m, s in zip(ms, sd, strict=True)],
+                        alpha=0.15, color=line.get_color())
     ax.set(xlabel=xlabel, ylabel="held-out accuracy", title="accuracy vs time (mean ± sd over seeds)")
     ax.legend(fontsize=6)

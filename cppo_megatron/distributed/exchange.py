@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import PruneResult, prune
-from .metadata import GlobalMetadata, comm_device, group_ctx, gather_metadata
+from .metadata import GlobalMetadata, comm_device, gather_metadata, group_ctx
 from .plan import ExchangePlan, make_plan
 from .rows import FieldValue, exchange_rows
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -224,7 +224,7 @@ def build_gpt_model(
     hf_config: Any,
     *,
     config=None,
-    use_te: Optional[bool] = None,
+    use_te: bool | None = None,
     vocab_multiple: int = 128,
 ):
     """This rank's ``GPTModel`` shard for a HF Qwen2 / Llama config (after ``init_parallel``).

@@ -323,8 +323,8 @@ def validate_recipe(recipe: Recipe) -> Recipe:
         )
     if recipe.rollout.vllm_tp > 1:
         if recipe.backend != "megatron" or recipe.rollout.engine != "vllm":
-            raise RecipeError(f"rollout.vllm_tp={recipe.rollout.vllm_tp} needs backend=megatron and rollout.engine=vllm "
-                             "(the single-process trainer runs vLLM on one device)")
+            raise RecipeError(f"rollout.vllm_tp={recipe.rollout.vllm_tp} needs backend=megatron and "
+                              "rollout.engine=vllm (the single-process trainer runs vLLM on one device)")
         if recipe.megatron.tp % recipe.rollout.vllm_tp:
             raise RecipeError(f"rollout.vllm_tp={recipe.rollout.vllm_tp} must divide megatron.tp={recipe.megatron.tp}: "
                              "each vLLM tensor-parallel group must sit inside one Megatron TP group")
@@ -374,13 +374,15 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recip
             p = Path(path)
             if not p.is_file():
                 what = "is a directory, not a YAML file" if p.is_dir() else "does not exist"
-                raise RecipeError(f"recipe {p} {what}; pass a recipe YAML file or a shipped recipe's name (`cppo-megatron recipes`)")
+                raise RecipeError(f"recipe {p} {what}; pass a recipe YAML file or a shipped recipe's name "
+                                  "(`cppo-megatron recipes`)")
             try:
                 loaded = OmegaConf.load(p)
             except yaml.YAMLError as exc:
                 raise RecipeError(f"recipe {p} is not valid YAML ({_yaml_problem(exc)}); fix the file") from exc
             except UnicodeDecodeError as exc:
-                raise RecipeError(f"recipe {p} is not a UTF-8 text file ({exc.reason}); pass a recipe YAML file") from exc
+                raise RecipeError(f"recipe {p} is not a UTF-8 text file ({exc.reason}); "
+                                  "pass a recipe YAML file") from exc
             if not OmegaConf.is_dict(loaded):
                 raise RecipeError(f"recipe {p} must be a YAML mapping of keys (model:, task:, ...), "
                                   f"got a {type(loaded).__name__}; see recipes/tiny_cpu.yaml")
@@ -406,6 +408,7 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recip
         raise RecipeError(f"recipe error: {str(exc).splitlines()[0]}") from exc
     except ValueError as exc:  # CPPOConfig.__post_init__ validates while the object is built
         raise RecipeError(f"recipe key cppo: {exc}") from exc
+    # to_object of the merged structured schema builds a Recipe; omegaconf types it as object
     return validate_recipe(recipe)  # type: ignore[arg-type]
 
 
@@ -420,4 +423,6 @@ def _yaml_problem(exc: Exception) -> str:
 def recipe_to_dict(recipe: Recipe) -> dict:
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.structured(recipe), resolve=True)
+    out = OmegaConf.to_container(OmegaConf.structured(recipe), resolve=True)
+    assert isinstance(out, dict)  # a structured dataclass converts to a mapping
+    return out

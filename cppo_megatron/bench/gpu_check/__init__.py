@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from .common import peak_memory
 from .core_check import check_core
@@ -96,7 +96,7 @@ def run_one(name: str, fn, s: GpuCheckSettings, budget: float) -> CheckResult:
 
 
 def run_gpu_check(s: GpuCheckSettings, *, log: Callable[[str], None] = print,
-                  funcs: Optional[dict] = None) -> tuple[list[CheckResult], float]:
+                  funcs: dict | None = None) -> tuple[list[CheckResult], float]:
     """Run the selected checks in order; return their results and the total seconds."""
     s.validate()
     funcs = funcs or CHECK_FUNCS

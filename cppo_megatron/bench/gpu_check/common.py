@@ -8,6 +8,7 @@ import contextlib
 import math
 import resource
 import warnings
+from typing import TypeGuard
 
 import torch
 
@@ -44,7 +45,7 @@ def peak_memory(device: str, box: dict):
             box["memory_kind"] = "process peak RSS so far (CPU; never decreases)"
 
 
-def finite(x) -> bool:
+def finite(x: object) -> TypeGuard[float]:
     """True for a finite int or float (not a bool, None, or NaN)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -53,7 +54,8 @@ def quiet_megatron() -> None:
     """Silence megatron-core's start-up warnings that do not matter to the checks."""
     # megatron-core announces every missing CUDA extension; none of them matters here
     warnings.filterwarnings(
-        "ignore", message=r".*(Apex|Transformer Engine|TransformerEngine|cuda_graph_scope|CUDA_DEVICE_MAX_CONNECTIONS).*"
+        "ignore",
+        message=r".*(Apex|Transformer Engine|TransformerEngine|cuda_graph_scope|CUDA_DEVICE_MAX_CONNECTIONS).*",
     )
     # bf16 activations meet megatron's float32 RMSNorm weight: torch falls back to the unfused norm
     warnings.filterwarnings("ignore", message=r"Mismatch dtype between input and weight")

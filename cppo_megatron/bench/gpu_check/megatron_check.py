@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +40,7 @@ TOLERANCES = {
 
 def megatron_sizes(quick: bool) -> dict:
     """The random-init Qwen2 and the sequences of the megatron check."""
+    model: dict[str, Any]
     if quick:
         model = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
@@ -92,7 +93,7 @@ def _hf_update_reference(model, seqs, masks, adv, old, lr: float, device) -> tup
     n_seq = float(sum(1 for m in masks if m.any()))
 
     def loss_fn():
-        total = 0.0
+        total: torch.Tensor | float = 0.0
         for s, m, a, o in zip(seqs, masks, adv, old, strict=True):
             logits = model(s[None].to(device)).logits[0, :-1].float()
             lp = torch.log_softmax(logits, -1).gather(-1, s[1:, None].to(device)).squeeze(-1)[None]
@@ -214,7 +215,8 @@ def judge_megatron(r: dict, label: str = "") -> list[str]:
     if not (finite(gn) and finite(ref_gn)) or ref_gn <= 0 or abs(gn - ref_gn) > t["grad_norm_rel"] * ref_gn:
         f.append(f"{pre}grad norm {gn} vs HF {ref_gn}: relative difference above {t['grad_norm_rel']}")
     post, ref_post = r.get("post_step_loss"), r.get("hf_post_step_loss")
-    if not (finite(post) and finite(ref_post)) or abs(post - ref_post) > max(t["loss_abs"], t["post_loss_rel"] * abs(ref_post)):
+    if not (finite(post) and finite(ref_post)) or (
+            abs(post - ref_post) > max(t["loss_abs"], t["post_loss_rel"] * abs(ref_post))):
         f.append(f"{pre}post-step loss {post} vs HF {ref_post}: relative difference above {t['post_loss_rel']}")
     elif not post < r["loss"]:
         f.append(f"{pre}the update step did not lower the loss on its own batch ({r['loss']} -> {post})")
@@ -275,7 +277,7 @@ def check_megatron(s: GpuCheckSettings, ctx: dict) -> tuple[dict, list[str]]:
     return nums, failures
 
 
-def _megatron_torchrun(s: GpuCheckSettings, ctx: dict) -> tuple[dict, Optional[str]]:
+def _megatron_torchrun(s: GpuCheckSettings, ctx: dict) -> tuple[dict, str | None]:
     """TP 2 and PP 2 on two local processes (torchrun); rank 0's results per layout."""
     import tempfile
 
