@@ -143,7 +143,7 @@ def make_model_dir(root: str, seed: int, tied: bool) -> str:
     return path
 
 
-def weight_errors(engine, model_dir: str) -> dict:
+def weight_errors(module, model_dir: str) -> dict:
     """Max |gathered parameter - saved weight| per wrong parameter, right after ``deepspeed.initialize``:
     tells a wrong load/partition from a wrong forward."""
     import deepspeed
@@ -151,7 +151,7 @@ def weight_errors(engine, model_dir: str) -> dict:
 
     saved = load_file(os.path.join(model_dir, "model.safetensors"))
     errors = {}
-    named = dict(engine.module.named_parameters())
+    named = dict(getattr(module, "module", module).named_parameters())
     with deepspeed.zero.GatheredParameters(list(named.values())):
         for name, param in named.items():
             key = name if name in saved else "model.embed_tokens.weight"  # a tied lm_head is not saved
@@ -198,6 +198,7 @@ def worker(rank: int, world: int, port: int, model_dir: str, train_cfg: dict, ev
         return model, cfg
 
     model, cfg = load(train_cfg)
+    load_errors = weight_errors(model, model_dir)  # before deepspeed.initialize
     if grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()], config=cfg)
@@ -216,7 +217,7 @@ def worker(rank: int, world: int, port: int, model_dir: str, train_cfg: dict, ev
         lp_after = token_logprobs(engine, local)
     result = {"loss": global_loss.item() / world, "grad_norm": grad_norm,
               "logprobs": gather_rows(lp.detach(), world).tolist(),
-              "weight_errors": werr,
+              "weight_errors": werr, "load_weight_errors": load_errors,
               "logprobs_after_step": gather_rows(lp_after, world).tolist()}
     if eval_cfg is not None:
         ref_model, ecfg = load(eval_cfg)
@@ -310,9 +311,9 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(f"{label:<40} {n:>2} {row['loss']:>10.5f} {row['grad_norm']:>12.5g} {row['dlp_train']:>15.3g} "
                       f"{row['dlp_after_step']:>11.3g} {row['dlp_eval']:>12.3g}", flush=True)
-                for key in ("weight_errors", "eval_weight_errors"):
+                for key in ("load_weight_errors", "weight_errors", "eval_weight_errors"):
                     if r.get(key):
-                        print(f"    rank 0 {key} after initialize: {r[key]}", flush=True)
+                        print(f"    rank 0 {key}: {r[key]}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
