@@ -31,13 +31,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.abc
-import importlib.util
 import json
 import logging
 import math
 import os
-import sys
 from typing import Any, Callable, Iterator
 
 import torch
@@ -51,6 +48,8 @@ from ...core import (
     prune,
     sequence_workload,
 )
+from ..importhook import after_import
+from ..wrap import is_wrapped, unwrap, wrap
 from . import audit
 from .checkpoint import resumed_step
 
@@ -68,7 +67,8 @@ STD_KEY = "cppo_group_std"
 # an estimator name OpenRLHF's advantage step does not know: no group baseline, no whitening
 _PRECOMPUTED = "cppo_precomputed_group_baseline"
 
-_ORIGINALS: dict[str, Callable] = {}
+WRAP_TAG = __name__  # marks our layers on RemoteExperienceMaker's two methods (integrations/wrap.py)
+WRAPPED = ("make_experience_batch", "compute_advantages_and_returns")
 _CONFIG: CPPOConfig | None = None
 
 
@@ -372,6 +372,27 @@ def compute_advantages_with_recorded_stats(
 
 
 # ---------------------------------------------------------------------------- installation
+def _pruning_make_batch(make_batch):
+    def make_experience_batch(self, rollout_samples):
+        return make_batch(self, prune_rollout_samples(self, rollout_samples))
+
+    make_experience_batch.__doc__ = f"CPPO ({__name__}) around OpenRLHF's make_experience_batch."
+    return torch.no_grad()(make_experience_batch)
+
+
+def _advantages_from_recorded_stats(advantages):
+    def compute_advantages_and_returns(self, experiences):
+        return compute_advantages_with_recorded_stats(self, experiences, advantages)
+
+    compute_advantages_and_returns.__doc__ = f"CPPO ({__name__}) around OpenRLHF's compute_advantages_and_returns."
+    return torch.no_grad()(compute_advantages_and_returns)
+
+
+def is_installed(maker_class: Any) -> bool:
+    """True when ``maker_class`` (or the class it inherits the methods from) carries the hook."""
+    return all(is_wrapped(getattr(maker_class, name, None), WRAP_TAG) for name in WRAPPED)
+
+
 def install(cfg: CPPOConfig, maker_class: Any = None) -> None:
     """Wrap ``RemoteExperienceMaker`` in this process (idempotent; ``cfg`` replaces the last)."""
     global _CONFIG
@@ -380,25 +401,10 @@ def install(cfg: CPPOConfig, maker_class: Any = None) -> None:
     if maker_class is None:
         from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker as maker_class
     _CONFIG = _check_config(cfg)
-    if getattr(maker_class, "_cppo_installed", False):
+    if is_installed(maker_class):
         return
-    make_batch = maker_class.make_experience_batch
-    advantages = maker_class.compute_advantages_and_returns
-    _ORIGINALS["make_experience_batch"] = make_batch
-    _ORIGINALS["compute_advantages_and_returns"] = advantages
-
-    def make_experience_batch(self, rollout_samples):
-        return make_batch(self, prune_rollout_samples(self, rollout_samples))
-
-    def compute_advantages_and_returns(self, experiences):
-        return compute_advantages_with_recorded_stats(self, experiences, advantages)
-
-    for name, fn in (("make_experience_batch", make_experience_batch), ("compute_advantages_and_returns", compute_advantages_and_returns)):
-        fn.__doc__ = f"CPPO ({__name__}) around OpenRLHF's {name}."
-        wrapped = torch.no_grad()(fn)
-        wrapped.__wrapped__ = _ORIGINALS[name]
-        setattr(maker_class, name, wrapped)
-    maker_class._cppo_installed = True
+    wrap(maker_class, "make_experience_batch", _pruning_make_batch, tag=WRAP_TAG)
+    wrap(maker_class, "compute_advantages_and_returns", _advantages_from_recorded_stats, tag=WRAP_TAG)
     logger.info("CPPO installed in OpenRLHF's RemoteExperienceMaker: %s", cfg.describe())
 
 
@@ -407,10 +413,8 @@ def uninstall(maker_class: Any = None) -> None:
     global _CONFIG
     if maker_class is None:
         from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker as maker_class
-    if getattr(maker_class, "_cppo_installed", False):
-        maker_class.make_experience_batch = _ORIGINALS["make_experience_batch"]
-        maker_class.compute_advantages_and_returns = _ORIGINALS["compute_advantages_and_returns"]
-        maker_class._cppo_installed = False
+    for name in WRAPPED:
+        unwrap(maker_class, name, tag=WRAP_TAG)
     _CONFIG = None
 
 
@@ -435,27 +439,9 @@ def install_from_env(maker_class: Any = None) -> bool:
     return True
 
 
-class _InstallOnImport(importlib.abc.MetaPathFinder):
-    """Installs the hook right after OpenRLHF's experience_maker module is first imported."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET_MODULE:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return None
-        exec_module = spec.loader.exec_module
-
-        def exec_and_install(module):
-            exec_module(module)
-            install_from_env(module.RemoteExperienceMaker)
-
-        spec.loader.exec_module = exec_and_install
-        return spec
+def _install_on_import(module) -> None:
+    """``importhook`` callback: hook the experience maker of the module just imported."""
+    install_from_env(module.RemoteExperienceMaker)
 
 
 def setup_ray_worker() -> None:
@@ -466,7 +452,4 @@ def setup_ray_worker() -> None:
     """
     if config_from_env() is None:
         return
-    if TARGET_MODULE in sys.modules:
-        install_from_env(sys.modules[TARGET_MODULE].RemoteExperienceMaker)
-    elif not any(isinstance(f, _InstallOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _InstallOnImport())
+    after_import(TARGET_MODULE, _install_on_import)  # now, when the module is already imported

@@ -43,11 +43,12 @@ import torch
 from ..importhook import after_import
 from ..records import append as _append
 from ..records import complete_lines, optimizer_fingerprint
+from ..wrap import wrap
 
 __all__ = ["ENV", "enabled", "install", "read", "record"]
 
 ENV = "CPPO_VERL_AUDIT"
-_MARK = "__cppo_audit__"
+WRAP_TAG = __name__  # marks our layers on veRL's methods (integrations/wrap.py)
 V1 = ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer")
 LEGACY = ("verl.trainer.ppo.ray_trainer", "RayPPOTrainer")
 WORKER = ("verl.workers.engine_workers", "ActorRolloutRefWorker")
@@ -205,7 +206,7 @@ def _worker_init(original):
 
 
 def _worker_checkpoint(op: str):
-    def wrap(original):
+    def make(original):
         @functools.wraps(original)
         def method(self, local_path, *args, **kwargs):
             out = original(self, local_path, *args, **kwargs)
@@ -216,7 +217,7 @@ def _worker_checkpoint(op: str):
 
         return method
 
-    return wrap
+    return make
 
 
 _WRAPPERS = {
@@ -232,14 +233,10 @@ def _patch(module) -> None:
         if module.__name__ != mod_name:
             continue
         cls = getattr(module, cls_name)
-        for meth, wrap in wrappers.items():
-            current = cls.__dict__.get(meth)
-            if current is None:
+        for meth, make in wrappers.items():
+            if meth not in cls.__dict__:
                 raise RuntimeError(f"cppo audit: {cls_name}.{meth} is gone; veRL changed (pinned 0.9.1)")
-            if not hasattr(current, _MARK):
-                wrapped = wrap(current)
-                setattr(wrapped, _MARK, current)
-                setattr(cls, meth, wrapped)
+            wrap(cls, meth, make, tag=WRAP_TAG)
 
 
 MEGATRON_ENGINE = ("verl.workers.engine.megatron.transformer_impl", "MegatronEngine")
@@ -265,12 +262,14 @@ def placement() -> dict:
             "node": node, "host": socket.gethostname(), "pid": os.getpid()}
 
 
-def _has_audit(fn) -> bool:
-    while fn is not None:  # the CPU mode's engine wrappers keep what they wrap under __cppo_cpu__
-        if hasattr(fn, _MARK):
-            return True
-        fn = getattr(fn, "__cppo_cpu__", None)
-    return False
+def _placement_recorder(fn):
+    @functools.wraps(fn)
+    def initialize(self, *args, **kwargs):
+        out = fn(self, *args, **kwargs)
+        record("placement", role="megatron", **placement())
+        return out
+
+    return initialize
 
 
 def _record_placement(module) -> None:
@@ -279,21 +278,11 @@ def _record_placement(module) -> None:
     # the engine classes veRL builds (the CPU mode may have given each its own wrapper already)
     for name in (MEGATRON_ENGINE[1], "MegatronEngineWithLMHead", "MegatronEngineWithValueHead"):
         cls = getattr(module, name, None)
-        current = inspect.getattr_static(cls, "initialize", None) if cls is not None else None
-        if current is None or _has_audit(current):
+        if cls is None or inspect.getattr_static(cls, "initialize", None) is None:
             continue
-
-        def wrap(fn):
-            @functools.wraps(fn)
-            def initialize(self, *args, **kwargs):
-                out = fn(self, *args, **kwargs)
-                record("placement", role="megatron", **placement())
-                return out
-
-            setattr(initialize, _MARK, fn)
-            return initialize
-
-        cls.initialize = wrap(current)
+        # once per class: a subclass that inherits a recorded initialize (or the CPU mode's
+        # wrapper over it) is seen through
+        wrap(cls, "initialize", _placement_recorder, tag=WRAP_TAG)
 
 
 def install() -> bool:

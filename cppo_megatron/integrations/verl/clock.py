@@ -33,13 +33,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..importhook import after_import
+from ..wrap import wrap
 
 __all__ = ["ENV", "ClockSettings", "Snapshots", "install", "policy_at_marks", "read_run", "settings", "stop_now",
            "write_settings"]
 
 ENV = "CPPO_VERL_CLOCK"
 SETTINGS = "clock.json"
-_MARK = "__cppo_clock__"
+WRAP_TAG = __name__  # marks our layer on RayPPOTrainer._get_gen_batch (integrations/wrap.py)
 LEGACY = ("verl.trainer.ppo.ray_trainer", "RayPPOTrainer")
 
 
@@ -243,13 +244,9 @@ def _legacy_gen_batch(original):
 
 def _patch(module) -> None:
     cls = getattr(module, LEGACY[1])
-    current = cls.__dict__.get("_get_gen_batch")
-    if current is None:
+    if "_get_gen_batch" not in cls.__dict__:
         raise RuntimeError("cppo clock: RayPPOTrainer._get_gen_batch is gone; veRL changed (pinned 0.9.1)")
-    if not hasattr(current, _MARK):
-        wrapped = _legacy_gen_batch(current)
-        setattr(wrapped, _MARK, current)
-        cls._get_gen_batch = wrapped
+    wrap(cls, "_get_gen_batch", _legacy_gen_batch, tag=WRAP_TAG)
 
 
 def install() -> bool:

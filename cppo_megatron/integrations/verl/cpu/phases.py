@@ -31,6 +31,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from ...wrap import wrapped
+
 __all__ = ["FirstStepWatcher", "Phases", "choose_threads", "fmt_seconds", "machine_load", "timed_ray_init"]
 
 PREFIX = "cpu mode:"
@@ -129,17 +131,15 @@ def timed_ray_init(phases: Phases) -> Iterator[None]:
     ``main_ppo`` calls it; nothing else about the call changes)."""
     import ray
 
-    original = ray.init
+    def timed(original):
+        def init(*args, **kwargs):
+            with phases.phase("ray", "starting Ray (a local cluster for this run)", "starting Ray"):
+                return original(*args, **kwargs)
 
-    def init(*args, **kwargs):
-        with phases.phase("ray", "starting Ray (a local cluster for this run)", "starting Ray"):
-            return original(*args, **kwargs)
+        return init
 
-    ray.init = init
-    try:
+    with wrapped(ray, "init", timed, tag=f"{__name__}.timed_ray_init"):
         yield
-    finally:
-        ray.init = original
 
 
 class FirstStepWatcher:
