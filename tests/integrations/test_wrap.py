@@ -86,7 +86,8 @@ def test_methods_inherited_and_static():
             return get(self, name)
         return __getattribute__
 
-    assert w.wrap(host.D, "__getattribute__", spy, tag="t") and w.wrap(host.D, "__getattribute__", spy, tag="t") is False
+    assert w.wrap(host.D, "__getattribute__", spy, tag="t")
+    assert w.wrap(host.D, "__getattribute__", spy, tag="t") is False
     assert host.D().m() == "C.m" and seen == ["m"] and w.original(host.D.__getattribute__) is object.__getattribute__
     w.unwrap(host.D, "__getattribute__", tag="t")
     assert "__getattribute__" not in host.D.__dict__ and not w.is_wrapped(object.__getattribute__, "t")

@@ -45,10 +45,12 @@ def marks(source: str, filename: str = "<src>") -> list[str]:
         elif isinstance(node, ast.Attribute) and node.attr == "__wrapped__" and isinstance(node.ctx, ast.Store):
             out.append(f"{node.lineno}: writes .__wrapped__")
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
-              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value == "__wrapped__"):
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and node.args[1].value == "__wrapped__"):
             out.append(f"{node.lineno}: setattr(..., '__wrapped__', ...)")
     for node in ast.parse(source).body:  # module-level stores of originals
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
         for t in targets:
             if isinstance(t, ast.Name) and _ORIGINALS.match(t.id):
                 out.append(f"{node.lineno}: module-level store of originals {t.id!r}")

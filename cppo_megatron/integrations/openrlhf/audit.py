@@ -33,7 +33,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -205,7 +205,7 @@ def record_engine_sync(worker, weights: dict[str, torch.Tensor]) -> None:
 
 
 # ------------------------------------------------------------------------------ checkpoints (every actor rank)
-def _tag_of(path) -> Optional[str]:
+def _tag_of(path) -> str | None:
     """The checkpoint tag (``global_step1``): save_ckpt is given it; load_ckpt returns DeepSpeed's
     ``load_path``, the loaded model-states file (``.../global_step1/mp_rank_00_model_states.pt``)."""
     if path is None:

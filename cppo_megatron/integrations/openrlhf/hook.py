@@ -35,7 +35,8 @@ import json
 import logging
 import math
 import os
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -193,7 +194,8 @@ def _check_supported(args: Any) -> str:
         )
     if args.rollout.n_samples_per_prompt < 2:
         raise ValueError(
-            f"CPPO prunes within groups: --rollout.n_samples_per_prompt must be >= 2, got {args.rollout.n_samples_per_prompt}"
+            "CPPO prunes within groups: --rollout.n_samples_per_prompt must be >= 2, "
+            f"got {args.rollout.n_samples_per_prompt}"
         )
     return SUPPORTED_ESTIMATORS[estimator]
 
@@ -364,7 +366,7 @@ def compute_advantages_with_recorded_stats(
         exp.rewards = advantages_from_stats(reward, mean, std, adv_norm=adv_norm, eps=cfg.eps)
     with _precomputed_baseline(args):
         experiences = original(maker, experiences)
-    for exp, reward in zip(experiences, rewards):
+    for exp, reward in zip(experiences, rewards, strict=False):
         exp.rewards = reward  # the (penalised) reward again, for logging and the replay buffer
         if "reward" in exp.info:
             exp.info["reward"] = reward.clone()

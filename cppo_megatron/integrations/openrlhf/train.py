@@ -25,7 +25,8 @@ import re
 import runpy
 import shlex
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import yaml
 

@@ -105,7 +105,7 @@ def _row_sums(values) -> list[float]:
 
 
 # ------------------------------------------------------------------------------ V1 (TransferQueue)
-def v1_prompt_ids(keys: list, batch) -> Optional[list]:
+def v1_prompt_ids(keys: list, batch) -> list | None:
     """The dataset row (veRL's ``index``, from ``extra_info.index``) each V1 row's prompt came
     from: what identifies a prompt across runs (``uid`` is a fresh uuid4 per draw)."""
     import transfer_queue as tq
@@ -138,7 +138,7 @@ def _v1_update(original):
         import transfer_queue as tq
 
         rows, pad = _v1_rows(batch)
-        real = [k for k, p in zip(batch.keys, pad) if not p]
+        real = [k for k, p in zip(batch.keys, pad, strict=False) if not p]
         data = tq.kv_batch_get(keys=real, partition_id=batch.partition_id,
                                select_fields=["uid", "rm_scores", "advantages", "response_mask"])
         record("update", step=int(self.global_steps), loop="v1", rows=[str(k) for k in real],
@@ -176,7 +176,8 @@ def _legacy_update(original):
         rows, pad = _legacy_rows(batch)
         keep = [i for i, p in enumerate(pad) if not p]
         uids = [str(batch.non_tensor_batch["uid"][i]) for i in keep]
-        scores = batch.batch["token_level_scores"] if "token_level_scores" in batch.batch.keys() else batch.batch["rm_scores"]
+        scores = (batch.batch["token_level_scores"] if "token_level_scores" in batch.batch.keys()
+                  else batch.batch["rm_scores"])
         mask = batch.batch["response_mask"]
         adv = _row_means(batch.batch["advantages"], mask)
         rew = _row_sums(scores)
@@ -200,7 +201,8 @@ def _worker_init(original):
         except Exception:  # noqa: BLE001 - outside Ray (tests) there is no actor name
             pass
         record("worker", role="worker", pid=os.getpid(), rank=int(os.environ.get("RANK", -1)),
-               world_size=int(os.environ.get("WORLD_SIZE", -1)), actor_name=name, worker_role=getattr(self, "role", None))
+               world_size=int(os.environ.get("WORLD_SIZE", -1)), actor_name=name,
+               worker_role=getattr(self, "role", None))
 
     return __init__
 
@@ -212,7 +214,8 @@ def _worker_checkpoint(op: str):
             out = original(self, local_path, *args, **kwargs)
             engine = getattr(getattr(self, "actor", None), "engine", None)
             record("checkpoint", role="worker", op=op, path=str(local_path), pid=os.getpid(),
-                   rank=int(os.environ.get("RANK", -1)), optimizer=optimizer_fingerprint(getattr(engine, "optimizer", None)))
+                   rank=int(os.environ.get("RANK", -1)),
+                   optimizer=optimizer_fingerprint(getattr(engine, "optimizer", None)))
             return out
 
         return method

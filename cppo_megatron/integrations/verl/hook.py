@@ -26,16 +26,15 @@ import math
 import os
 import sys
 import warnings
-from typing import Any
 
 import numpy as np
 import torch
 
 from ...core import balance_partitions, prune, sequence_workload
 from .. import importhook
-from . import audit
 from ..importhook import after_import
 from ..wrap import is_wrapped, unwrap, wrap
+from . import audit
 from .runconfig import PREPARED_ENV, cppo_config_from, is_cppo, unprepared_message
 from .stats import GroupRecord, record_groups
 
@@ -313,7 +312,7 @@ def _pruning_balance_batch(original, prune_fn, v1: bool):
                 out = KVBatchMeta(keys=[out.keys[i] for i in order], tags=[out.tags[i] for i in order],
                                   partition_id=out.partition_id, fields=out.fields, extra_info=out.extra_info)
             final = out
-            seq_len = {k: int(t["seq_len"]) for k, t in zip(out.keys, out.tags)}
+            seq_len = {k: int(t["seq_len"]) for k, t in zip(out.keys, out.tags, strict=False)}
             arrival = [k for k in batch.keys if k in seq_len]  # survivors as pruned, then veRL's padding
             seen = set(arrival)
             arrival += [k for k in out.keys if k not in seen]

@@ -39,7 +39,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ..importhook import after_import
 from ..wrap import wrap
@@ -283,7 +283,7 @@ def install() -> bool:
     return True
 
 
-def read(root: str | Path, key_prefix: Optional[str] = None) -> list[dict]:
+def read(root: str | Path, key_prefix: str | None = None) -> list[dict]:
     """Every record under ``root`` (all processes); only keys under ``key_prefix`` when given."""
     out = []
     for path in sorted(Path(root).glob("keys-*.jsonl")):

@@ -267,7 +267,7 @@ def dp_size(config: Any, role: str = "actor") -> int:
     sizes = [int(OmegaConf.select(config, k, default=1) or 1) for k in keys]
     group = math.prod(sizes)
     if group <= 0 or world % group:
-        named = " x ".join(f"{k.rsplit('.', 1)[1]}={v}" for k, v in zip(keys, sizes))
+        named = " x ".join(f"{k.rsplit('.', 1)[1]}={v}" for k, v in zip(keys, sizes, strict=True))
         raise ValueError(f"{named} does not divide the {world} GPUs (trainer.n_gpus_per_node x trainer.nnodes) "
                          f"of {node}; pick parallel sizes whose product divides the world")
     return world // group

@@ -39,7 +39,8 @@ import datetime
 import functools
 import sys
 import types
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 

@@ -134,8 +134,8 @@ def _te_named_layer(layer_spec, normed_linear, norm):
           for k in ("q_layernorm", "k_layernorm")}
     attn = _replace(attn, linear_qkv=normed_linear, **qk)
     if isinstance(mlp, functools.partial):
-        mlp = functools.partial(mlp.func, *mlp.args,
-                                **{**mlp.keywords, "submodules": dataclasses.replace(mlp_sub, linear_fc1=normed_linear)})
+        normed_sub = dataclasses.replace(mlp_sub, linear_fc1=normed_linear)
+        mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": normed_sub})
     else:
         mlp = _replace(mlp, linear_fc1=normed_linear)
     layer = _replace(layer_spec, input_layernorm=IdentityOp, self_attention=attn,

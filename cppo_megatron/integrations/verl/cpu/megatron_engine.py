@@ -492,7 +492,7 @@ def _patch_distrib_optimizer(module) -> None:
     if cls is None or any(n not in cls.__dict__ for n in names) or not hasattr(module, "HAVE_APEX_OR_TE"):
         raise RuntimeError("cppo cpu mode: megatron-core DistributedOptimizer.state_dict / load_state_dict are gone "
                            "(pinned 0.16.1)")
-    for name, make in zip(names, (_state_dict_before_first_step, _own_step_per_parameter)):
+    for name, make in zip(names, (_state_dict_before_first_step, _own_step_per_parameter), strict=True):
         wrap(cls, name, functools.partial(make, module=module), tag=WRAP_TAG)
 
 

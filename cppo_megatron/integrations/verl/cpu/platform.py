@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import types
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -105,7 +105,7 @@ def _platform_class():
         def set_device(self, device_index: int) -> None:
             return None
 
-        def synchronize(self, device_index: Optional[int] = None) -> None:
+        def synchronize(self, device_index: int | None = None) -> None:
             return None
 
         def manual_seed(self, seed: int) -> None:

@@ -68,7 +68,8 @@ def _gloo_process_group(original):
 
 def _patch_process_group(module) -> None:
     if getattr(module, "initialize_global_process_group_ray", None) is None:
-        raise RuntimeError(f"cppo cpu mode: {module.__name__}.initialize_global_process_group_ray is gone; veRL changed")
+        raise RuntimeError(f"cppo cpu mode: {module.__name__}.initialize_global_process_group_ray is gone; "
+                           "veRL changed")
     wrap(module, "initialize_global_process_group_ray", _gloo_process_group, tag=WRAP_TAG)
 
 
