@@ -152,7 +152,7 @@ def explain(exc: BaseException) -> DeadActor | None:
     except ImportError:  # pragma: no cover - Ray is installed wherever a host runs
         return None
     seen = set()
-    stack = [exc]
+    stack: list[BaseException | None] = [exc]
     while stack:
         e = stack.pop()
         if e is None or id(e) in seen:

@@ -13,9 +13,9 @@ the one place that does it:
 - ``original(obj)`` follows the marks down to what the host wrote: the drift guard hashes that,
   not our wrapper.
 - ``wrapped(owner, name, make, tag=...)``: the same for the duration of a ``with`` block.
-
-A seam that replaces a host attribute outright (``torch.cuda.synchronize`` by a no-op) passes a
-``make`` that ignores what it is given; the replaced attribute is still kept and marked.
+- ``replace(owner, name, obj, tag=...)``: ``wrap`` with a stand-in that does not call what it
+  replaces (``torch.cuda.synchronize`` by a no-op); the replaced attribute is kept and marked
+  all the same.
 
 Imports nothing of ours.
 """
@@ -26,7 +26,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["ORIGINAL", "TAG", "is_wrapped", "layer", "original", "unwrap", "wrap", "wrapped"]
+__all__ = ["ORIGINAL", "TAG", "is_wrapped", "layer", "original", "replace", "unwrap", "wrap", "wrapped"]
 
 ORIGINAL = "__cppo_original__"  # on a wrapper: the attribute it replaced
 TAG = "__cppo_tag__"  # on a wrapper: the seam that installed it
@@ -104,6 +104,11 @@ def wrap(owner: Any, name: str, make: Callable[[Any], Any], *, tag: str) -> bool
     setattr(replacement, _INHERITED, isinstance(owner, type) and name not in owner.__dict__)
     setattr(owner, name, replacement)
     return True
+
+
+def replace(owner: Any, name: str, obj: Any, *, tag: str) -> bool:
+    """``wrap`` with ``obj`` itself as the layer (``obj`` carries the marks: one owner per object)."""
+    return wrap(owner, name, lambda _current: obj, tag=tag)
 
 
 def unwrap(owner: Any, name: str, *, tag: str) -> bool:

@@ -121,3 +121,15 @@ def test_wrapped_block_installs_for_its_duration_and_nests():
     with pytest.raises(RuntimeError, match="boom"), w.wrapped(host, "f", _plus(10), tag="a"):
         raise RuntimeError("boom")
     assert host.f is f
+
+
+def test_replace_keeps_and_marks_what_it_stands_in_for():
+    host = _host()
+    f = host.f
+
+    def stand_in(x):
+        return 0
+
+    assert w.replace(host, "f", stand_in, tag="cpu") is True and host.f is stand_in and host.f(5) == 0
+    assert w.replace(host, "f", stand_in, tag="cpu") is False and w.original(host.f) is f
+    assert w.unwrap(host, "f", tag="cpu") and host.f is f

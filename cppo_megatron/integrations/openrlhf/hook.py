@@ -303,8 +303,8 @@ def _balanced_order(kept: torch.Tensor, samples: list, args: Any, cfg: CPPOConfi
     work = sequence_workload(lengths, linear=cfg.workload_linear, quadratic=cfg.workload_quadratic)
     part = balance_partitions(work, actors, equal_size=True)
     order = []
-    for members in part.parts:
-        members = torch.as_tensor(members, dtype=torch.int64)
+    for chunk in part.parts:
+        members = torch.as_tensor(chunk, dtype=torch.int64)
         # longest first inside a chunk: micro-batches of similar lengths pad less
         members = members[torch.argsort(lengths[members], descending=True, stable=True)]
         order.append(kept[members])
@@ -395,13 +395,21 @@ def is_installed(maker_class: Any) -> bool:
     return all(is_wrapped(getattr(maker_class, name, None), WRAP_TAG) for name in WRAPPED)
 
 
+def _experience_maker(maker_class: Any) -> Any:
+    """``maker_class``, or OpenRLHF's ``RemoteExperienceMaker`` when None."""
+    if maker_class is not None:
+        return maker_class
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+    return RemoteExperienceMaker
+
+
 def install(cfg: CPPOConfig, maker_class: Any = None) -> None:
     """Wrap ``RemoteExperienceMaker`` in this process (idempotent; ``cfg`` replaces the last)."""
     global _CONFIG
     if not isinstance(cfg, CPPOConfig):
         raise ValueError(f"install expects a CPPOConfig, got {type(cfg).__name__}")
-    if maker_class is None:
-        from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker as maker_class
+    maker_class = _experience_maker(maker_class)
     _CONFIG = _check_config(cfg)
     if is_installed(maker_class):
         return
@@ -413,8 +421,7 @@ def install(cfg: CPPOConfig, maker_class: Any = None) -> None:
 def uninstall(maker_class: Any = None) -> None:
     """Restore OpenRLHF's methods."""
     global _CONFIG
-    if maker_class is None:
-        from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker as maker_class
+    maker_class = _experience_maker(maker_class)
     for name in WRAPPED:
         unwrap(maker_class, name, tag=WRAP_TAG)
     _CONFIG = None

@@ -95,7 +95,7 @@ def parse_openrlhf_args(forwarded: list[str]):
     def refuse(message: str):  # argparse would print its usage and exit; one line instead
         raise ValueError(f"OpenRLHF {PINNED_VERSION} rejects the arguments: {message}")
 
-    parser.error = refuse
+    parser.error = refuse  # type: ignore[method-assign]  # this parser only: argparse calls self.error
     try:
         flat = parser.parse_args(forwarded)
     except ValueError:

@@ -188,7 +188,7 @@ def read_run(run_dir: str | Path) -> dict:
     sync_rows = _jsonl(d / "syncs.jsonl")
     syncs = [(int(r["step"]), float(r["elapsed"])) for r in sync_rows]
     snaps = {float(r["mark"]): {"file": d / r["file"], "step": r["step"]} for r in _jsonl(d / "snapshots.jsonl")}
-    latest = None
+    latest: dict[str, Any] | None = None
     if (d / "latest.json").is_file():
         lj = json.loads((d / "latest.json").read_text())
         latest = {"file": d / "latest.pt", "step": int(lj["step"]), "elapsed": float(lj["elapsed"])}

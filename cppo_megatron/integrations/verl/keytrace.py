@@ -39,6 +39,7 @@ import os
 import sys
 import threading
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from ..importhook import after_import
@@ -90,7 +91,7 @@ def _active() -> bool:
 def _site() -> str:
     """``package/path.py:LINE`` of the first frame outside the config machinery and this file."""
     here = os.path.abspath(__file__)
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
         if os.path.abspath(name) != here and not any(p in name for p in _SKIP_PARTS):
@@ -283,7 +284,7 @@ def install() -> bool:
     return True
 
 
-def read(root: str | Path, key_prefix: str | None = None) -> list[dict]:
+def read(root: str | os.PathLike, key_prefix: str | None = None) -> list[dict]:
     """Every record under ``root`` (all processes); only keys under ``key_prefix`` when given."""
     out = []
     for path in sorted(Path(root).glob("keys-*.jsonl")):

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from ...importhook import after_import, around_import
-from ...wrap import wrap, wrapped
+from ...wrap import replace, wrap, wrapped
 
 __all__ = ["GlooBroadcaster", "gloo_stateless_process_group", "install", "installed", "patch_dist_util"]
 
@@ -97,7 +97,7 @@ _CUDA_SEAMS: dict[str, Callable] = {
 
 def _patch_torch_cuda() -> None:
     for name, fn in _CUDA_SEAMS.items():
-        wrap(torch.cuda, name, lambda _cuda, fn=fn: fn, tag=WRAP_TAG)
+        replace(torch.cuda, name, fn, tag=WRAP_TAG)
 
 
 # ------------------------------------------------------------------------------ replay buffer
@@ -133,6 +133,13 @@ class _Unavailable:
         )
 
 
+def _unavailable_names(module_name: str) -> Callable[[str], _Unavailable]:
+    def __getattr__(attr: str) -> _Unavailable:
+        return _Unavailable(f"{module_name}.{attr}")
+
+    return __getattr__
+
+
 @contextlib.contextmanager
 def _flash_attn_placeholder() -> Iterator[None]:
     """flash_attn names in sys.modules only while ring_attn_utils executes."""
@@ -141,8 +148,8 @@ def _flash_attn_placeholder() -> Iterator[None]:
         return
     for name in FLASH_ATTN:
         module = types.ModuleType(name, "CPU-mode placeholder: flash-attn is not installed")
-        module.__path__ = []  # type: ignore[attr-defined]
-        module.__getattr__ = lambda attr, _n=name: _Unavailable(f"{_n}.{attr}")  # type: ignore[method-assign]
+        module.__path__ = []
+        vars(module)["__getattr__"] = _unavailable_names(name)  # a module-level __getattr__ (PEP 562)
         sys.modules[name] = module
     try:
         yield
@@ -168,7 +175,7 @@ class GlooBroadcaster:
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank = int(src)
         opts.rootTensor = 0
-        self.group.broadcast([tensor], opts).wait()
+        self.group.broadcast([tensor], opts).wait()  # type: ignore[attr-defined]  # bound, not in torch's stubs
 
 
 def gloo_stateless_process_group(master_address, master_port, rank, world_size, device=None) -> GlooBroadcaster:

@@ -62,7 +62,7 @@ from typing import Any
 import torch
 
 from ...importhook import after_import
-from ...wrap import wrap
+from ...wrap import replace, wrap
 
 __all__ = [
     "ATTENTION_MODULE",
@@ -253,7 +253,7 @@ def install_cuda_device_calls() -> bool:
     for name, replacement in (("current_device", _cpu_current_device), ("synchronize", _noop),
                               ("Stream", _CpuStream), ("current_stream", _cpu_current_stream),
                               ("stream", _cpu_stream_context)):
-        wrap(torch.cuda, name, lambda _cuda, r=replacement: r, tag=WRAP_TAG)
+        replace(torch.cuda, name, replacement, tag=WRAP_TAG)
     return True
 
 

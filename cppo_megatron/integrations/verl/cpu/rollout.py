@@ -28,7 +28,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -261,6 +261,8 @@ def load_replica_class():
                 max_concurrency=self.max_concurrency,
                 num_cpus=0,  # generation shares the training workers' cores (colocated, hybrid)
             ).remote(config=self.config, model_config=self.model_config, replica_rank=self.replica_rank)
+            # ray types .options().remote() as "a handle or the class"; it is the handle
+            server = cast("ray.actor.ActorHandle", server)
             self.servers = [server]
             self._server_handle = server
             self._server_address = server_name(self.replica_rank)  # a router key; no HTTP server
@@ -293,7 +295,7 @@ def _make_adapter():
 
     BaseRollout = _adapter_base()
 
-    class HFServerAdapter(BaseRollout):
+    class HFServerAdapter(BaseRollout):  # type: ignore[valid-type, misc]  # veRL's, imported on first use
         """Worker-side rollout: forwards the trainer's weights to the replica's server.
 
         Constructed by veRL as ``(config, model_config, device_mesh)`` on every hybrid worker.
