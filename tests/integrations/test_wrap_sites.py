@@ -9,6 +9,7 @@ import sys
 import time
 import types
 
+import pytest
 import torch
 
 from cppo_megatron.integrations import wrap
@@ -135,3 +136,22 @@ def test_verl_placement_recorder_stacks_on_the_cpu_mode_once_per_class():
     value = MegatronEngineWithValueHead.__dict__["initialize"]
     assert wrap.is_wrapped(value, audit.WRAP_TAG) and wrap.original(value).__qualname__.endswith("ValueHead.initialize")
     assert not wrap.is_wrapped(getattr(top, wrap.ORIGINAL), audit.WRAP_TAG)  # one audit layer, not two
+
+
+def test_openrlhf_vllm_worker_update_weight_is_replaced_once():
+    from cppo_megatron.integrations.openrlhf.cpu import vllm_sync
+
+    class WorkerWrap:
+        def update_weight(self, name, dtype, shape, empty_cache=False):
+            raise AssertionError("the CUDA path")
+
+    host = WorkerWrap.__dict__["update_weight"]
+    module = types.SimpleNamespace(WorkerWrap=WorkerWrap)
+    vllm_sync._patch_worker_wrap(module)
+    top = WorkerWrap.__dict__["update_weight"]
+    vllm_sync._patch_worker_wrap(module)
+    assert WorkerWrap.__dict__["update_weight"] is top and wrap.original(top) is host
+    worker = WorkerWrap()
+    worker.model_config = types.SimpleNamespace(dtype=torch.bfloat16)  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="actor sends torch.float32, the vLLM engine runs torch.bfloat16"):
+        worker.update_weight("w", torch.float32, (2,))  # the CPU receive path: checks the dtype first
