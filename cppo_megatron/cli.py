@@ -10,24 +10,41 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import types
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "doctor": ("cppo_megatron.commands.doctor", "report which backends (torch/CUDA, megatron-core, veRL, vLLM, Ray, ...) import, with versions"),
-    "demo": ("cppo_megatron.commands.demo", "run the CPPO core on synthetic rewards: advantages, pruning, allocation, balancing, timing"),
-    "recipes": ("cppo_megatron.commands.recipes", "list the shipped recipes (host, model, layout, cluster size); every command takes a recipe's name"),
+    "doctor": ("cppo_megatron.commands.doctor",
+               "report which backends (torch/CUDA, megatron-core, veRL, vLLM, Ray, ...) import, with versions"),
+    "demo": ("cppo_megatron.commands.demo",
+             "run the CPPO core on synthetic rewards: advantages, pruning, allocation, balancing, timing"),
+    "recipes": ("cppo_megatron.commands.recipes",
+                "list the shipped recipes (host, model, layout, cluster size); every command takes a recipe's name"),
     "train": ("cppo_megatron.commands.train", "train with GRPO/CPPO on one machine from a recipe YAML (the main job)"),
-    "openrlhf": ("cppo_megatron.commands.openrlhf", "train with OpenRLHF 0.11.2 + CPPO from a recipe (recipes/openrlhf/*.yaml); --dry-run checks it"),
-    "patch": ("cppo_megatron.commands.patch", "check or apply the CPPO source patch to an installed framework (openrlhf)"),
-    "megatron-check": ("cppo_megatron.commands.megatron_check", "HF -> megatron TP/PP/DP on local processes: log-probs vs HF, weight round trip, one pruned rebalanced update"),
-    "study": ("cppo_megatron.commands.study", "sweep P x metric x allocation x seeds at equal time budgets, with a supervised control (a veRL recipe: inside veRL, equal wall time)"),
-    "verl": ("cppo_megatron.commands.verl", "train with veRL 0.9.1 + CPPO (= python -m cppo_megatron.integrations.verl.main; veRL hydra overrides)"),
-    "export-hf": ("cppo_megatron.commands.export_hf", "export an embedded-trainer model (warm-up, checkpoint) as an HF model directory with a real tokenizer"),
+    "openrlhf": ("cppo_megatron.commands.openrlhf",
+                 "train with OpenRLHF 0.11.2 + CPPO from a recipe (recipes/openrlhf/*.yaml); --dry-run checks it"),
+    "patch": ("cppo_megatron.commands.patch",
+              "check or apply the CPPO source patch to an installed framework (openrlhf)"),
+    "megatron-check": ("cppo_megatron.commands.megatron_check",
+                       "HF -> megatron TP/PP/DP on local processes: log-probs vs HF, weight round trip, one pruned "
+                       "rebalanced update"),
+    "study": ("cppo_megatron.commands.study",
+              "sweep P x metric x allocation x seeds at equal time budgets, with a supervised control (a veRL recipe: "
+              "inside veRL, equal wall time)"),
+    "verl": ("cppo_megatron.commands.verl",
+             "train with veRL 0.9.1 + CPPO (= python -m cppo_megatron.integrations.verl.main; veRL hydra overrides)"),
+    "export-hf": ("cppo_megatron.commands.export_hf",
+                  "export an embedded-trainer model (warm-up, checkpoint) as an HF model directory with a real "
+                  "tokenizer"),
     "bench": ("cppo_megatron.commands.bench",
-              "benchmarks (speedup, rollout, overhead, balance, verl, openrlhf, gradient): JSON + markdown + PNG into --out"),
+              "benchmarks (speedup, rollout, overhead, balance, verl, openrlhf, gradient): JSON + markdown + PNG "
+              "into --out"),
     "simulate": ("cppo_megatron.commands.simulate", "cost model of GRPO/CPPO steps on GPU clusters; --check-paper"),
-    "example-data": ("cppo_megatron.commands.example_data", "write a small GSM8K-format train/test pair (word problems, offline) to try bring-your-own data"),
-    "gpu-check": ("cppo_megatron.commands.gpu_check", "prove the GPU path in minutes: env, core, megatron-core, trainer on the device (--device cpu --quick in CI)"),
+    "example-data": ("cppo_megatron.commands.example_data",
+                     "write a small GSM8K-format train/test pair (word problems, offline) to try bring-your-own data"),
+    "gpu-check": ("cppo_megatron.commands.gpu_check",
+                  "prove the GPU path in minutes: env, core, megatron-core, trainer on the device (--device cpu "
+                  "--quick in CI)"),
 }
 
 EPILOG = """\
@@ -95,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = [a for a in argv if a != DEBUG_FLAG]
     top = _top_parser()
     top.add_argument("--version", action="store_true", help="print the version and exit")
-    top.add_argument(DEBUG_FLAG, action="store_true", help="show the traceback of a failure (default: one line, exit 2)")
+    top.add_argument(DEBUG_FLAG, action="store_true",
+                     help="show the traceback of a failure (default: one line, exit 2)")
     if not argv or argv[0] in ("-h", "--help"):
         top.print_help()
         return 0
@@ -123,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def parse_command(name: str, rest: list[str]) -> tuple[object, argparse.Namespace]:
+def parse_command(name: str, rest: list[str]) -> tuple[types.ModuleType, argparse.Namespace]:
     """(command module, parsed arguments) for ``cppo-megatron NAME REST...``; argparse exits 2
     on a bad option. Also what the docs test uses to check a command line without running it."""
     module = importlib.import_module(COMMANDS[name][0])

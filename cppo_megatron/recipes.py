@@ -174,8 +174,9 @@ def _model_name(value: Any) -> str:
 
 def _describe_verl(path: Path, data: dict) -> RecipeInfo:
     name = path.stem
+    bases: list[str] = []
     if "defaults" not in data and "hydra" not in data:  # an override file (--cpu)
-        cfg, bases, kind = data, [], "override"
+        cfg, kind = data, "override"
     else:
         (cfg, bases), kind = _verl_config(path), "recipe"
     strategy = _get(cfg, "actor_rollout_ref.actor.strategy")
@@ -231,7 +232,8 @@ def _describe_train(path: Path, data: dict) -> RecipeInfo:
     model = data.get("model") or {}
     source = model.get("source", "config")
     if source == "config":
-        what = f"{model.get('arch', 'qwen2')} h{model.get('hidden_size', 128)} x{model.get('num_layers', 4)} layers (random init)"
+        what = (f"{model.get('arch', 'qwen2')} h{model.get('hidden_size', 128)} x{model.get('num_layers', 4)} "
+                "layers (random init)")
     else:
         what = f"{source}: {Path(str(model.get('path', '-'))).name}"
     if data.get("backend") == "megatron":

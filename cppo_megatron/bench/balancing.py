@@ -13,9 +13,11 @@ veRL (and noted), never forced.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,7 +62,7 @@ def sample_lengths(distribution: str, n: int, seed: int) -> np.ndarray:
     return DISTRIBUTIONS[distribution](np.random.default_rng(seed), n).astype(np.int64)
 
 
-def verl_partitioner() -> Optional[Callable]:
+def verl_partitioner() -> Callable | None:
     """veRL's balancer, or None when veRL is not importable."""
     try:
         from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions
@@ -79,7 +81,7 @@ class BalanceSettings:
     seed: int = 0
     compare_verl: bool = True
 
-    def validate(self) -> "BalanceSettings":
+    def validate(self) -> BalanceSettings:
         for d in self.distributions:
             if d not in DISTRIBUTIONS:
                 raise ValueError(f"distribution must be one of {sorted(DISTRIBUTIONS)}, got {d!r}")
@@ -96,7 +98,9 @@ def _timed_interleaved(fns: dict, repeats: int):
     """Call each function once per round, in turn (A B A B ...), so machine drift hits all
     alike; return each one's last result, median wall time and median process CPU time
     (CPU time is less disturbed by other jobs on a shared machine)."""
-    outs, wall, cpu = {}, {name: [] for name in fns}, {name: [] for name in fns}
+    outs: dict[str, Any] = {}
+    wall: dict[str, list[float]] = {name: [] for name in fns}
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             c0, t0 = time.process_time(), time.perf_counter()
@@ -123,14 +127,14 @@ def run_balance(s: BalanceSettings, *, log=print) -> Report:
             w = w_t.numpy()
             for eq in s.equal_size:
                 lb = lower_bound(w, k, equal_size=eq)
-                fns = {"ours": lambda: balance_partitions(w_t, k, equal_size=eq)}
+                fns = {"ours": functools.partial(balance_partitions, w_t, k, equal_size=eq)}
                 use_verl = verl_fn is not None and not (n < k or (eq and n % k))
                 if verl_fn is not None and not use_verl:
                     skipped_verl += 1
-                if use_verl:
+                if use_verl and verl_fn is not None:
                     # veRL's _balance_batch passes the integer workloads as a list
                     wl = (24576 * lengths + lengths * lengths).tolist()
-                    fns["verl"] = lambda: verl_fn(wl, k_partitions=k, equal_size=eq)
+                    fns["verl"] = functools.partial(verl_fn, wl, k_partitions=k, equal_size=eq)
                 outs, times, cpu = _timed_interleaved(fns, s.repeats)
                 ours = outs["ours"]
                 naive = naive_partition(w, k)
@@ -171,7 +175,8 @@ def run_balance(s: BalanceSettings, *, log=print) -> Report:
     compared = [r for r in rows if r.get("verl_imbalance") is not None]
     notes = [
         f"N = {s.items_per_rank} x ranks sequences; workload 24576*len + len^2 (veRL's objective); "
-        f"median of {s.repeats} calls, ours and veRL interleaved, as process CPU time (wall time in the JSON); gap = max rank load / lower bound - 1 (same bound for all).",
+        f"median of {s.repeats} calls, ours and veRL interleaved, as process CPU time (wall time in the JSON); "
+        "gap = max rank load / lower bound - 1 (same bound for all).",
         "Distributions: uniform [16, 4096]; lognormal(6.5, 0.9) clipped [16, 16384] (reasoning traces); "
         "bimodal 70% ~N(300, 80) + 30% ~N(6000, 1500); equal: all 1024.",
         "naive = contiguous chunks, what a pipeline without rebalancing gets after pruning.",

@@ -26,7 +26,6 @@ import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -45,8 +44,8 @@ class KeptSet:
 
     label: str
     metric: str
-    pruning_rate: Optional[float] = None
-    keep_mass: Optional[float] = None
+    pruning_rate: float | None = None
+    keep_mass: float | None = None
 
 
 def kept_sets(rates: list[float], keep_mass: list[float]) -> list[KeptSet]:
@@ -59,8 +58,8 @@ def kept_sets(rates: list[float], keep_mass: list[float]) -> list[KeptSet]:
 
 
 def policy_gradient(model, batch, advantages: torch.Tensor, train_cfg, *, pad_id: int, device,
-                    weights: Optional[torch.Tensor] = None, num_tokens: Optional[float] = None,
-                    num_seqs: Optional[float] = None, norm_constant: float, ref_model=None) -> torch.Tensor:
+                    weights: torch.Tensor | None = None, num_tokens: float | None = None,
+                    num_seqs: float | None = None, norm_constant: float, ref_model=None) -> torch.Tensor:
     """[P] float32 flat gradient of the recipe's loss on ``batch`` (a ``KeptBatch``).
 
     Args:
@@ -215,8 +214,8 @@ def _mean_sd(xs: list[float]) -> tuple[float, float]:
 def run(args: argparse.Namespace) -> Report:
     from ..core import PromptSampler
     from ..trainer import Trainer
-    from ..trainer.config import load_recipe
-    from .speedup import _override, warm_start
+    from ..trainer.config import load_recipe, replace_recipe
+    from .speedup import warm_start
 
     points = sorted({int(x) for x in _floats("--points", args.points, 0, float("inf"))})
     rates = _floats("--rates", args.rates, 0.0, 1.0, lo_open=True)
@@ -230,7 +229,7 @@ def run(args: argparse.Namespace) -> Report:
     out = Path(args.out)
     t_start = time.perf_counter()
     warm = warm_start(recipe, out, args.warmup_checkpoint)
-    run_recipe = _override(recipe, out_dir=str(out / "gradient_run"), init_checkpoint=str(warm), **{
+    run_recipe = replace_recipe(recipe, out_dir=str(out / "gradient_run"), init_checkpoint=str(warm), **{
         "warmup.enabled": False, "eval.every": 0, "log.progress": False, "log.tensorboard": False,
         "log.plots": False, "log.checkpoint_every": 0, "train.steps": 10**9, "train.max_time_s": 0.0})
     trainer = Trainer(run_recipe)
@@ -248,8 +247,8 @@ def run(args: argparse.Namespace) -> Report:
         acc: dict[str, list[dict]] = {k: [] for k in labels}
         skipped[point] = 0
         for b in range(args.batches):
-            batch = _sample_batch(trainer, sampler, args.prompts)
-            res = measure_batch(trainer, *batch, sets, step=1000 * point + b)
+            prompts_rep, completions, rewards = _sample_batch(trainer, sampler, args.prompts)
+            res = measure_batch(trainer, prompts_rep, completions, rewards, sets, step=1000 * point + b)
             if not res:
                 skipped[point] += 1
             for k, v in res.items():
@@ -259,7 +258,7 @@ def run(args: argparse.Namespace) -> Report:
         per_point[point] = acc
     if bar is not None:
         bar.close()
-    trainer.logger.close()
+    trainer.main_logger.close()
 
     rows = []
     for point, acc in per_point.items():
@@ -301,8 +300,8 @@ def run(args: argparse.Namespace) -> Report:
     )
 
 
-def _bar(total: int, progress: bool):
-    if not progress:
+def _bar(total: int, enabled: bool):
+    if not enabled:
         return None
     from ..progress import progress
 

@@ -46,7 +46,8 @@ PHASES = ("generation", "make_experience", "ppo_train", "broadcast")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", type=recipe_arg("openrlhf"), help="an OpenRLHF CPU recipe with a cppo section (tiny_cpu_cppo.yaml)")
+    parser.add_argument("recipe", type=recipe_arg("openrlhf"),
+                        help="an OpenRLHF CPU recipe with a cppo section (tiny_cpu_cppo.yaml)")
     parser.add_argument("--flags", default="", metavar="'--name value ...'",
                         help="OpenRLHF flags applied to every run, one quoted string")
     parser.add_argument("--python", default=None,
@@ -212,6 +213,7 @@ def run(args: argparse.Namespace) -> Report:
         ],
         extras={"phase_split": {"t_gen_per_prompt_s": t_gen, "t_rest_per_prompt_s": t_rest},
                 "runs": {k: v[0] for k, v in results.items()}},
-        plot=lambda fig: plot_step_split(fig, table, gen_label="timing/generation", title="OpenRLHF step time per prompt"),
+        plot=lambda fig: plot_step_split(fig, table, gen_label="timing/generation",
+                                         title="OpenRLHF step time per prompt"),
     )
 

@@ -16,7 +16,6 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -25,7 +24,7 @@ from ..config import CPPOConfig
 from ..core import AllocationPlanner, balance_partitions, group_advantages, select_completions, sequence_workload
 from .report import Report, median
 
-__all__ = ["OverheadSettings", "run_overhead", "load_step_seconds", "PHASES"]
+__all__ = ["OverheadSettings", "run_overhead", "load_step_seconds", "synthetic_step", "PHASES"]
 
 PHASES = ("advantage", "selection", "allocation", "balancing")
 
@@ -41,9 +40,9 @@ class OverheadSettings:
     repeats: int = 5
     threads: list[int] = field(default_factory=lambda: [1, 0])  # 0 = torch's default
     seed: int = 0
-    step_seconds: Optional[float] = None
+    step_seconds: float | None = None
 
-    def validate(self) -> "OverheadSettings":
+    def validate(self) -> OverheadSettings:
         if not self.sizes or any((not isinstance(n, int)) or n < 1 for n in self.sizes):
             raise ValueError(f"sizes must be positive integers, got {self.sizes!r}")
         for name in ("group_size", "ranks", "repeats"):
@@ -78,7 +77,10 @@ def load_step_seconds(value: str) -> float:
     return x
 
 
-def _synthetic_step(n: int, group_size: int, seed: int):
+def synthetic_step(n: int, group_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One seeded synthetic batch of ``n`` completions in groups of ``group_size``: binary
+    rewards [n] float32 (a per-prompt success rate), group ids [n] int64, lognormal lengths
+    [n] (8..16384 tokens), as ``(rewards, group_ids, lengths)``."""
     gen = torch.Generator().manual_seed(seed)
     prompts = -(-n // group_size)
     rate = torch.rand(prompts, generator=gen)  # per-prompt success rate
@@ -116,7 +118,7 @@ def run_overhead(s: OverheadSettings, *, log=print) -> Report:
         torch.set_num_threads(nthreads)
         try:
             for n in s.sizes:
-                rewards, gids, lengths = _synthetic_step(n, s.group_size, s.seed)
+                rewards, gids, lengths = synthetic_step(n, s.group_size, s.seed)
                 _one_pass(cfg, rewards, gids, lengths, s.group_size, s.ranks, s.equal_size, 0)  # warm-up
                 times = []
                 for r in range(s.repeats):
@@ -163,7 +165,7 @@ def run_overhead(s: OverheadSettings, *, log=print) -> Report:
             sub = [r for r in rows if r["threads"] == threads]
             x = [r["completions"] for r in sub]
             ax.plot(x, [r["total_ms"] for r in sub], marker="o", label=f"total, {threads} thread(s)")
-            for ph, style in zip(PHASES, (":", "--", "-.", (0, (1, 3)))):
+            for ph, style in zip(PHASES, (":", "--", "-.", (0, (1, 3))), strict=True):
                 ax.plot(x, [max(r[f"{ph}_ms"], 1e-3) for r in sub], linestyle=style, alpha=0.6,
                         label=f"{ph}, {threads}t")
         if s.step_seconds:

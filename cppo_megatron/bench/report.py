@@ -14,9 +14,10 @@ import math
 import os
 import platform
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 __all__ = ["Report", "write_report", "publish", "machine_info", "markdown_table", "median", "plot_step_split"]
 
@@ -71,7 +72,7 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def markdown_table(columns: list[str], rows: list[dict[str, Any]], formats: Optional[dict[str, str]] = None) -> str:
+def markdown_table(columns: list[str], rows: list[dict[str, Any]], formats: dict[str, str] | None = None) -> str:
     """A markdown table; ``formats`` maps a column to a format spec (e.g. ``.6f``)."""
     formats = formats or {}
 
@@ -122,7 +123,7 @@ class Report:
     rows: list[dict[str, Any]]
     notes: list[str] = field(default_factory=list)
     extras: dict[str, Any] = field(default_factory=dict)
-    plot: Optional[Callable[[Any], None]] = None
+    plot: Callable[[Any], None] | None = None
     formats: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:

@@ -22,14 +22,15 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ..rollout.base import ENGINES
+from ..rollout.base import ENGINES, RolloutEngine
 from .report import Report
 
 # the workload of each model: prompts, group size, new tokens, temperature, top-p
-_WORKLOADS = {
+_WORKLOADS: dict[str, dict[str, Any]] = {
     "tiny": dict(recipe="recipes/tiny_cpu.yaml", prompts=16, group=16, new_tokens=6, temperature=1.0, top_p=1.0),
     "smollm2": dict(recipe="recipes/smollm2_cpu.yaml", prompts=2, group=8, new_tokens=32, temperature=0.8, top_p=0.95),
 }
@@ -104,13 +105,16 @@ def bench_model(name: str, engines: list[str], args) -> list[Row]:
     rows = []
     for eng_name in engines:
         t0 = time.perf_counter()
+        engine: RolloutEngine
         if eng_name == "hf":
             engine = HFEngine(model, pad_id=tok.pad_id, eos_id=tok.eos_id, device=torch.device("cpu"), shared=False)
+            label = engine.name
         else:
             from ..rollout.vllm import VLLMEngine
 
             engine = VLLMEngine(model, eos_id=tok.eos_id, seed=0,
                                 max_model_len=min(model.config.max_position_embeddings, 2048))
+            label = f"vllm ({engine.distribution})"
         startup = time.perf_counter() - t0
         t0 = time.perf_counter()
         engine.update_weights(state)
@@ -119,7 +123,6 @@ def bench_model(name: str, engines: list[str], args) -> list[Row]:
             seconds, tokens = _time_engine(engine, prompts, params, args.repeats)
         finally:
             engine.close()
-        label = engine.name if eng_name == "hf" else f"vllm ({engine.distribution})"
         rows.append(Row(name, n_params, label, workload, startup, sync, seconds, tokens, tokens / seconds))
         print(f"  {name:8s} {label:18s} {tokens / seconds:10.1f} tok/s", file=sys.stderr, flush=True)
     return rows

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import asdict, dataclass, field, replace
-from typing import Optional
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -134,10 +134,10 @@ class ClusterSim:
     step_overhead_s: float = 0.5
     samples: int = 8  # Monte-Carlo steps averaged
     seed: int = 0
-    train_tokens_per_gpu: Optional[float] = None  # override: training tokens/s per GPU (fwd+bwd)
-    gen_tokens_per_gpu: Optional[float] = None  # override: saturated decode tokens/s per GPU
+    train_tokens_per_gpu: float | None = None  # override: training tokens/s per GPU (fwd+bwd)
+    gen_tokens_per_gpu: float | None = None  # override: saturated decode tokens/s per GPU
 
-    def validate(self) -> "ClusterSim":
+    def validate(self) -> ClusterSim:
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {list(MODELS)}, got {self.model!r}")
         if self.gpu not in GPUS:
@@ -157,7 +157,8 @@ class ClusterSim:
             v = getattr(self, name)
             if not (0 < v <= 1):
                 raise ValueError(f"{name} must be in (0, 1], got {v!r}")
-        for name in ("iter_overhead_s", "seq_overhead_s", "reward_s_per_completion", "step_overhead_s", "response_sigma"):
+        for name in ("iter_overhead_s", "seq_overhead_s", "reward_s_per_completion", "step_overhead_s",
+                     "response_sigma"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
@@ -343,6 +344,7 @@ def predict(cfg: ClusterSim, rates: list[float]) -> list[dict]:
             base = (fixed, prunable, row["s_per_prompt"])
         row["grpo_same_batch_s_per_prompt"] = _same_batch_grpo(cfg, int(round(avg["prompts"])))
         rows.append(row)
+    assert base is not None  # P = 0 is always simulated: the baseline of every speedup
     for row in rows:
         row["speedup"] = base[2] / row["s_per_prompt"]
         row["bound"] = speedup_bound(row["P"], base[0], base[1])
@@ -382,7 +384,7 @@ def paper_presets(gpu: str = "A100-80GB") -> dict[str, ClusterSim]:
     """The paper's two setups as far as its text and code state them (TRL fork: one vLLM
     GPU, per-device capacity 16 completions, G=16, mu=2, beta=0.04, 1024-token cap). The
     response-length distributions and the GPU type are our assumptions (see docs)."""
-    common = dict(
+    common: dict[str, Any] = dict(
         gpu=gpu, tp=1, pp=1, rollout_gpus=1, rollout_tp=1, group_size=16, mu=2, old_pass=True, ref_pass=True,
         max_response=1024, allocation=True, equal_size=False, rebalance=False,
     )
@@ -396,8 +398,8 @@ def paper_presets(gpu: str = "A100-80GB") -> dict[str, ClusterSim]:
 
 # ----------------------------------------------------------------------------- reports
 _COLUMNS = ["P", "prompts_per_step", "rollout_s", "old_logprob_s", "ref_logprob_s", "update_s", "step_s",
-            "s_per_prompt", "speedup", "batching_gain", "pruning_gain", "bound", "dp_imbalance_naive", "dp_imbalance_balanced",
-            "straggler_naive_s", "straggler_balanced_s"]
+            "s_per_prompt", "speedup", "batching_gain", "pruning_gain", "bound", "dp_imbalance_naive",
+            "dp_imbalance_balanced", "straggler_naive_s", "straggler_balanced_s"]
 
 
 def run_simulate(cfg: ClusterSim, rates: list[float], *, log=print) -> Report:
@@ -438,7 +440,8 @@ def _notes(cfg: ClusterSim) -> list[str]:
         f"rebalance={cfg.rebalance} (equal_size={cfg.equal_size}), mu={cfg.mu}; responses lognormal mean "
         f"{cfg.response_mean:g} tokens, sigma {cfg.response_sigma:g}, cap {cfg.max_response}; prompt {cfg.prompt_len}.",
         f"train MFU {cfg.train_mfu:g}, rollout MFU {cfg.gen_mfu:g}, HBM efficiency {cfg.bw_eff:g}, "
-        f"{1e3 * cfg.iter_overhead_s:g} ms + {1e6 * cfg.seq_overhead_s:g} us/sequence per decode iteration, max_num_seqs {cfg.max_num_seqs}; mean of "
+        f"{1e3 * cfg.iter_overhead_s:g} ms + {1e6 * cfg.seq_overhead_s:g} us/sequence per decode iteration, "
+        f"max_num_seqs {cfg.max_num_seqs}; mean of "
         f"{cfg.samples} sampled steps.",
         "speedup = GRPO seconds per prompt / CPPO seconds per prompt; bound from the P=0 split into "
         "rollout+reward+sync+overhead vs old+ref+update. A prediction above the bound comes from larger "
@@ -453,8 +456,8 @@ EFFICIENCY_FIELDS = ("train_mfu", "gen_mfu", "bw_eff", "iter_overhead_s", "seq_o
                      "gen_tokens_per_gpu", "seed")
 
 
-def run_paper_check(rates: Optional[list[float]] = None, *, gpu: str = "A100-80GB", samples: int = 8,
-                    overrides: Optional[dict] = None, log=print) -> Report:
+def run_paper_check(rates: list[float] | None = None, *, gpu: str = "A100-80GB", samples: int = 8,
+                    overrides: dict | None = None, log=print) -> Report:
     """Predict both published setups and compare with the published speedups.
     ``overrides``: values for ``EFFICIENCY_FIELDS`` (sensitivity of the check)."""
     rates = rates or [0.5, 0.75, 0.875, 0.9375]
@@ -505,7 +508,7 @@ def run_paper_check(rates: Optional[list[float]] = None, *, gpu: str = "A100-80G
 
     def plot(fig):
         ax = fig.add_subplot(1, 1, 1)
-        for name, color in zip(curves, ("tab:blue", "tab:orange")):
+        for name, color in zip(curves, ("tab:blue", "tab:orange"), strict=False):
             ps = sorted(curves[name])
             ax.plot(ps, [curves[name][p]["speedup"] for p in ps], color=color, marker="o", label=f"{name} predicted")
             ax.plot(ps, [curves[name][p]["bound"] for p in ps], color=color, linestyle=":", label=f"{name} bound")

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from ..recipes import arg_type as recipe_arg
+from ..trainer.config import replace_recipe
 from ..trainer.metrics import GEN_PHASES, PASS_PHASES, PHASES
 from .bound import fraction_of_bound, speedup, speedup_bound
 from .report import Report, median
@@ -66,33 +67,15 @@ def warm_start(recipe, out: Path, explicit: str | None) -> Path:
     if not recipe.warmup.enabled:
         raise ValueError("the recipe has no init_checkpoint and no warm-up: pass --warmup-checkpoint")
     print(f"bench: warm-up once, shared by every run -> {path}")
-    warm = _override(recipe, out_dir=str(path.parent), **{"train.steps": 0})
+    warm = replace_recipe(recipe, out_dir=str(path.parent), **{"train.steps": 0})
     t = Trainer(warm)
     t.prepare(initial_eval=False)
-    t.logger.close()
+    t.main_logger.close()
     return path
 
 
-def _override(recipe, **changes):
-    """A copy of ``recipe`` with dotted keys replaced, validated like a loaded recipe."""
-    import copy
-
-    from ..trainer.config import validate_recipe
-
-    r = copy.deepcopy(recipe)
-    for dotted, value in changes.items():
-        obj = r
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            obj = getattr(obj, part)
-        if not hasattr(obj, leaf):
-            raise ValueError(f"unknown recipe key {dotted!r}")
-        setattr(obj, leaf, value)
-    return validate_recipe(r)
-
-
 def _bench_recipe(recipe, out: Path, warm: Path, rate: float, allocation: bool):
-    return _override(
+    return replace_recipe(
         recipe,
         out_dir=str(out / "runs" / f"p{rate:g}_{'alloc' if allocation else 'noalloc'}"),
         init_checkpoint=str(warm),
@@ -138,7 +121,7 @@ def measure(recipe, rates: list[float], allocations: list[bool], steps: int, rep
     if bar is not None:
         bar.close()
     for t in trainers.values():
-        t.logger.close()
+        t.main_logger.close()
     return records
 
 
@@ -191,7 +174,8 @@ def run(args: argparse.Namespace) -> Report:
     rows, split = analyse(records, rates, allocations)
     report = Report(
         name="speedup",
-        title=f"CPPO speedup vs GRPO, {Path(args.recipe).name} ({args.steps} steps x {args.repeats} interleaved rounds)",
+        title=f"CPPO speedup vs GRPO, {Path(args.recipe).name} "
+              f"({args.steps} steps x {args.repeats} interleaved rounds)",
         params={"recipe": args.recipe, "overrides": args.overrides, "rates": rates, "allocation": args.allocation,
                 "steps": args.steps, "repeats": args.repeats, "warm_start": str(warm)},
         columns=["P", "allocation", "prompts/step", "trained/step", "ms/prompt", "speedup", "bound", "of bound",
@@ -213,7 +197,8 @@ def _plot(fig, rows: list[dict], allocations: list[bool]) -> None:
     ax = fig.add_subplot(1, 1, 1)
     for a in allocations:
         sel = [r for r in rows if r["allocation"] == a]
-        ax.plot([r["P"] for r in sel], [r["speedup"] for r in sel], "o-", label=f"measured, allocation {'on' if a else 'off'}")
+        ax.plot([r["P"] for r in sel], [r["speedup"] for r in sel], "o-",
+                label=f"measured, allocation {'on' if a else 'off'}")
     sel = [r for r in rows if r["allocation"] == allocations[0]]
     ax.plot([r["P"] for r in sel], [r["bound"] for r in sel], "k--", label="bound S_max(P)")
     ax.set(xlabel="pruning rate P", ylabel="speedup vs GRPO (time per prompt)", title="CPPO speedup and its bound")

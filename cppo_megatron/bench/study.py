@@ -27,28 +27,14 @@ evaluated afterwards at fixed wall-clock points by one shared evaluator:
 from __future__ import annotations
 
 import argparse
-import csv
-import json
-import math
-import statistics
 import time
 from pathlib import Path
-from typing import Optional
 
 from ..recipes import arg_type as recipe_arg
+from ..trainer.config import replace_recipe
 from .report import Report, publish
-from .speedup import _override, warm_start
-
-DEFAULT = {"rates": "0,0.5,0.875", "metrics": "smallest,random,largest", "allocation": "on"}
-FULL = {"rates": "0,0.5,0.75,0.875,0.9375", "metrics": "smallest,random,largest,signed", "allocation": "both"}
-METRIC_SETTINGS = {  # name -> (cppo.metric, cppo.use_abs)
-    "smallest": ("smallest", True),
-    "largest": ("largest", True),
-    "random": ("random", True),
-    "signed": ("smallest", False),
-    "importance": ("importance", True),  # 1/pi-weighted PPS sample (core.sampling)
-    "keep_mass": ("smallest", True),  # adaptive k: one run per seed, --keep-mass f instead of P
-}
+from .speedup import warm_start
+from .study_table import DEFAULT, FULL, METRIC_SETTINGS, grid, plot_curves, run_id, sd_or_zero, summarize, write_csv
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -87,57 +73,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
                            "stopped and reported as failed (default 1800)")
 
 
-def grid(args) -> list[dict]:
-    spec = dict(FULL if args.full else DEFAULT)
-    for key in ("rates", "metrics", "allocation"):
-        if getattr(args, key):
-            spec[key] = getattr(args, key)
-    rates = sorted({float(x) for x in spec["rates"].split(",")})
-    metrics = [m.strip() for m in spec["metrics"].split(",")]
-    unknown = [m for m in metrics if m not in METRIC_SETTINGS]
-    if unknown:
-        raise ValueError(f"--metrics: unknown {unknown}; choose from {list(METRIC_SETTINGS)}")
-    allocs = {"on": [True], "off": [False], "both": [True, False]}[spec["allocation"]]
-    f = getattr(args, "keep_mass", 0.9)
-    if "keep_mass" in metrics and not (0 < f <= 1):
-        raise ValueError(f"--keep-mass must be in (0, 1], got {f}")
-    per_p = [m for m in metrics if m != "keep_mass"] or ["smallest"]
-    runs = []
-    for seed in range(args.seeds):
-        for p in rates:
-            for a in allocs:
-                # at P = 0 nothing is pruned: metric and allocation change nothing
-                for m in ([per_p[0]] if p == 0 else [m for m in metrics if m != "keep_mass"]):
-                    if p == 0 and a != allocs[0]:
-                        continue
-                    runs.append({"kind": "rl", "P": p, "metric": "grpo" if p == 0 else m, "allocation": a, "seed": seed,
-                                 "keep_mass": None})
-        if "keep_mass" in metrics:
-            for a in allocs:
-                runs.append({"kind": "rl", "P": None, "metric": "keep_mass", "allocation": a, "seed": seed,
-                             "keep_mass": f})
-        if not args.no_control:
-            runs.append({"kind": "control", "P": None, "metric": "sft", "allocation": None, "seed": seed,
-                         "keep_mass": None})
-    return runs
-
-
 def _clock(name: str):
     return time.process_time if name == "cpu" else time.perf_counter
 
 
 def run_rl(recipe, warm: Path, spec: dict, budget: float, clock_name: str, evals: int, out: Path,
-           eval_at_prompts: Optional[float] = None) -> dict:
+           eval_at_prompts: float | None = None) -> dict:
     """One RL run for ``budget`` seconds; ``eval_at_prompts``: evaluate once more when the
     prompts drawn first reach this count (the equal-prompts reading)."""
     from ..trainer import Trainer
 
     metric, use_abs = METRIC_SETTINGS[spec["metric"]] if spec["metric"] != "grpo" else ("smallest", True)
     keep_mass = spec.get("keep_mass") if spec["metric"] == "keep_mass" else None
-    r = _override(
+    r = replace_recipe(
         recipe,
         seed=spec["seed"],
-        out_dir=str(out / "runs" / _run_id(spec)),
+        out_dir=str(out / "runs" / run_id(spec)),
         init_checkpoint=str(warm),
         **{
             "cppo.pruning_rate": spec["P"], "cppo.keep_per_group": None, "cppo.keep_mass": keep_mass,
@@ -157,7 +108,7 @@ def run_rl(recipe, warm: Path, spec: dict, budget: float, clock_name: str, evals
     while used < budget:
         c0 = clock()
         last = t.step_once()
-        t.logger.log(last, t.step)
+        t.main_logger.log(last, t.step)
         used += clock() - c0
         drawn = float(last["alloc/total_prompts_drawn"])
         if at_prompts is None and eval_at_prompts is not None and drawn >= eval_at_prompts:
@@ -165,7 +116,7 @@ def run_rl(recipe, warm: Path, spec: dict, budget: float, clock_name: str, evals
         if used >= next_eval or used >= budget:
             curve.append((used, t._evaluate(r.eval.num_problems), drawn))
             next_eval += budget / evals
-    t.logger.close()
+    t.main_logger.close()
     row = _row(spec, curve, t.step, last)
     if at_prompts is not None:
         row["prompts_at_grpo_prompts"] = at_prompts[0]
@@ -181,7 +132,7 @@ def run_control(recipe, warm: Path, spec: dict, budget: float, clock_name: str, 
     from ..trainer import Trainer
     from ..trainer.sft import sft_warmup
 
-    r = _override(recipe, seed=spec["seed"], out_dir=str(out / "runs" / _run_id(spec)), init_checkpoint=str(warm),
+    r = replace_recipe(recipe, seed=spec["seed"], out_dir=str(out / "runs" / run_id(spec)), init_checkpoint=str(warm),
                   **{"warmup.enabled": False, "log.progress": False, "log.tensorboard": False})
     t = Trainer(r)
     t.model.load_state_dict(torch.load(warm, map_location="cpu"))
@@ -192,21 +143,14 @@ def run_control(recipe, warm: Path, spec: dict, budget: float, clock_name: str, 
                       prompt_template=r.task.prompt_template, evaluate_fn=lambda n: {"eval/accuracy": 0.0},
                       log_fn=lambda rec: None, progress=False, max_time_s=budget, clock=_clock(clock_name))
     after = t._evaluate(r.eval.num_problems)
-    t.logger.close()
+    t.main_logger.close()
     return _row(spec, [(0.0, before, None), (budget, after, None)], int(info.get("warmup/steps", 0)), {})
-
-
-def _run_id(spec: dict) -> str:
-    if spec["kind"] == "control":
-        return f"control_s{spec['seed']}"
-    what = f"keepmass{spec['keep_mass']:g}" if spec["metric"] == "keep_mass" else f"p{spec['P']:g}_{spec['metric']}"
-    return f"{what}_{'alloc' if spec['allocation'] else 'noalloc'}_s{spec['seed']}"
 
 
 def _row(spec: dict, curve: list, steps: int, last: dict) -> dict:
     final = curve[-1][1]
     return {
-        "run": _run_id(spec),
+        "run": run_id(spec),
         **spec,
         "steps": steps,
         "accuracy_start": curve[0][1]["eval/accuracy"],
@@ -220,108 +164,6 @@ def _row(spec: dict, curve: list, steps: int, last: dict) -> dict:
         # [time, accuracy, prompts drawn] per evaluation
         "curve": [[round(tm, 3), ev["eval/accuracy"], pr] for tm, ev, pr in curve],
     }
-
-
-def summarize(rows: list[dict]) -> tuple[list[dict], list[str]]:
-    groups: dict = {}
-    for r in rows:
-        groups.setdefault((r["kind"], r["P"], r["metric"], r["allocation"]), []).append(r)
-    table = []
-    for (kind, p, metric, alloc), rs in groups.items():
-        accs = [r["accuracy_final"] for r in rs]
-        at_prompts = [r["accuracy_at_grpo_prompts"] for r in rs if r.get("accuracy_at_grpo_prompts") is not None]
-        if p == 0:
-            at_prompts = accs  # GRPO's final evaluation is the equal-prompts point
-        if kind == "control":
-            label = "SFT control"
-        elif metric == "keep_mass":
-            label = f"keep_mass f={rs[0]['keep_mass']:g}{'' if alloc else ' no-alloc'}"
-        else:
-            label = f"P={p:g} {metric}{'' if alloc else ' no-alloc'}"
-        table.append({
-            "config": label,
-            "acc @ GRPO's prompts": statistics.mean(at_prompts) if at_prompts else None,
-            "P": p, "metric": metric, "allocation": alloc, "seeds": len(rs),
-            "final acc (mean)": statistics.mean(accs),
-            "seed spread (sd)": statistics.stdev(accs) if len(accs) > 1 else float("nan"),
-            "eval stderr": statistics.mean(r["eval_stderr"] for r in rs),
-            "steps": statistics.mean(r["steps"] for r in rs),
-            "prompts": statistics.mean(r["prompts_drawn"] or 0 for r in rs),
-            "trained": statistics.mean(r["completions_trained"] or 0 for r in rs),
-        })
-    table.sort(key=lambda t: (t["P"] is None, t["P"] or 0, t["metric"]))
-    return table, _findings(table)
-
-
-def compare(a: dict, b: dict) -> tuple[str, float, float]:
-    """(verdict, difference, combined seed sd) of summary row ``a`` against ``b``.
-
-    A winner is declared only with at least 2 seeds on each side and a difference in mean
-    final accuracy larger than the combined seed spread sqrt(sd_a^2 + sd_b^2); otherwise
-    the verdict says why there is none.
-    """
-    diff = a["final acc (mean)"] - b["final acc (mean)"]
-    seeds = min(a["seeds"], b["seeds"])
-    if seeds < 2:
-        return f"no winner: {seeds} seed(s), the seed spread is unknown (run --seeds 2 or more)", diff, float("nan")
-    noise = math.sqrt(_nz(a["seed spread (sd)"]) ** 2 + _nz(b["seed spread (sd)"]) ** 2)
-    if abs(diff) <= noise:
-        return "no winner: the difference is within the combined seed spread", diff, noise
-    return ("beats" if diff > 0 else "trails"), diff, noise
-
-
-def verdict_line(a: dict, b: dict, *, name_a: str, name_b: str, where: str = "") -> str:
-    """One sentence: summary row ``a`` (``name_a``) against ``b`` by ``compare``, both means,
-    the difference and the combined seed sd; ``where`` follows the names (" at equal time")."""
-    verdict, diff, noise = compare(a, b)
-    sd = f"combined seed sd {noise:.3f}" if math.isfinite(noise) else "combined seed sd unknown"
-    head = (f"{name_a} {verdict} {name_b}{where}" if verdict in ("beats", "trails")
-            else f"{name_a} vs {name_b}{where}: {verdict}")
-    return f"{head}: {a['final acc (mean)']:.3f} vs {b['final acc (mean)']:.3f} (difference {diff:+.3f}, {sd})"
-
-
-def _findings(table: list[dict]) -> list[str]:
-    by = {(t["P"], t["metric"], t["allocation"]): t for t in table}
-    out = []
-    grpo = next((t for t in table if t["P"] == 0), None)
-    for t in table:
-        if grpo and t["P"] and t["metric"] == "smallest" and t["allocation"]:
-            out.append(verdict_line(t, grpo, name_a=f"CPPO P={t['P']:g} with allocation", name_b="GRPO",
-                                    where=" at equal time"))
-    for p in sorted({t["P"] for t in table if t["P"]}):
-        rows = {m: by[(p, m, True)] for m in ("smallest", "random", "largest") if (p, m, True) in by}
-        if len(rows) == 3:
-            accs = {m: r["final acc (mean)"] for m, r in rows.items()}
-            spread = max(_nz(r["seed spread (sd)"]) for r in rows.values())
-            text = (f"P={p:g}: {', '.join(f'{m} {a:.3f}' for m, a in accs.items())} (largest seed sd {spread:.3f}); "
-                    "the paper's ordering smallest > random > largest ")
-            gaps = [compare(rows["smallest"], rows["random"])[0], compare(rows["random"], rows["largest"])[0]]
-            if min(r["seeds"] for r in rows.values()) < 2:
-                text += "is not tested: 1 seed, the seed spread is unknown (run --seeds 2 or more)"
-            elif gaps == ["beats", "beats"]:
-                text += "holds, each gap beyond the combined seed spread"
-            elif accs["smallest"] > accs["random"] > accs["largest"]:
-                text += "holds in the means only: a gap is within the combined seed spread"
-            else:
-                text += "does not hold in the means"
-            out.append(text)
-    cppo = next((t for t in table if t["metric"] == "smallest" and t["P"] and t["allocation"]), None)
-    for t in table:
-        if cppo and t["metric"] in ("importance", "keep_mass") and t["allocation"]:
-            out.append(verdict_line(t, cppo, name_a=t["config"], name_b=f"CPPO {cppo['config']}", where=" at equal time"))
-    if grpo:
-        key = "acc @ GRPO's prompts"
-        eq = [f"{t['config']} {t[key]:.3f}" for t in table if t.get(key) is not None and t["metric"] != "sft"]
-        if len(eq) > 1:  # GRPO and at least one pruned run were read at GRPO's prompts
-            out.append("at equal prompts drawn (GRPO's final count, the paper's comparison): " + ", ".join(eq))
-    ctrl = next((t for t in table if t["metric"] == "sft"), None)
-    if ctrl:
-        out.append(f"supervised control for the same time: {ctrl['final acc (mean)']:.3f}")
-    return out
-
-
-def _nz(x: float) -> float:
-    return 0.0 if x is None or (isinstance(x, float) and math.isnan(x)) else x
 
 
 def run(args: argparse.Namespace) -> int:
@@ -353,8 +195,9 @@ def run(args: argparse.Namespace) -> int:
             if spec["P"] == 0 and row["prompts_drawn"]:
                 grpo_prompts[spec["seed"]] = float(row["prompts_drawn"])
         rows.append(row)
-        _write_csv(csv_path, rows)
-        print(f"[{i + 1}/{len(runs)}] {row['run']}: accuracy {row['accuracy_start']:.3f} -> {row['accuracy_final']:.3f} "
+        write_csv(csv_path, rows)
+        print(f"[{i + 1}/{len(runs)}] {row['run']}: accuracy {row['accuracy_start']:.3f} -> "
+              f"{row['accuracy_final']:.3f} "
               f"({row['steps']} steps, {time.perf_counter() - t0:.0f} s elapsed)", flush=True)
     table, findings = summarize(rows)
     report = Report(
@@ -373,39 +216,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    fields = list(dict.fromkeys(k for r in rows for k in r if k != "curve")) + ["curve"]  # union: keep_mass rows
-    with path.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=fields)
-        w.writeheader()
-        for r in rows:
-            w.writerow({**r, "curve": json.dumps(r["curve"])})
-
-
-def plot_curves(ax, rows: list[dict], xlabel: str = "RL time (s)", label=None) -> None:
-    """Accuracy vs time per configuration (runs named ``CONFIG_sSEED``): the mean over seeds
-    at each evaluation point, with a ± sd band. ``label`` maps a configuration name to the
-    legend's text (default: the name)."""
-    configs: dict = {}
-    for r in rows:
-        configs.setdefault(r["run"].rsplit("_s", 1)[0], []).append(r["curve"])
-    for name, curves in sorted(configs.items()):
-        n = min(len(c) for c in curves)
-        ts = [statistics.mean(c[i][0] for c in curves) for i in range(n)]
-        ms = [statistics.mean(c[i][1] for c in curves) for i in range(n)]
-        sd = [statistics.stdev([c[i][1] for c in curves]) if len(curves) > 1 else 0.0 for i in range(n)]
-        line = ax.plot(ts, ms, "o-" if "control" not in name else "s--", ms=3, label=label(name) if label else name)[0]
-        ax.fill_between(ts, [m - s for m, s in zip(ms, sd)], [m + s for m, s in zip(ms, sd)], alpha=0.15,
-                        color=line.get_color())
-    ax.set(xlabel=xlabel, ylabel="held-out accuracy", title="accuracy vs time (mean ± sd over seeds)")
-    ax.legend(fontsize=6)
-
-
 def _plot(fig, rows: list[dict], table: list[dict]) -> None:
     plot_curves(fig.add_subplot(1, 2, 1), rows)
     ax2 = fig.add_subplot(1, 2, 2)
     for metric in sorted({t["metric"] for t in table if t["P"] is not None and t["metric"] != "grpo"}):
-        pts = sorted((t["P"], t["final acc (mean)"], _nz(t["seed spread (sd)"])) for t in table
+        pts = sorted((t["P"], t["final acc (mean)"], sd_or_zero(t["seed spread (sd)"])) for t in table
                      if t["metric"] in (metric, "grpo") and t["allocation"] in (True, None))
         ax2.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], fmt="o-", capsize=3,
                      label=metric)

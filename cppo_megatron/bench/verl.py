@@ -43,7 +43,8 @@ PHASES = ("gen", "old_log_prob", "ref", "adv", "update_actor", "update_weights")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", type=recipe_arg("verl"), help="a veRL CPU recipe (e.g. recipes/verl/tiny_cpu_grpo.yaml)")
+    parser.add_argument("recipe", type=recipe_arg("verl"),
+                        help="a veRL CPU recipe (e.g. recipes/verl/tiny_cpu_grpo.yaml)")
     parser.add_argument("overrides", nargs="*", help="veRL/hydra overrides applied to every run")
     parser.add_argument("--rate", type=float, default=0.875, help="pruning rate P of the CPPO runs (default 0.875)")
     parser.add_argument("--allocation", choices=["on", "off", "both"], default="both")
@@ -84,10 +85,10 @@ def summarize(rows: list[dict], skip: int) -> dict:
     prompts = [r["cppo/num_groups"] for r in steps]
     out = {"steps": len(steps), "prompts_per_step": median(prompts),
            "trained_per_step": median([r["cppo/num_kept"] for r in steps]),
-           "s_per_prompt": median([r["timing_s/step"] / p for r, p in zip(steps, prompts)])}
+           "s_per_prompt": median([r["timing_s/step"] / p for r, p in zip(steps, prompts, strict=True)])}
     for phase in PHASES:
         key = f"timing_s/{phase}"
-        out[f"{phase}_s_per_prompt"] = median([r.get(key, 0.0) / p for r, p in zip(steps, prompts)])
+        out[f"{phase}_s_per_prompt"] = median([r.get(key, 0.0) / p for r, p in zip(steps, prompts, strict=True)])
     return out
 
 
@@ -101,7 +102,8 @@ def _run_one(recipe: str, overrides: list[str], run_dir: Path, steps: int, loop:
     with open(log_path, "w") as log:
         proc = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     if proc.returncode != 0:
-        raise RuntimeError(f"bench verl: the run {' '.join(overrides)} failed (exit {proc.returncode}); log: {log_path}")
+        raise RuntimeError(f"bench verl: the run {' '.join(overrides)} failed (exit {proc.returncode}); "
+                           f"log: {log_path}")
     return read_metrics(run_dir / "metrics.jsonl")
 
 
@@ -139,7 +141,8 @@ def run(args: argparse.Namespace) -> Report:
                       "ms/prompt": 1e3 * s["s_per_prompt"], "speedup": sp, "bound": bound,
                       "of bound": fraction_of_bound(sp, bound) if rate > 0 else 1.0,
                       "ms/prompt gen": 1e3 * s["gen_s_per_prompt"],
-                      "ms/prompt update": 1e3 * s["update_actor_s_per_prompt"], **{f"raw_{k}": v for k, v in s.items()}})
+                      "ms/prompt update": 1e3 * s["update_actor_s_per_prompt"],
+                      **{f"raw_{k}": v for k, v in s.items()}})
     return Report(
         name="verl_speedup",
         title=f"veRL {args.loop} loop: GRPO vs CPPO P={args.rate:g}, {Path(args.recipe).name} "

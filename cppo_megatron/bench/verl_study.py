@@ -46,15 +46,15 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
 
+from .heldout import Evaluator
+from .load import LoadSampler
 from .report import Report, median, publish
-from .study import _run_id, _write_csv, grid, plot_curves, summarize, verdict_line
+from .study_table import grid, plot_curves, run_id, summarize, verdict_line, write_csv
 
-__all__ = ["Evaluator", "arm_overrides", "default_target", "interleave", "is_verl_recipe", "phase_split", "run",
+__all__ = ["arm_overrides", "default_target", "interleave", "is_verl_recipe", "phase_split", "run",
            "run_overrides", "time_to_target", "verdicts"]
 
 VERL_DEFAULTS = {"rates": "0,0.875", "metrics": "smallest", "allocation": "both"}
@@ -110,79 +110,7 @@ def interleave(runs: list[dict]) -> list[dict]:
     return out
 
 
-# ------------------------------------------------------------------------------ evaluation
-class Evaluator:
-    """Greedy held-out accuracy of a policy, the same for every arm: the exported model's
-    architecture and tokenizer, the prompts veRL builds (the chat template over the task's
-    prompt), HF generate with temperature 0, and the reward function veRL trains with
-    (``integrations/verl/reward.compute_score``'s ``acc``).
-
-    Args:
-        model_dir: the exported start model (architecture, tokenizer, start weights).
-        warmup_recipe: the embedded recipe whose task gives the held-out problems.
-        problems: how many test problems (the first ones; veRL's test.parquet holds a prefix).
-        max_new_tokens: ``data.max_response_length`` of the runs.
-    """
-
-    def __init__(self, model_dir: Path, warmup_recipe: str, problems: int, max_new_tokens: int) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from ..integrations.verl.cpu.prepare import _warmup_recipe
-        from ..rollout import HFEngine
-        from ..tasks import build_task
-        from ..trainer.config import load_recipe
-
-        if problems < 1 or max_new_tokens < 1:
-            raise ValueError(f"Evaluator: problems and max_new_tokens must be >= 1, got {problems}, {max_new_tokens}")
-        recipe = load_recipe(_warmup_recipe(warmup_recipe))
-        task = build_task(recipe.task)
-        if problems > len(task.test):
-            raise ValueError(f"--eval-problems {problems}: the task has {len(task.test)} test problems")
-        self.problems = list(task.test)[:problems]
-        self.tok = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.start = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        self.prompts = [
-            list(self.tok.apply_chat_template(
-                [{"role": "user", "content": recipe.task.prompt_template.format(question=p.question)}],
-                add_generation_prompt=True, tokenize=True, return_dict=False))
-            for p in self.problems
-        ]
-        eos = self.model.generation_config.eos_token_id
-        eos = eos[0] if isinstance(eos, (list, tuple)) else eos
-        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else eos
-        self.engine = HFEngine(self.model, pad_id=pad, eos_id=eos, device=torch.device("cpu"), shared=True)
-        self.max_new_tokens = int(max_new_tokens)
-        self._cache: dict[str, dict] = {}
-
-    def accuracy(self, weights: Optional[Path] = None) -> dict:
-        """``{"accuracy", "stderr", "problems"}`` of ``weights`` (a saved state dict; None: the
-        start model). Results are cached per file content (size and mtime)."""
-        import torch
-
-        from ..integrations.verl.reward import DATA_SOURCE, compute_score
-        from ..rollout import SamplingParams
-
-        key = "start" if weights is None else f"{Path(weights).resolve()}:{Path(weights).stat().st_mtime_ns}"
-        if key in self._cache:
-            return self._cache[key]
-        state = self.start if weights is None else torch.load(weights, map_location="cpu")
-        self.model.load_state_dict(state)
-        out = self.engine.generate(self.prompts, SamplingParams(n=1, temperature=0.0,
-                                                                max_new_tokens=self.max_new_tokens))
-        correct = 0.0
-        for toks, p in zip(out.tokens, self.problems):
-            text = self.tok.decode(toks, skip_special_tokens=True)
-            correct += compute_score(DATA_SOURCE, text, str(p.answer))["acc"]
-        n = len(self.problems)
-        acc = correct / n
-        res = {"accuracy": acc, "stderr": math.sqrt(max(acc * (1 - acc), 1e-12) / n), "problems": n}
-        self._cache[key] = res
-        return res
-
-
-def time_to_target(curve: list, target: float) -> Optional[float]:
+def time_to_target(curve: list, target: float) -> float | None:
     """The first evaluation time at which accuracy >= ``target`` (None if never). ``curve``:
     [[seconds, accuracy, ...], ...] in time order. Resolution: the spacing of the points."""
     for point in curve:
@@ -202,34 +130,6 @@ def default_target(start: float, table: list[dict]) -> float:
 
 
 # ------------------------------------------------------------------------------ one run
-class LoadSampler:
-    """Samples the 1-minute load average every ``every_s`` seconds on a daemon thread."""
-
-    def __init__(self, every_s: float = 5.0) -> None:
-        self.every_s = every_s
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while True:
-            self.samples.append(os.getloadavg()[0])
-            if self._stop.wait(self.every_s):
-                return
-
-    def __enter__(self) -> "LoadSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def summary(self) -> dict:
-        s = self.samples or [os.getloadavg()[0]]
-        return {"load_mean": statistics.mean(s), "load_max": max(s), "load_min": min(s), "load_samples": len(s)}
-
-
 def _run_verl(args_list: list[str], env: dict, log_path: Path, timeout_s: float) -> tuple[int, float]:
     """Run one veRL process (own process group) to its end; stop it after ``timeout_s``."""
     t0 = time.perf_counter()
@@ -259,7 +159,7 @@ def _metrics(path: Path) -> dict[int, dict]:
 
 
 def phase_split(metrics: dict[int, dict], steps: list[int], skip: int = 1,
-                generate_s: Optional[dict[int, float]] = None) -> dict:
+                generate_s: dict[int, float] | None = None) -> dict:
     """Median seconds per step of veRL's ``timing_s/*`` phases over ``steps`` (the first
     ``skip`` left out while more remain), and per prompt; ``other`` is the step's remainder
     (metrics, data loading). ``generate_s``: the rollout server's HF ``generate`` seconds per
@@ -289,8 +189,8 @@ def run_one(recipe: str, user_overrides: list[str], spec: dict, out: Path, model
     """One arm-seed: the veRL run under the clock; returns the raw result (no evaluation)."""
     from ..integrations.verl import clock
 
-    run_id = _run_id(spec)
-    run_dir = (out / "runs" / run_id).resolve()
+    name = run_id(spec)
+    run_dir = (out / "runs" / name).resolve()
     clock_dir = run_dir / "clock"
     if run_dir.exists():
         import shutil
@@ -298,17 +198,17 @@ def run_one(recipe: str, user_overrides: list[str], spec: dict, out: Path, model
         shutil.rmtree(run_dir)  # a clean slate: veRL's file logger appends, the clock's logs too
     clock.write_settings(clock_dir, budget, marks)
     args_list = [sys.executable, "-m", "cppo_megatron.integrations.verl.main", recipe, *user_overrides,
-                 *arm_overrides(spec), *run_overrides(run_dir, model_dir, data_dir, run_id)]
+                 *arm_overrides(spec), *run_overrides(run_dir, model_dir, data_dir, name)]
     env = {**os.environ, clock.ENV: str(clock_dir)}
     env.pop("CPPO_VERL_AUDIT", None)
-    print(f"study verl: {run_id}: {' '.join(arm_overrides(spec)[:3])} for {budget:g} s (log {run_dir / 'verl.log'})",
+    print(f"study verl: {name}: {' '.join(arm_overrides(spec)[:3])} for {budget:g} s (log {run_dir / 'verl.log'})",
           flush=True)
     with LoadSampler() as load:
         rc, wall = _run_verl(args_list, env, run_dir / "verl.log", budget + timeout_s)
     if rc != 0:
         tail = "\n".join((run_dir / "verl.log").read_text(errors="replace").splitlines()[-15:])
-        raise RuntimeError(f"study verl: run {run_id} failed (exit {rc}); log {run_dir / 'verl.log'}:\n{tail}")
-    result = {"run": run_id, "spec": spec, "command": args_list[2:], "wall_s": wall, **load.summary()}
+        raise RuntimeError(f"study verl: run {name} failed (exit {rc}); log {run_dir / 'verl.log'}:\n{tail}")
+    result = {"run": name, "spec": spec, "command": args_list[2:], "wall_s": wall, **load.summary()}
     (run_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
@@ -361,10 +261,10 @@ def evaluate_run(result: dict, out: Path, evaluator: Evaluator, start: dict) -> 
 
 # ------------------------------------------------------------------------------ reading
 def verdicts(table: list[dict]) -> list[str]:
-    """The CPPO arms against GRPO at the budget (``study.compare``: a winner only beyond the
+    """The CPPO arms against GRPO at the budget (``study_table.compare``: a winner only beyond the
     combined seed spread with >= 2 seeds a side)."""
     grpo = next((t for t in table if t["P"] == 0), None)
-    out = []
+    out: list[str] = []
     if grpo is None:
         return out
     for t in table:
@@ -415,14 +315,17 @@ def why_notes(table: list[dict]) -> list[str]:
             f"{t['old_log_prob_s']:.1f} + ref {t['ref_s']:.1f} + update {t['update_actor_s']:.1f} + weight sync "
             f"{t['update_weights_s']:.1f} + other {t['other_s']:.1f}; {t['prompts']:.0f} prompts in "
             f"{t['steps']:.1f} steps within the budget; generation {t['gen_ms_per_prompt']:.0f} ms per prompt"
-            + (f", of which HF generate {t['hf_generate_s']:.1f} s a step ({100 * t['hf_generate_s'] / t['gen_s']:.0f}% of "
+            + (f", of which HF generate {t['hf_generate_s']:.1f} s a step "
+               f"({100 * t['hf_generate_s'] / t['gen_s']:.0f}% of "
                "gen; the rest is veRL's per-request agent-loop work)" if t.get("hf_generate_s") and t["gen_s"] else ""))
     if grpo is not None:
         for t in table:
             if t["P"] and t.get("step_s") and t["allocation"]:
+                per_step = t["prompts"] / max(t["steps"], 1e-9)
+                grpo_per_step = grpo["prompts"] / max(grpo["steps"], 1e-9)
                 notes.append(
                     f"{t['config']} vs GRPO: {t['s/step'] / grpo['s/step']:.1f}x the time per step for "
-                    f"{t['prompts'] / max(t['steps'], 1e-9) / max(grpo['prompts'] / max(grpo['steps'], 1e-9), 1e-9):.1f}x "
+                    f"{per_step / max(grpo_per_step, 1e-9):.1f}x "
                     f"the prompts per step; generation is {100 * t['gen share']:.0f}% of its step "
                     f"(GRPO {100 * grpo['gen share']:.0f}%), and pruning removes none of it")
     return notes
@@ -444,12 +347,12 @@ def _plot(fig, rows: list[dict], table: list[dict], target: float) -> None:
     ax2 = fig.add_subplot(1, 2, 2)
     parts = [("gen_s", "generation"), ("old_log_prob_s", "old log-prob"), ("ref_s", "ref"),
              ("update_actor_s", "update"), ("update_weights_s", "weight sync"), ("other_s", "other")]
-    names = [_label(t) for t in table if t.get("step_s")]
-    bottom = [0.0] * len(names)
+    arms = [_label(t) for t in table if t.get("step_s")]
+    bottom = [0.0] * len(arms)
     for key, label in parts:
         vals = [t.get(key) or 0.0 for t in table if t.get("step_s")]
-        ax2.bar(names, vals, bottom=bottom, label=label)
-        bottom = [b + v for b, v in zip(bottom, vals)]
+        ax2.bar(arms, vals, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax2.set(ylabel="seconds per step (median)", title="where a veRL step goes")
     ax2.tick_params(axis="x", labelsize=6)
     ax2.legend(fontsize=6)
@@ -527,7 +430,7 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     t0 = time.perf_counter()
     for i, spec in enumerate(runs):
-        done = out / "runs" / _run_id(spec) / "result.json"
+        done = out / "runs" / run_id(spec) / "result.json"
         if a.reuse and done.is_file():
             result = json.loads(done.read_text())
             print(f"study verl: reusing {result['run']}", flush=True)
@@ -537,8 +440,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(choose_threads())
         row = evaluate_run(result, out, evaluator, start)
         rows.append(row)
-        _write_csv(out / "study.csv", [{k: v for k, v in r.items() if k != "phases"} for r in rows])
-        print(f"[{i + 1}/{len(runs)}] {row['run']}: accuracy {row['accuracy_start']:.3f} -> {row['accuracy_final']:.3f} "
+        write_csv(out / "study.csv", [{k: v for k, v in r.items() if k != "phases"} for r in rows])
+        print(f"[{i + 1}/{len(runs)}] {row['run']}: accuracy {row['accuracy_start']:.3f} -> "
+              f"{row['accuracy_final']:.3f} "
               f"at {a.budget:g} s ({row['steps']} steps, load {row['load_mean']:.1f}, "
               f"{time.perf_counter() - t0:.0f} s elapsed)", flush=True)
     table, _ = summarize(rows)
@@ -550,7 +454,8 @@ def run(args: argparse.Namespace) -> int:
     notes = verdicts(table) + [
         f"time to accuracy {target:.2f} (first evaluation point at or above it; points every "
         f"{a.budget / a.evals:g} s): " + ", ".join(
-            f"{t['config']} {t['time to target (s)']:.0f} s ({t['reached']} seeds)" if t["time to target (s)"] is not None
+            f"{t['config']} {t['time to target (s)']:.0f} s ({t['reached']} seeds)"
+            if t["time to target (s)"] is not None
             else f"{t['config']} not reached ({t['reached']})" for t in table),
         *why_notes(table),
         f"start model: {model_dir} (held-out accuracy {start['accuracy']:.3f} on {start['problems']} problems; "

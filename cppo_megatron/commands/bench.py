@@ -17,13 +17,17 @@ import sys
 
 # name -> (module with configure(parser) and run(args) -> Report, one-line help).
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "speedup": ("cppo_megatron.bench.speedup", "GRPO vs CPPO at several rates, interleaved: speedup vs the bound S_max"),
-    "verl": ("cppo_megatron.bench.verl", "veRL GRPO vs veRL + CPPO (CPU mode), speedup per prompt vs the bound, from veRL's timing_s/*"),
+    "speedup": ("cppo_megatron.bench.speedup",
+                "GRPO vs CPPO at several rates, interleaved: speedup vs the bound S_max"),
+    "verl": ("cppo_megatron.bench.verl",
+             "veRL GRPO vs veRL + CPPO (CPU mode), speedup per prompt vs the bound, from veRL's timing_s/*"),
     "openrlhf": ("cppo_megatron.bench.openrlhf",
                  "OpenRLHF GRPO vs OpenRLHF + CPPO (CPU mode), speedup per prompt vs the bound, from its timing/*"),
-    "rollout": ("cppo_megatron.bench.rollout", "tokens/s of the HF and vLLM rollout engines (tiny model, SmolLM2-135M)"),
+    "rollout": ("cppo_megatron.bench.rollout",
+                "tokens/s of the HF and vLLM rollout engines (tiny model, SmolLM2-135M)"),
     "overhead": ("cppo_megatron.bench.overhead", "time of advantages + selection + allocation + balancing per step"),
-    "balance": ("cppo_megatron.bench.balancing", "our balancer vs veRL's get_seqlen_balanced_partitions vs contiguous split"),
+    "balance": ("cppo_megatron.bench.balancing",
+                "our balancer vs veRL's get_seqlen_balanced_partitions vs contiguous split"),
     "gradient": ("cppo_megatron.bench.gradient",
                  "cosine / norm error of each kept set's policy gradient vs the full-batch gradient"),
 }
@@ -34,7 +38,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     for name, (module, help_) in BENCHMARKS.items():
         p = sub.add_parser(name, help=help_, description=help_)
         importlib.import_module(module).configure(p)
-        p.add_argument("--out", default=f"runs/bench", help="output directory (default runs/bench)")
+        p.add_argument("--out", default="runs/bench", help="output directory (default runs/bench)")
         p.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
 
 

@@ -50,7 +50,8 @@ def _version(dists: str) -> str | None:
 
 def check(label: str, module: str, dists: str, extra: str) -> dict:
     t0 = time.perf_counter()
-    row = {"backend": label, "extra": extra, "version": _version(dists), "importable": False, "note": ""}
+    row: dict[str, object] = {"backend": label, "extra": extra, "version": _version(dists), "importable": False,
+                              "note": ""}
     try:
         with warnings.catch_warnings():  # backends warn about optional kernels at import
             warnings.simplefilter("ignore")

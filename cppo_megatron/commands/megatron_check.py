@@ -75,7 +75,8 @@ def _worker(rank, world, args):
     masks = [torch.arange(int(L) - 1) >= min(3, int(L) - 2) for L in lengths]
     t0 = time.perf_counter()
     res = prune_and_exchange({"tokens": seqs[mine], "mask": masks[mine]}, rewards[mine], gids[mine], lengths[mine],
-                             CPPOConfig(pruning_rate=args.pruning_rate, seed=args.seed), group=ps.get_data_parallel_group())
+                             CPPOConfig(pruning_rate=args.pruning_rate, seed=args.seed),
+                             group=ps.get_data_parallel_group())
     t_exchange = time.perf_counter() - t0
     ddp, opt = cm.build_ddp_and_optimizer(model, lr=1e-4)
     counter = cm.ForwardCounter()
@@ -90,12 +91,13 @@ def _worker(rank, world, args):
 
 
 def run(args) -> int:
-    from ..distributed import run_local
-
     import warnings
 
+    from ..distributed import run_local
+
     # megatron-core announces every missing CUDA extension; none of them matters here
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|cuda_graph_scope|CUDA_DEVICE_MAX_CONNECTIONS).*")
+    warnings.filterwarnings("ignore",
+                            message=r".*(Apex|Transformer Engine|cuda_graph_scope|CUDA_DEVICE_MAX_CONNECTIONS).*")
     for name, v in (("--tp", args.tp), ("--pp", args.pp), ("--dp", args.dp)):
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")

@@ -25,7 +25,8 @@ PASSTHROUGH = True  # unknown arguments go to the launcher
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", type=recipe_arg("openrlhf"),
-                        help="a recipe YAML, e.g. recipes/openrlhf/qwen2.5-1.5b-gsm8k-cppo.yaml, or its name (qwen2.5-1.5b-gsm8k-cppo)")
+                        help="a recipe YAML, e.g. recipes/openrlhf/qwen2.5-1.5b-gsm8k-cppo.yaml, or its name "
+                             "(qwen2.5-1.5b-gsm8k-cppo)")
     parser.add_argument("--cpu", metavar="OVERRIDE", default=None, type=recipe_arg("openrlhf"),
                         help="run a cluster recipe on this CPU machine at toy size: the override file's cpu section "
                              "and openrlhf flags replace the recipe's (recipes/openrlhf/cpu_toy.yaml)")

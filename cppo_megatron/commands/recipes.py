@@ -20,7 +20,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per line instead of the table")
     parser.add_argument("--paths", action="store_true", help="add each file's path (where this install keeps it)")
     parser.add_argument("--show", metavar="NAME", default=None,
-                        help="print one recipe file (by name or path; --host picks the folder when the name is in several)")
+                        help="print one recipe file (by name or path; --host picks the folder when the name is in "
+                             "several)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     table = [(r.name, r.host, r.model, r.layout, r.cluster) + ((str(r.path),) if args.paths else ()) for r in rows]
     widths = [max(len(str(row[i])) for row in [header, *table]) for i in range(len(header))]
     for row in [header, *table]:
-        print("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip())
+        print("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     print(f"\n{len(rows)} files in {recipes.root()}; run one with `cppo-megatron HOST NAME` "
           "(train, verl or openrlhf; an override file goes after --cpu)")
     return 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import fields
 
 from ..bench.simulate import GPUS, MODELS, ClusterSim
@@ -78,7 +79,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     defaults = ClusterSim()
     for f in fields(ClusterSim):
         value = getattr(defaults, f.name)
-        kind = _bool if isinstance(value, bool) else (int if isinstance(value, int) else float)
+        kind: Callable[[str], object] = _bool if isinstance(value, bool) else (int if isinstance(value, int) else float)
         if f.name in ("model", "gpu"):
             kind = str
         parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=value,

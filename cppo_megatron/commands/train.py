@@ -25,7 +25,8 @@ from ..recipes import arg_type as recipe_arg
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", type=recipe_arg("train"), help="recipe YAML, or a shipped recipe's name (`cppo-megatron recipes`)")
+    parser.add_argument("recipe", type=recipe_arg("train"),
+                        help="recipe YAML, or a shipped recipe's name (`cppo-megatron recipes`)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. cppo.pruning_rate=0.5")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in out_dir")
     parser.add_argument("--nproc", type=int, default=1,

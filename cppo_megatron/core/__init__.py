@@ -34,12 +34,11 @@ from .pipeline import PruneResult, prune
 from .sampling import inclusion_probabilities, mass_keep_counts, systematic_sample
 from .selection import (
     Selection,
-    keep_count,
     keep_order,
     seeded_generator,
     select_completions,
 )
-from .settings import DEFAULT_PRUNING_RATE, METRICS, SCOPES, CPPOConfig
+from .settings import DEFAULT_PRUNING_RATE, METRICS, SCOPES, CPPOConfig, keep_count
 
 __all__ = [
     "ADV_NORMS",

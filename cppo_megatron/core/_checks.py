@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from .settings import CPPOConfig
 
 
 def as_1d_float(name: str, x, *, allow_empty: bool = False) -> torch.Tensor:
@@ -55,19 +50,6 @@ def as_group_ids(name: str, g, n: int) -> torch.Tensor:
         i = int((g < 0).nonzero()[0])
         raise ValueError(f"{name}[{i}] = {int(g[i])} is negative; group ids must be >= 0")
     return g
-
-
-def check_config(cfg: object) -> CPPOConfig:
-    """``cfg`` itself, when it is a valid ``CPPOConfig``; otherwise TypeError / ValueError
-    naming the problem. (Fields can be reassigned after construction, so validate again.)"""
-    from .settings import CPPOConfig  # settings imports selection, which imports this module
-
-    if not isinstance(cfg, CPPOConfig):
-        raise TypeError(
-            f"cfg must be a cppo_megatron.config.CPPOConfig, got {type(cfg).__name__}; build one with "
-            "CPPOConfig(...) or CPPOConfig.from_dict(...)"
-        )
-    return cfg.validate()
 
 
 def check_int(name: str, v, *, minimum: int) -> int:

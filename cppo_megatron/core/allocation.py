@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._checks import check_config, check_int
-from .selection import DEFAULT_PRUNING_RATE, Selection, keep_count
+from ._checks import check_int
+from .selection import Selection
+from .settings import DEFAULT_PRUNING_RATE, check_config, keep_count
 
 if TYPE_CHECKING:
     from .settings import CPPOConfig

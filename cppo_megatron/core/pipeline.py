@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._checks import check_config
 from .advantage import GroupStats, group_advantages
 from .selection import Selection, select_completions
+from .settings import check_config
 
 if TYPE_CHECKING:
     from .settings import CPPOConfig

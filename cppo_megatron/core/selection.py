@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from ._checks import as_1d_float, as_group_ids, check_config, check_int
+from ._checks import as_1d_float, as_group_ids, check_int
 from .advantage import GroupStats
 from .sampling import grouped_layout, inclusion_probabilities, mass_keep_counts, systematic_sample
-from .settings import DEFAULT_PRUNING_RATE, METRICS, SCOPES
+from .settings import DEFAULT_PRUNING_RATE, K_TOLERANCE, METRICS, SCOPES, check_config, keep_count
 
 if TYPE_CHECKING:
     from .settings import CPPOConfig
@@ -35,35 +35,6 @@ __all__ = [
 
 # stream of seeded_generator used by the importance design (stream 0 is the tie-break order)
 IMPORTANCE_STREAM = 1
-
-# floor(G * (1 - P)) with this slack, so that 16 * (1 - 0.875) -> 2 even if it is 1.999...
-K_TOLERANCE = 1e-6
-
-
-def keep_count(group_size: int, pruning_rate: float | None, keep_per_group: int | None) -> int:
-    """k for a group of ``group_size``: floor(G (1 - P)) (at least 1), or ``keep_per_group``.
-
-    ``pruning_rate=None`` and ``keep_per_group=None`` means the default rate 0.875.
-    Returns k, an int in [1, group_size]; ``keep_per_group > group_size`` is an error.
-    """
-    check_int("group_size", group_size, minimum=1)
-    if keep_per_group is not None:
-        check_int("keep_per_group", keep_per_group, minimum=1)
-        if keep_per_group > group_size:
-            raise ValueError(
-                f"keep_per_group={keep_per_group} is larger than a group of {group_size} completions"
-            )
-        return keep_per_group
-    p = DEFAULT_PRUNING_RATE if pruning_rate is None else pruning_rate
-    _check_rate(p)
-    return max(1, math.floor(group_size * (1.0 - p) + K_TOLERANCE))
-
-
-def _check_rate(p: Any) -> float:
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 <= p < 1.0):
-        raise ValueError(f"pruning_rate must be a number in [0, 1), got {p!r}")
-    return float(p)
-
 
 def seeded_generator(seed: int, step: int = 0, stream: int = 0) -> torch.Generator:
     """A CPU ``torch.Generator`` that depends on (seed, step, stream) only: identical on

@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ._checks import check_int
+
 __all__ = [
     "ADV_NORMS",
     "CHECKS",
@@ -34,8 +36,10 @@ __all__ = [
     "MAGNITUDE_METRICS",
     "METRICS",
     "SCOPES",
+    "check_config",
     "document_fields",
     "field_help",
+    "keep_count",
     "setting",
 ]
 
@@ -242,8 +246,6 @@ class CPPOConfig:
                 f"keep_mass={self.keep_mass} has no fixed k per group: the count is decided per group "
                 "from the advantages (this host needs pruning_rate or keep_per_group)"
             )
-        from .selection import keep_count  # selection imports the choice lists from here
-
         return keep_count(group_size, self.pruning_rate, self.keep_per_group)
 
     def rate_for_group(self, group_size: int) -> float:
@@ -313,3 +315,44 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
 
 
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(CPPOConfig))
+
+
+def check_config(cfg: object) -> CPPOConfig:
+    """``cfg`` itself, when it is a valid ``CPPOConfig``; otherwise TypeError / ValueError
+    naming the problem. (Fields can be reassigned after construction, so validate again.)"""
+    if not isinstance(cfg, CPPOConfig):
+        raise TypeError(
+            f"cfg must be a cppo_megatron.config.CPPOConfig, got {type(cfg).__name__}; build one with "
+            "CPPOConfig(...) or CPPOConfig.from_dict(...)"
+        )
+    return cfg.validate()
+
+
+# floor(G * (1 - P)) with this slack, so that 16 * (1 - 0.875) -> 2 even if it is 1.999...
+K_TOLERANCE = 1e-6
+
+
+def keep_count(group_size: int, pruning_rate: float | None, keep_per_group: int | None) -> int:
+    """k for a group of ``group_size``: floor(G (1 - P)) (at least 1), or ``keep_per_group``.
+
+    ``pruning_rate=None`` and ``keep_per_group=None`` means the default rate 0.875.
+    Returns k, an int in [1, group_size]; ``keep_per_group > group_size`` is an error.
+    """
+    check_int("group_size", group_size, minimum=1)
+    if keep_per_group is not None:
+        check_int("keep_per_group", keep_per_group, minimum=1)
+        if keep_per_group > group_size:
+            raise ValueError(
+                f"keep_per_group={keep_per_group} is larger than a group of {group_size} completions"
+            )
+        return keep_per_group
+    p = DEFAULT_PRUNING_RATE if pruning_rate is None else pruning_rate
+    _check_rate(p)
+    return max(1, math.floor(group_size * (1.0 - p) + K_TOLERANCE))
+
+
+def _check_rate(p: Any) -> float:
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 <= p < 1.0):
+        raise ValueError(f"pruning_rate must be a number in [0, 1), got {p!r}")
+    return float(p)
+

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import PruneResult, prune
-from .metadata import GlobalMetadata, _comm_device, _group_ctx, gather_metadata
+from .metadata import GlobalMetadata, comm_device, gather_metadata, group_ctx
 from .plan import ExchangePlan, make_plan
 from .rows import FieldValue, exchange_rows
 
@@ -205,7 +205,7 @@ def prune_and_exchange(
     result = prune(meta.rewards, meta.group_ids, cfg, step=step)
     moved, plan, gidx = exchange_kept(fields, meta, result.selection.kept, cfg, group=group, device=device,
                                       move_tolerance=move_tolerance)
-    rank, _ = _group_ctx(group)
+    rank, _ = group_ctx(group)
     metrics = {**result.metrics(), **plan.metrics()}
     sel = result.selection
     weight_full = torch.ones(sel.num_total, dtype=torch.float32)
@@ -238,7 +238,7 @@ def exchange_kept(fields: dict, meta: GlobalMetadata, kept, cfg: Any, *, group=N
 
     Returns (received fields, the plan, [m] ascending global indices of the received rows).
     """
-    rank, world = _group_ctx(group)
+    rank, world = group_ctx(group)
     if meta.world_size != world:
         raise ValueError(f"metadata describes {meta.world_size} ranks but the group has {world}")
     for name, v in fields.items():
@@ -256,7 +256,7 @@ def global_sum(value: float | int | torch.Tensor, *, group=None, device=None) ->
 
     ``value``: a float, int or one-element tensor on this rank. Returns the float64 sum,
     identical on every rank (a collective: call it on every rank)."""
-    dev = _comm_device(group, device)
+    dev = comm_device(group, device)
     t = torch.tensor([float(value)], dtype=torch.float64, device=dev)
     dist.all_reduce(t, group=group)
     return float(t.item())

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["GlobalMetadata", "gather_metadata"]
+__all__ = ["GlobalMetadata", "comm_device", "gather_metadata", "group_ctx"]
 
 
 @dataclass(frozen=True)
@@ -49,13 +49,16 @@ class GlobalMetadata:
         return torch.cat([torch.arange(c) for c in self.counts]) if self.counts else torch.empty(0)
 
 
-def _group_ctx(group):
+def group_ctx(group) -> tuple[int, int]:
+    """(rank, world size) of this process in ``group`` (None: the default group)."""
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
     return rank, world
 
 
-def _comm_device(group, device) -> torch.device:
+def comm_device(group, device) -> torch.device:
+    """The device a collective on ``group`` exchanges tensors on: ``device`` when given, else
+    the current CUDA device for NCCL and the CPU otherwise."""
     if device is not None:
         return torch.device(device)
     if dist.get_backend(group) == "nccl":
@@ -97,8 +100,8 @@ def gather_metadata(rewards, group_ids, lengths, *, group=None, device=None) -> 
     if n and bool((ln < 0).any()):
         i = int((ln < 0).nonzero()[0])
         raise ValueError(f"lengths[{i}] = {int(ln[i])} is negative")
-    dev = _comm_device(group, device)
-    _, world = _group_ctx(group)
+    dev = comm_device(group, device)
+    _, world = group_ctx(group)
     count = torch.tensor([n], dtype=torch.int64, device=dev)
     counts_t = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
     dist.all_gather(counts_t, count, group=group)

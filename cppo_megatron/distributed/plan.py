@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..core import balance_partitions, sequence_workload
-from ..core._checks import check_config
+from ..core.settings import check_config
 from .metadata import GlobalMetadata
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .metadata import _comm_device, _group_ctx
+from .metadata import comm_device, group_ctx
 
 __all__ = ["FieldValue", "exchange_rows"]
 
@@ -63,7 +63,7 @@ def _local_specs(fields: dict) -> dict:
 def _agree_specs(fields: dict, group) -> list[_Spec]:
     """Every rank must describe the same fields; a rank with no rows learns the spec of the others."""
     mine = _local_specs(fields)
-    _, world = _group_ctx(group)
+    _, world = group_ctx(group)
     all_specs: list = [None] * world
     dist.all_gather_object(all_specs, mine, group=group)
     names = sorted(all_specs[0])
@@ -131,10 +131,10 @@ def exchange_rows(
         name -> [sum(recv_counts), ...] tensor or a list of that many tensors: rows ordered
         by source rank, then in the order the source sent them.
     """
-    rank, world = _group_ctx(group)
+    rank, world = group_ctx(group)
     if len(send_rows) != world or len(recv_counts) != world:
         raise ValueError(f"send_rows and recv_counts need one entry per rank ({world})")
-    dev = _comm_device(group, device)
+    dev = comm_device(group, device)
     specs = specs if specs is not None else _agree_specs(fields, group)
     ragged = [s for s in specs if s.ragged]
 

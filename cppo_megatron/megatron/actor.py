@@ -15,19 +15,20 @@ its results; nothing is left on the actor to read afterwards.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 
 from ..distributed import prune_and_exchange, rank_wait_metrics
 from .convert import export_hf_weights, load_hf_weights, unwrap_model
 from .model import build_gpt_model, init_parallel, transformer_config_from_hf
+from .optimizer import build_ddp_and_optimizer
 from .passes import (
     ForwardCounter,
     PolicyLossConfig,
     UpdateBatch,
-    build_ddp_and_optimizer,
     compute_logprobs,
     policy_update,
 )
@@ -99,7 +100,7 @@ class ActorStepResult:
 class MegatronActor:
     """Policy (and optional reference) as megatron-core models on this rank's TP/PP shard."""
 
-    def __init__(self, hf_config: Any, hf_state_dict: dict, cfg: Optional[ActorConfig] = None):
+    def __init__(self, hf_config: Any, hf_state_dict: dict, cfg: ActorConfig | None = None):
         cfg = cfg if cfg is not None else ActorConfig()
         self.cfg = cfg
         self.hf_config = hf_config
@@ -126,7 +127,7 @@ class MegatronActor:
 
         return ps.get_data_parallel_group()
 
-    def logprobs(self, sequences, counter: Optional[ForwardCounter] = None, *, reference: bool = False) -> list:
+    def logprobs(self, sequences, counter: ForwardCounter | None = None, *, reference: bool = False) -> list:
         """m tensors [L_i - 1] of per-token log-probs under the policy (or the frozen reference)."""
         if reference and self.ref is None:
             raise ValueError("reference log-probs need a reference model: build the actor with loss.kl_coef > 0")
@@ -135,9 +136,9 @@ class MegatronActor:
                                 temperature=self.cfg.loss.temperature, counter=counter)
 
     def update(self, sequences: list, loss_masks: list, advantages, old_logprobs: list,
-               ref_logprobs: Optional[list] = None, *, lrs: Optional[Sequence[float]] = None,
-               counter: Optional[ForwardCounter] = None, weights=None,
-               full_denominators: Optional[tuple] = None) -> list[dict]:
+               ref_logprobs: list | None = None, *, lrs: Sequence[float] | None = None,
+               counter: ForwardCounter | None = None, weights=None,
+               full_denominators: tuple | None = None) -> list[dict]:
         """``cfg.mu`` optimizer steps on this rank's survivors (a collective over DP).
 
         Args:
@@ -188,11 +189,12 @@ class MegatronActor:
             "model": {k: v.detach().clone() for k, v in unwrap_model(self.model).state_dict().items()
                       if isinstance(v, torch.Tensor)},
             "optimizer": self._optimizer_state(),
-            "ref": None if self.ref is None else {k: v.detach().clone() for k, v in unwrap_model(self.ref).state_dict().items()
+            "ref": None if self.ref is None else {k: v.detach().clone()
+                                                   for k, v in unwrap_model(self.ref).state_dict().items()
                                                    if isinstance(v, torch.Tensor)},
         }
 
-    def _optimizer_state(self) -> Optional[dict]:
+    def _optimizer_state(self) -> dict | None:
         if not self.cfg.distributed_optimizer:
             return self.optimizer.state_dict()
         opt = self._distributed_optimizer()
@@ -246,7 +248,7 @@ class MegatronActor:
                 opt._set_main_param_and_optimizer_states(by_name[name], tensors)
 
     def step(self, sequences: list, loss_masks: list, rewards, group_ids, cppo_cfg: Any, *, step: int = 0,
-             lengths=None, extra_fields: Optional[dict] = None) -> ActorStepResult:
+             lengths=None, extra_fields: dict | None = None) -> ActorStepResult:
         """One CPPO step on this DP rank's rollouts: prune over all DP ranks, rebalance, old
         (and reference) log-probs and ``mu`` updates on the survivors.
 
@@ -276,7 +278,7 @@ class MegatronActor:
         t_old = time.perf_counter()
         ref = self.logprobs(toks, counter, reference=True) if self.ref is not None else None
         t_ref = time.perf_counter()
-        weighting = {}
+        weighting: dict[str, Any] = {}  # weights, full_denominators: the keyword arguments of update
         if res.weighted:
             # importance: 1/pi weights and the full generated batch's denominators (HT loss)
             from ..distributed import global_sum

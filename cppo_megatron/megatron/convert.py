@@ -19,12 +19,13 @@ the same dict); ``export_hf_weights`` gathers a full HF state dict on every rank
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .model import _hf_get
+from .model import hf_get
 
 __all__ = ["export_hf_weights", "load_hf_weights", "unwrap_model"]
 
@@ -37,10 +38,10 @@ def unwrap_model(model):
 
 
 def _dims(hf_config):
-    heads = int(_hf_get(hf_config, "num_attention_heads"))
-    groups = int(_hf_get(hf_config, "num_key_value_heads") or heads)
-    hidden = int(_hf_get(hf_config, "hidden_size"))
-    head_dim = int(_hf_get(hf_config, "head_dim") or hidden // heads)
+    heads = int(hf_get(hf_config, "num_attention_heads"))
+    groups = int(hf_get(hf_config, "num_key_value_heads") or heads)
+    hidden = int(hf_get(hf_config, "hidden_size"))
+    head_dim = int(hf_get(hf_config, "head_dim") or hidden // heads)
     return heads, groups, head_dim
 
 
@@ -71,8 +72,10 @@ def _layer_map(te_fused: bool) -> dict:
     return {
         ln1: ("copy", "input_layernorm.weight"),
         ln2: ("copy", "post_attention_layernorm.weight"),
-        "self_attention.linear_qkv.weight": ("qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
-        "self_attention.linear_qkv.bias": ("qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")),
+        "self_attention.linear_qkv.weight": ("qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                     "self_attn.v_proj.weight")),
+        "self_attention.linear_qkv.bias": ("qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                                   "self_attn.v_proj.bias")),
         "self_attention.linear_proj.weight": ("col1", "self_attn.o_proj.weight"),
         "mlp.linear_fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
         "mlp.linear_fc2.weight": ("col1", "mlp.down_proj.weight"),
@@ -99,7 +102,8 @@ def _split_key(name: str):
 def _tp():
     from megatron.core import parallel_state as ps
 
-    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_group())
 
 
 @torch.no_grad()
@@ -114,7 +118,7 @@ def load_hf_weights(model, hf_state_dict: dict, hf_config: Any) -> None:
     params = _params(model)
     te_fused = any(k.endswith("layer_norm_weight") for k in params)
     lmap = _layer_map(te_fused)
-    tied = bool(_hf_get(hf_config, "tie_word_embeddings", False))
+    tied = bool(hf_get(hf_config, "tie_word_embeddings", False))
     sd = {k: v for k, v in hf_state_dict.items()}
 
     def hf(key):
@@ -150,14 +154,16 @@ def load_hf_weights(model, hf_state_dict: dict, hf_config: Any) -> None:
             if kind == "copy":
                 val = hf(pre + src)
             elif kind == "qkv":
-                val = shard(_qkv_full(*(hf(pre + s) for s in src), heads, groups, d), 0)
+                q, k, v = (hf(pre + s) for s in src)
+                val = shard(_qkv_full(q, k, v, heads, groups, d), 0)
             elif kind == "col1":
                 val = shard(hf(pre + src), 1)
             else:  # gate_up
                 gate, up = (hf(pre + s) for s in src)
                 val = torch.cat([shard(gate, 0), shard(up, 0)], dim=0)
         if tuple(val.shape) != tuple(p.shape):
-            raise ValueError(f"{name}: converted HF tensor has shape {tuple(val.shape)}, the shard needs {tuple(p.shape)}")
+            raise ValueError(f"{name}: converted HF tensor has shape {tuple(val.shape)}, "
+                             f"the shard needs {tuple(p.shape)}")
         p.copy_(val.to(p.dtype))
 
 
@@ -182,7 +188,7 @@ def _pipeline_keepers(dst_ranks) -> list[int]:
 
 
 @torch.no_grad()
-def export_hf_weights(model, hf_config: Any, *, dst_ranks: Optional[Iterable[int]] = None) -> dict:
+def export_hf_weights(model, hf_config: Any, *, dst_ranks: Iterable[int] | None = None) -> dict:
     """The full HF state dict (float32, CPU) of a TP/PP-sharded ``model``, on every rank, or
     only on ``dst_ranks`` (global ranks; the others return ``{}``).
 
@@ -198,8 +204,8 @@ def export_hf_weights(model, hf_config: Any, *, dst_ranks: Optional[Iterable[int
     keepers = _pipeline_keepers(keep_set)
     keep_any = bool(keepers)  # someone in my pipeline group needs my stage's part
     heads, groups, d = _dims(hf_config)
-    vocab = int(_hf_get(hf_config, "vocab_size"))
-    tied = bool(_hf_get(hf_config, "tie_word_embeddings", False))
+    vocab = int(hf_get(hf_config, "vocab_size"))
+    tied = bool(hf_get(hf_config, "tie_word_embeddings", False))
     params = _params(model)
     te_fused = any(k.endswith("layer_norm_weight") for k in params)
     lmap = _layer_map(te_fused)
@@ -224,7 +230,7 @@ def export_hf_weights(model, hf_config: Any, *, dst_ranks: Optional[Iterable[int
             out[pre + dst] = t.clone()
         elif kind == "qkv":
             full = torch.cat(_gather_tp(t, 0), dim=0)
-            for key, val in zip(dst, _qkv_split(full, heads, groups, d)):
+            for key, val in zip(dst, _qkv_split(full, heads, groups, d), strict=True):
                 out[pre + key] = val.contiguous()
         elif kind == "col1":
             out[pre + dst] = torch.cat(_gather_tp(t, 1), dim=1)
@@ -240,7 +246,7 @@ def export_hf_weights(model, hf_config: Any, *, dst_ranks: Optional[Iterable[int
         pp_group = ps.get_pipeline_model_parallel_group()
         n_stages = ps.get_pipeline_model_parallel_world_size()
         if len(keepers) == 1:
-            stages: Optional[list] = [None] * n_stages if dist.get_rank() == keepers[0] else None
+            stages: list | None = [None] * n_stages if dist.get_rank() == keepers[0] else None
             dist.gather_object(out, stages, dst=keepers[0], group=pp_group)
         else:
             stages = [None] * n_stages

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -82,11 +83,12 @@ def cpu_mode(enabled: bool | None = None) -> Iterator[bool]:
     if not enabled or cpu_mode_active():  # off, or an outer block already patched
         yield cpu_mode_active()
         return
-    saved = {
+    saved: dict[str, Any] = {
         "current_device": torch.cuda.current_device,
         "synchronize": torch.cuda.synchronize,
     }
-    torch.cuda.current_device = lambda: "cpu"  # used as a device argument, never as an index
+    # used as a device argument, never as an index: a str where torch types an int, on purpose
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
     torch.cuda.synchronize = lambda *a, **k: None
     mode = CudaToCpu()
     mode.__enter__()

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .model import _hf_get, padded_vocab_size
+from .model import hf_get, padded_vocab_size
 
 __all__ = ["DTYPE_BYTES", "ShardMemory", "hf_parameters", "kv_cache_bytes", "shard_parameters", "training_memory"]
 
@@ -38,18 +38,18 @@ GB = 1e9
 
 
 def _dims(hf_config: Any) -> dict:
-    heads = int(_hf_get(hf_config, "num_attention_heads"))
-    hidden = int(_hf_get(hf_config, "hidden_size"))
+    heads = int(hf_get(hf_config, "num_attention_heads"))
+    hidden = int(hf_get(hf_config, "hidden_size"))
     return dict(
         hidden=hidden,
         heads=heads,
-        groups=int(_hf_get(hf_config, "num_key_value_heads") or heads),
-        head_dim=int(_hf_get(hf_config, "head_dim") or hidden // heads),
-        ffn=int(_hf_get(hf_config, "intermediate_size")),
-        layers=int(_hf_get(hf_config, "num_hidden_layers")),
-        vocab=int(_hf_get(hf_config, "vocab_size")),
-        tied=bool(_hf_get(hf_config, "tie_word_embeddings", False)),
-        qkv_bias=_hf_get(hf_config, "model_type") == "qwen2" or bool(_hf_get(hf_config, "attention_bias", False)),
+        groups=int(hf_get(hf_config, "num_key_value_heads") or heads),
+        head_dim=int(hf_get(hf_config, "head_dim") or hidden // heads),
+        ffn=int(hf_get(hf_config, "intermediate_size")),
+        layers=int(hf_get(hf_config, "num_hidden_layers")),
+        vocab=int(hf_get(hf_config, "vocab_size")),
+        tied=bool(hf_get(hf_config, "tie_word_embeddings", False)),
+        qkv_bias=hf_get(hf_config, "model_type") == "qwen2" or bool(hf_get(hf_config, "attention_bias", False)),
     )
 
 

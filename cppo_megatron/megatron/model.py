@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "build_gpt_model",
     "destroy_parallel",
+    "hf_get",
     "init_parallel",
     "padded_vocab_size",
     "transformer_config_from_hf",
@@ -123,19 +124,21 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
     return int(math.ceil(vocab_size / step) * step)
 
 
-def _hf_get(hf_config, name, default=None):
+def hf_get(hf_config, name, default=None):
+    """``hf_config``'s field ``name`` (``default`` when absent), from a transformers config
+    object or its dict form."""
     return getattr(hf_config, name, default) if not isinstance(hf_config, dict) else hf_config.get(name, default)
 
 
 def _rope_theta(hf_config) -> float:
     # transformers 5 keeps rope settings in rope_parameters (rope_scaling is an alias);
     # older configs have rope_theta and rope_scaling at the top level.
-    params = _hf_get(hf_config, "rope_parameters") or _hf_get(hf_config, "rope_scaling") or {}
+    params = hf_get(hf_config, "rope_parameters") or hf_get(hf_config, "rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
     if rope_type not in (None, "default"):
         raise ValueError(f"rope_type {rope_type!r} ({params}) is not supported by this converter (only default RoPE)")
     theta = params.get("rope_theta") if isinstance(params, dict) else None
-    return float(theta if theta is not None else _hf_get(hf_config, "rope_theta", 10000.0))
+    return float(theta if theta is not None else hf_get(hf_config, "rope_theta", 10000.0))
 
 
 def transformer_config_from_hf(
@@ -155,39 +158,39 @@ def transformer_config_from_hf(
     _mcore()
     from megatron.core.transformer import TransformerConfig
 
-    model_type = _hf_get(hf_config, "model_type")
+    model_type = hf_get(hf_config, "model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r} is not supported; supported: {list(SUPPORTED_MODEL_TYPES)}")
-    if _hf_get(hf_config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {_hf_get(hf_config, 'hidden_act')!r} is not supported (only silu)")
-    if _hf_get(hf_config, "use_sliding_window", False):
+    if hf_get(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf_get(hf_config, 'hidden_act')!r} is not supported (only silu)")
+    if hf_get(hf_config, "use_sliding_window", False):
         raise ValueError("use_sliding_window=True is not supported by this converter")
-    if _hf_get(hf_config, "mlp_bias", False):
+    if hf_get(hf_config, "mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported by this converter")
     _rope_theta(hf_config)  # rejects RoPE scaling this converter does not implement
     check_cpu_supported(sequence_parallel=sequence_parallel)
-    heads = int(_hf_get(hf_config, "num_attention_heads"))
-    groups = int(_hf_get(hf_config, "num_key_value_heads") or heads)
-    hidden = int(_hf_get(hf_config, "hidden_size"))
-    head_dim = _hf_get(hf_config, "head_dim") or hidden // heads
-    layers = int(_hf_get(hf_config, "num_hidden_layers"))
+    heads = int(hf_get(hf_config, "num_attention_heads"))
+    groups = int(hf_get(hf_config, "num_key_value_heads") or heads)
+    hidden = int(hf_get(hf_config, "hidden_size"))
+    head_dim = hf_get(hf_config, "head_dim") or hidden // heads
+    layers = int(hf_get(hf_config, "num_hidden_layers"))
     if groups % tp or heads % tp:
         raise ValueError(
             f"tp={tp} must divide num_attention_heads={heads} and num_key_value_heads={groups}"
         )
     if layers % pp:
         raise ValueError(f"pp={pp} must divide num_hidden_layers={layers}")
-    qkv_bias = model_type == "qwen2" or bool(_hf_get(hf_config, "attention_bias", False))
+    qkv_bias = model_type == "qwen2" or bool(hf_get(hf_config, "attention_bias", False))
     cpu = on_cpu()
     kw = dict(
         num_layers=layers,
         hidden_size=hidden,
-        ffn_hidden_size=int(_hf_get(hf_config, "intermediate_size")),
+        ffn_hidden_size=int(hf_get(hf_config, "intermediate_size")),
         num_attention_heads=heads,
         num_query_groups=groups,
         kv_channels=int(head_dim),
         normalization="RMSNorm",
-        layernorm_epsilon=float(_hf_get(hf_config, "rms_norm_eps", 1e-6)),
+        layernorm_epsilon=float(hf_get(hf_config, "rms_norm_eps", 1e-6)),
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -211,7 +214,7 @@ def transformer_config_from_hf(
         # micro-batches differ in shape after pruning + packing: pipeline stages send shapes
         variable_seq_lengths=pp > 1,
         moe_token_dispatcher_type="alltoall",  # the only dispatcher megatron allows with the above (no MoE here)
-        init_method_std=float(_hf_get(hf_config, "initializer_range", 0.02)),
+        init_method_std=float(hf_get(hf_config, "initializer_range", 0.02)),
     )
     kw.update(overrides)
     return TransformerConfig(**kw)
@@ -221,7 +224,7 @@ def build_gpt_model(
     hf_config: Any,
     *,
     config=None,
-    use_te: Optional[bool] = None,
+    use_te: bool | None = None,
     vocab_multiple: int = 128,
 ):
     """This rank's ``GPTModel`` shard for a HF Qwen2 / Llama config (after ``init_parallel``).
@@ -249,16 +252,16 @@ def build_gpt_model(
     if use_te and on_cpu():
         raise ValueError("use_te=True needs CUDA: Transformer Engine does not run on CPU")
     spec = get_gpt_layer_with_transformer_engine_spec() if use_te else get_gpt_layer_local_spec(normalization="RMSNorm")
-    vocab = int(_hf_get(hf_config, "vocab_size"))
+    vocab = int(hf_get(hf_config, "vocab_size"))
     with cpu_mode():
         model = GPTModel(
             config=config,
             transformer_layer_spec=spec,
             vocab_size=padded_vocab_size(vocab, layout.tp, vocab_multiple),
-            max_sequence_length=int(_hf_get(hf_config, "max_position_embeddings", 4096)),
+            max_sequence_length=int(hf_get(hf_config, "max_position_embeddings", 4096)),
             pre_process=ps.is_pipeline_first_stage(),
             post_process=ps.is_pipeline_last_stage(),
-            share_embeddings_and_output_weights=bool(_hf_get(hf_config, "tie_word_embeddings", False)),
+            share_embeddings_and_output_weights=bool(hf_get(hf_config, "tie_word_embeddings", False)),
             position_embedding_type="rope",
             rotary_base=_rope_theta(hf_config),
         )

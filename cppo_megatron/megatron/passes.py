@@ -21,9 +21,9 @@ global mean exactly — however unevenly the survivors are spread.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,13 +31,12 @@ import torch.distributed as dist
 from ..core import aggregate_loss, clipped_surrogate, kl_penalty
 from ..core.loss import KL_KINDS, LOSS_AGG_MODES
 from .convert import unwrap_model
-from .cpu_mode import check_cpu_supported, cpu_mode, on_cpu
+from .cpu_mode import cpu_mode
 
 __all__ = [
     "ForwardCounter",
     "PolicyLossConfig",
     "UpdateBatch",
-    "build_ddp_and_optimizer",
     "compute_logprobs",
     "policy_loss",
     "policy_update",
@@ -163,17 +162,22 @@ def _run_schedule(model, batches: list[dict], loss_fn, *, forward_only: bool) ->
     return store if ps.is_pipeline_last_stage() else []
 
 
-def _broadcast_from_last_stage(values: Optional[torch.Tensor], numel: int) -> torch.Tensor:
+def _broadcast_from_last_stage(values: torch.Tensor | None, numel: int) -> torch.Tensor:
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
+        assert values is not None  # one stage: it is the last, which computed them
         return values
-    buf = values.contiguous() if ps.is_pipeline_last_stage() else torch.empty(numel, dtype=torch.float32, device=_device())
+    if ps.is_pipeline_last_stage():
+        assert values is not None  # the last stage computed them
+        buf = values.contiguous()
+    else:
+        buf = torch.empty(numel, dtype=torch.float32, device=_device())
     dist.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
     return buf
 
 
-def _prepare(sequences, order: list[list[int]], extra: Optional[dict] = None) -> list[dict]:
+def _prepare(sequences, order: list[list[int]], extra: dict | None = None) -> list[dict]:
     dev = _device()
     out = []
     for mb in order:
@@ -207,7 +211,7 @@ def compute_logprobs(
     *,
     max_tokens_per_micro_batch: int = 4096,
     temperature: float = 1.0,
-    counter: Optional[ForwardCounter] = None,
+    counter: ForwardCounter | None = None,
 ) -> list[torch.Tensor]:
     """Per-token log-probs of this rank's sequences under ``model`` (a megatron ``GPTModel``,
     possibly DDP-wrapped), on every TP and PP rank.
@@ -269,7 +273,7 @@ class PolicyLossConfig:
     """
 
     clip_low: float = 0.2
-    clip_high: Optional[float] = None
+    clip_high: float | None = None
     kl_coef: float = 0.04
     kl_kind: str = "k3"
     loss_agg_mode: str = "token-mean"
@@ -308,9 +312,9 @@ class UpdateBatch:
     loss_mask: list
     advantages: torch.Tensor
     old_logprobs: list
-    ref_logprobs: Optional[list] = None
-    weights: Optional[torch.Tensor] = None
-    full_denominators: Optional[tuple] = None
+    ref_logprobs: list | None = None
+    weights: torch.Tensor | None = None
+    full_denominators: tuple | None = None
 
     def validate(self, need_ref: bool) -> None:
         m = len(self.sequences)
@@ -327,7 +331,7 @@ class UpdateBatch:
         for name, rows in named:
             if len(rows) != m:
                 raise ValueError(f"{name} has {len(rows)} rows for {m} sequences")
-            for i, (r, s) in enumerate(zip(rows, self.sequences)):
+            for i, (r, s) in enumerate(zip(rows, self.sequences, strict=True)):
                 if r.shape != (s.numel() - 1,):
                     raise ValueError(f"{name}[{i}] must be [L-1] = [{s.numel() - 1}], got {tuple(r.shape)}")
 
@@ -345,7 +349,7 @@ def _global_denominators(batch: UpdateBatch) -> tuple[float, float]:
 
 
 def policy_loss(model, batch: UpdateBatch, cfg: PolicyLossConfig, *, max_tokens_per_micro_batch: int = 4096,
-                counter: Optional[ForwardCounter] = None, forward_only: bool = False) -> dict:
+                counter: ForwardCounter | None = None, forward_only: bool = False) -> dict:
     """Run the forward (and, unless ``forward_only``, backward) passes of the CPPO loss.
 
     Gradients accumulate in the DDP buffers and are all-reduced (summed) over DP. Returns
@@ -368,7 +372,8 @@ def policy_loss(model, batch: UpdateBatch, cfg: PolicyLossConfig, *, max_tokens_
     extra = {
         "mask": [torch.as_tensor(m).float() for m in batch.loss_mask],
         "old": [torch.as_tensor(x).float() for x in batch.old_logprobs],
-        "ref": [torch.as_tensor(x).float() for x in batch.ref_logprobs] if need_ref else None,
+        # batch.validate(need_ref) raised above when need_ref and no ref_logprobs
+        "ref": [torch.as_tensor(x).float() for x in batch.ref_logprobs] if need_ref and batch.ref_logprobs else None,
         "adv": [adv[i] for i in range(len(seqs))],
         "w": ([w_i for w_i in torch.as_tensor(batch.weights, dtype=torch.float32)]
               if batch.weights is not None else None),
@@ -420,62 +425,6 @@ def policy_loss(model, batch: UpdateBatch, cfg: PolicyLossConfig, *, max_tokens_
             "num_tokens": n_tok, "num_seqs": n_seq}
 
 
-def build_ddp_and_optimizer(
-    model,
-    *,
-    lr: float = 1e-6,
-    weight_decay: float = 0.0,
-    adam_betas: tuple = (0.9, 0.999),
-    adam_eps: float = 1e-8,
-    use_distributed_optimizer: bool = False,
-):
-    """Wrap ``model`` in Megatron DDP and build Megatron's optimizer for it (float32).
-
-    Sets the model config so the schedules neither divide the loss by the number of
-    micro-batches nor DDP average over DP ranks: ``policy_loss`` already divides by the
-    global kept-set denominators. Returns (ddp_model, optimizer).
-    """
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    check_cpu_supported(use_distributed_optimizer=use_distributed_optimizer)
-    config = unwrap_model(model).config
-    config.calculate_per_token_loss = True  # no division by #micro-batches, DDP sums over DP
-
-    def finalize(models, num_tokens=None, **kw):  # the loss is already globally normalised
-        return finalize_model_grads(models, None, **kw)
-
-    config.finalize_model_grads_func = finalize
-    with cpu_mode():
-        ddp = DistributedDataParallel(
-            config=config,
-            ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True,
-                overlap_grad_reduce=False,
-                use_distributed_optimizer=use_distributed_optimizer,
-            ),
-            module=model,
-        )
-        opt = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=lr,
-                weight_decay=weight_decay,
-                adam_beta1=adam_betas[0],
-                adam_beta2=adam_betas[1],
-                adam_eps=adam_eps,
-                params_dtype=config.params_dtype,
-                bf16=config.bf16,
-                fp16=config.fp16,
-                use_distributed_optimizer=use_distributed_optimizer,
-                clip_grad=0.0,  # clipping is done by policy_update (CUDA-only in megatron 0.16)
-            ),
-            [ddp],
-        )
-    config.no_sync_func = ddp.no_sync
-    return ddp, opt
-
-
 def policy_update(
     ddp_model,
     optimizer,
@@ -484,7 +433,7 @@ def policy_update(
     *,
     max_tokens_per_micro_batch: int = 4096,
     clip_grad: float = 1.0,
-    counter: Optional[ForwardCounter] = None,
+    counter: ForwardCounter | None = None,
 ) -> dict:
     """One optimizer step on this rank's survivors: zero grads, forward/backward over all
     micro-batches, DP all-reduce, grad-norm clipping, step. Returns the global metrics of

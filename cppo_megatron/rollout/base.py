@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -30,7 +30,7 @@ class SamplingParams:
     # None: the engine's own random stream (the global torch RNG for HF, vLLM's engine
     # seed); an int: the same prompts with the same seed give the same samples, across
     # restarts too, without any engine state to save
-    seed: Optional[int] = None
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -44,7 +44,8 @@ class SamplingParams:
         if self.repetition_penalty <= 0:
             raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"SamplingParams.logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+            raise ValueError(f"SamplingParams.logprobs_mode must be one of {LOGPROBS_MODES}, "
+                             f"got {self.logprobs_mode!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.seed is not None and not 0 <= self.seed < 1 << 63:
@@ -59,7 +60,7 @@ class RolloutResult:
     prompt_index: torch.Tensor  # [P * n] which prompt each completion answers
     tokens: list[list[int]]
     finish_reasons: list[str]
-    logprobs: Optional[list[torch.Tensor]] = None  # per completion: [len] sampler log-probs
+    logprobs: list[torch.Tensor] | None = None  # per completion: [len] sampler log-probs
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
 
@@ -84,7 +85,7 @@ class RolloutResult:
         }
 
 
-def check_prompts(prompts: Sequence[Sequence[int]], max_len: Optional[int] = None, max_new_tokens: int = 0) -> None:
+def check_prompts(prompts: Sequence[Sequence[int]], max_len: int | None = None, max_new_tokens: int = 0) -> None:
     """Every engine's input check: at least one prompt, none empty, each fits ``max_len``
     (prompt + ``max_new_tokens``) when the engine has such a limit."""
     if not prompts:

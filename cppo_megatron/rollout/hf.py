@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -92,7 +92,7 @@ class HFEngine(RolloutEngine):
             # raw: untempered logits, the policy's own log-probs as the trainer computes them;
             # processed: the scores after temperature/top-k/top-p, the distribution sampled from
             steps = out.logits if params.logprobs_mode == "raw" else out.scores
-            step_logp = torch.stack([torch.log_softmax(l.float(), -1) for l in steps], 1).cpu()
+            step_logp = torch.stack([torch.log_softmax(s.float(), -1) for s in steps], 1).cpu()
         for row in range(gen.shape[0]):
             seq = gen[row].tolist()
             if self.eos_id in seq:

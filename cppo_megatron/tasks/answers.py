@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from fractions import Fraction
-from typing import Optional
 
 _NUM = r"-?\d[\d,]*(?:\.\d+)?"
 _GSM_FINAL = re.compile(r"####\s*(" + _NUM + r")")
@@ -12,7 +11,7 @@ _ANSWER_TAG = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.S)
 _LAST_NUM = re.compile(_NUM)
 
 
-def normalize_number(text: str) -> Optional[str]:
+def normalize_number(text: str) -> str | None:
     """'1,234.50' -> '1234.5'; '$12' -> '12'; None if ``text`` is not a number."""
     t = text.strip().replace(",", "").replace("$", "").rstrip(".")
     if not re.fullmatch(r"-?\d+(?:\.\d+)?", t):
@@ -26,7 +25,7 @@ def normalize_number(text: str) -> Optional[str]:
     return str(float(value))
 
 
-def last_boxed(text: str) -> Optional[str]:
+def last_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} (balanced braces), or None."""
     start = text.rfind("\\boxed")
     if start < 0:
@@ -45,7 +44,7 @@ def last_boxed(text: str) -> Optional[str]:
     return None
 
 
-def extract_answer(text: str) -> tuple[Optional[str], bool]:
+def extract_answer(text: str) -> tuple[str | None, bool]:
     """(answer, formatted): from ``<answer>x</answer>``, ``#### x`` or ``\\boxed{x}`` (formatted),
     else the last number in the text (not formatted)."""
     m = _ANSWER_TAG.search(text)
@@ -61,7 +60,7 @@ def extract_answer(text: str) -> tuple[Optional[str], bool]:
     return (nums[-1] if nums else None), False
 
 
-def answers_match(predicted: Optional[str], reference: str) -> bool:
+def answers_match(predicted: str | None, reference: str) -> bool:
     """Numeric comparison when both sides are numbers, else whitespace-insensitive text."""
     if predicted is None:
         return False

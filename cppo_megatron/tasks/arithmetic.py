@@ -18,7 +18,7 @@ ALPHABET = "0123456789+-*="
 
 def _evaluate(terms: list[int], ops: list[str]) -> int:
     # left to right with * binding tighter, as Python does
-    expr = str(terms[0]) + "".join(f"{o}{t}" for o, t in zip(ops, terms[1:]))
+    expr = str(terms[0]) + "".join(f"{o}{t}" for o, t in zip(ops, terms[1:], strict=True))
     return int(eval(expr, {"__builtins__": {}}, {}))  # noqa: S307 - digits and + - * only
 
 
@@ -53,7 +53,9 @@ def make_arithmetic_task(
             "widen the operand range or lower the sizes"
         )
     rng = random.Random(seed)
-    train, test, seen = [], [], set()
+    train: list[Problem] = []
+    test: list[Problem] = []
+    seen: set[str] = set()
     attempts = 0
     while len(train) < train_size or len(test) < test_size:
         attempts += 1
@@ -61,7 +63,7 @@ def make_arithmetic_task(
             raise ValueError("arithmetic: could not draw enough distinct problems; widen the ranges")
         t = [rng.randint(min_operand, max_operand) for _ in range(terms)]
         o = [rng.choice(ops) for _ in range(terms - 1)]
-        text = str(t[0]) + "".join(f"{a}{b}" for a, b in zip(o, t[1:])) + "="
+        text = str(t[0]) + "".join(f"{a}{b}" for a, b in zip(o, t[1:], strict=True)) + "="
         if text in seen:
             continue
         seen.add(text)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Task:
     test: Sequence[Problem]
     scorer: Callable[[str, Problem], Score]
     sft_target: Callable[[Problem], str]
-    alphabet: Optional[str] = None
+    alphabet: str | None = None
     description: str = ""
 
     def __post_init__(self) -> None:

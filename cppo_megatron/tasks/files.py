@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from .answers import answers_match, extract_answer, last_boxed
 from .base import Problem, Score, Task

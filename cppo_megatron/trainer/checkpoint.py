@@ -23,8 +23,8 @@ import os
 import random
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -92,8 +92,8 @@ def filesystem_peers(out_dir: Path, rank: int = 0, *, gather: Callable[[object],
     return seen
 
 
-def save_checkpoint(out_dir: Path, step: int, trainer_state: Optional[dict], policy_state: dict, *, rank: int = 0,
-                    barrier: Callable[[], None] = lambda: None, peers: Optional[list[int]] = None) -> Path:
+def save_checkpoint(out_dir: Path, step: int, trainer_state: dict | None, policy_state: dict, *, rank: int = 0,
+                    barrier: Callable[[], None] = lambda: None, peers: list[int] | None = None) -> Path:
     """Write this rank's part of the checkpoint of ``step``; a collective when several
     processes share the run (``barrier`` joins them).
 
@@ -107,7 +107,8 @@ def save_checkpoint(out_dir: Path, step: int, trainer_state: Optional[dict], pol
     tmp = ckpt_dir / f"step_{step:06d}.tmp"
     if leader:
         if trainer_state is None:
-            raise ValueError(f"save_checkpoint: rank {rank} writes trainer.pt on its filesystem but got no trainer_state")
+            raise ValueError(f"save_checkpoint: rank {rank} writes trainer.pt on its filesystem but got no "
+                             "trainer_state")
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
         tmp.mkdir(parents=True)
     barrier()
@@ -147,7 +148,7 @@ def load_checkpoint(path: Path, rank: int = 0) -> tuple[dict, dict]:
 
 
 def find_checkpoint(out_dir: Path, rank: int = 0, *, any_rank_failed: Callable[[bool], bool] = lambda failed: failed,
-                    log: Optional[Callable[[str], None]] = None,
+                    log: Callable[[str], None] | None = None,
                     gather: Callable[[object], list] = _one) -> tuple[Path, dict, dict]:
     """The newest checkpoint under ``out_dir`` that every rank can read: (its path, trainer
     state, this rank's policy state). A truncated or corrupt one is named through ``log`` and
@@ -168,6 +169,8 @@ def find_checkpoint(out_dir: Path, rank: int = 0, *, any_rank_failed: Callable[[
     if not found:
         raise FileNotFoundError(f"--resume: no checkpoint under {Path(out_dir) / 'checkpoints'}; "
                                 "run without --resume to start")
+    state: dict | None
+    policy: dict | None
     for i, path in enumerate(found):
         try:
             state, policy = load_checkpoint(path, rank)

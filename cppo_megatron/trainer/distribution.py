@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,15 +42,15 @@ class _Rollout:
         """Ask the engine for its sampling log-probs (vLLM: checked against the trainer's)."""
         return self.r.rollout.engine != "hf"
 
-    def params(self, seed: Optional[int]) -> SamplingParams:
+    def params(self, seed: int | None) -> SamplingParams:
         ro = self.r.rollout
         return SamplingParams(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p,
                               max_new_tokens=ro.max_new_tokens, logprobs=self.want_logprobs, seed=seed)
 
-    def generate(self, problems: list, seed: Optional[int], timer: PhaseTimer) -> dict:
+    def generate(self, problems: list, seed: int | None, timer: PhaseTimer) -> dict:
         """This rank's rows for ``problems``: prompts, completions, rewards (timed)."""
         G = self.r.rollout.group_size
-        empty = dict(prompts=[], completions=[], rewards=[], correct=[], formatted=[], truncated=[],
+        empty: dict[str, Any] = dict(prompts=[], completions=[], rewards=[], correct=[], formatted=[], truncated=[],
                      logprobs=[] if self.want_logprobs else None, seconds=0.0)
         if not problems:
             return empty
@@ -78,7 +78,7 @@ class LocalRollout(_Rollout):
         super().__init__(engine, task, tok, recipe)
         self.eval_engine = engine
 
-    def seed(self, step: int, round_: int) -> Optional[int]:
+    def seed(self, step: int, round_: int) -> int | None:
         # vLLM: a seed per (run seed, step, round), so a resumed run samples what the
         # uninterrupted one did with no engine state; HF: the checkpointed global RNG
         return None if self.r.rollout.engine == "hf" else mix_seed(self.r.seed, step, round_)
@@ -117,7 +117,8 @@ class ModelParallelRollout(_Rollout):
     def __init__(self, hf_engine, engine, task, tok, recipe, device: torch.device) -> None:
         super().__init__(engine, task, tok, recipe)
         if not dist.is_initialized():
-            raise RuntimeError("ModelParallelRollout needs torch.distributed: start with `cppo-megatron train --nproc N`")
+            raise RuntimeError("ModelParallelRollout needs torch.distributed: start with "
+                               "`cppo-megatron train --nproc N`")
         self.hf_engine = hf_engine
         self.device = device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -130,7 +131,7 @@ class ModelParallelRollout(_Rollout):
         self.slow_group = dist.new_group(backend="gloo", timeout=timedelta(hours=6))
         self.dp_group = self.mp_group = None
         self.dp_rank, self.dp, self.mp_src, self.generates = 0, 1, self.rank, True
-        self.weight_ranks: Optional[list[int]] = None  # known after attach(); None: every rank
+        self.weight_ranks: list[int] | None = None  # known after attach(); None: every rank
 
     def attach(self, *, dp_group, mp_group, tp_group) -> None:
         """The data- and model-parallel groups, once the policy backend built them."""
@@ -144,8 +145,9 @@ class ModelParallelRollout(_Rollout):
         self.generates = self.mp_src <= self.rank < self.mp_src + vtp
         if self.generates and not set(range(self.mp_src, self.mp_src + vtp)) <= set(
                 dist.get_process_group_ranks(tp_group)):
-            raise RuntimeError(f"rollout.vllm_tp={vtp}: vLLM's TP group of ranks {self.mp_src}..{self.mp_src + vtp - 1} "
-                               "is not inside one Megatron TP group; use rollout.vllm_tp=1")
+            raise RuntimeError(f"rollout.vllm_tp={vtp}: vLLM's TP group of ranks "
+                               f"{self.mp_src}..{self.mp_src + vtp - 1} is not inside one Megatron TP group; "
+                               "use rollout.vllm_tp=1")
         # the HF copy serves HF generation, and on rank 0 evaluation and final.pt: any other rank
         # keeps no HF model, no HF engine and no weight copy, only its Megatron shards. (With vLLM
         # every rank holds a vLLM engine: its external launcher makes every process of the job a
@@ -169,7 +171,7 @@ class ModelParallelRollout(_Rollout):
         mine = None
         if self.generates:
             mine = self.generate([self.task.train[i] for i in ids[lo:hi]], self.seed(step, round_), timer)
-        box = [mine]
+        box: list[Any] = [mine]  # the generating rank's dict, on every rank after the broadcast
         dist.broadcast_object_list(box, src=self.mp_src, group=self.mp_group)
         mine = box[0]
         if not self.generates:
@@ -241,7 +243,7 @@ def _round_rows(mine: dict, everyone: list, owners: list, *, local_start: int) -
         prompt_lengths=[n for part in everyone for n in lengths(part, "prompt_lengths", "prompts")],
         completion_lengths=[n for part in everyone for n in lengths(part, "completion_lengths", "completions")],
         truncated=cat("truncated"),
-        owner=[d for d, part in zip(owners, everyone) for _ in part["rewards"]],
+        owner=[d for d, part in zip(owners, everyone, strict=True) for _ in part["rewards"]],
         local_start=local_start, prompts=mine["prompts"], completions=mine["completions"],
         logprobs=mine["logprobs"], seconds=mine["seconds"],
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..rollout import RolloutEngine, SamplingParams
 from ..tasks import Problem, Task
@@ -18,7 +18,7 @@ def evaluate(engine: RolloutEngine, tok, task: Task, problems: Sequence[Problem]
     prompts = [tok.prompt_ids(prompt_template.format(question=p.question)) for p in problems]
     out = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens))
     correct = formatted = 0.0
-    for toks, p in zip(out.tokens, problems):
+    for toks, p in zip(out.tokens, problems, strict=True):
         s = task.score(tok.decode(toks), p)
         correct += s.correct
         formatted += s.formatted

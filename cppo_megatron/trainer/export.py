@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -80,7 +79,8 @@ def char_to_hf_tokenizer(tok: CharTokenizer):
     chars = tok.itos[len(SPECIALS):]
     for c in chars:
         if len(c) != 1 or ord(c) > 255 or (not tok.byte_level and ord(c) > 127):
-            raise ValueError(f"export: alphabet character {c!r} is not ASCII; only ASCII alphabets map to one token each")
+            raise ValueError(f"export: alphabet character {c!r} is not ASCII; only ASCII alphabets map to one "
+                             "token each")
     vocab = {s: i for i, s in enumerate(EXPORT_SPECIALS)}
     for c in chars:
         vocab[_byte_level_char(c)] = len(vocab)
@@ -105,7 +105,7 @@ def char_to_hf_tokenizer(tok: CharTokenizer):
     return hf, tuple(added)
 
 
-def export_hf(model, tok, out_dir: str | Path, *, provenance: Optional[dict] = None) -> ExportResult:
+def export_hf(model, tok, out_dir: str | Path, *, provenance: dict | None = None) -> ExportResult:
     """Write ``model`` (an HF ``*ForCausalLM`` built by the embedded trainer) and an HF version
     of ``tok`` (a ``CharTokenizer``) to ``out_dir``; returns an ``ExportResult``.
 
@@ -145,7 +145,7 @@ def export_hf(model, tok, out_dir: str | Path, *, provenance: Optional[dict] = N
     return ExportResult(out, new_size, added, sum(p.numel() for p in m.parameters()))
 
 
-def export_run(checkpoint: str | Path, out_dir: str | Path, *, recipe_path: Optional[str | Path] = None) -> ExportResult:
+def export_run(checkpoint: str | Path, out_dir: str | Path, *, recipe_path: str | Path | None = None) -> ExportResult:
     """Export a run's weights (``RUN_DIR/warmup.pt``, ``final.pt`` or a checkpoint directory
     ``checkpoints/step_NNNNNN``) using the run's ``recipe.yaml`` (or ``recipe_path``) to
     rebuild the model and tokenizer it was trained with."""

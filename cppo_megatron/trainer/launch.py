@@ -24,7 +24,6 @@ import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional
 
 __all__ = ["launch", "main", "torchrun_command"]
 
@@ -111,7 +110,7 @@ def launch(args: argparse.Namespace) -> int:
     return code
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Entry point of every rank: ``python -m cppo_megatron.trainer.launch RECIPE [key=value ...] [--resume]``."""
     parser = argparse.ArgumentParser(prog="cppo_megatron.trainer.launch")
     parser.add_argument("recipe")

@@ -6,7 +6,6 @@ import json
 import math
 import warnings
 from pathlib import Path
-from typing import Optional
 
 
 class MetricsLogger:
@@ -14,7 +13,7 @@ class MetricsLogger:
     TensorBoard under the same keys. On resume, records past the checkpoint's step are
     dropped first so the file never holds two versions of a step."""
 
-    def __init__(self, out_dir: Path, *, tensorboard: bool, resume_step: Optional[int] = None) -> None:
+    def __init__(self, out_dir: Path, *, tensorboard: bool, resume_step: int | None = None) -> None:
         self.path = out_dir / "metrics.jsonl"
         out_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
@@ -33,7 +32,7 @@ class MetricsLogger:
             except ImportError:
                 self.tb = None
 
-    def log(self, record: dict, step: Optional[int] = None) -> None:
+    def log(self, record: dict, step: int | None = None) -> None:
         clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in record.items()}
         self.fh.write(json.dumps(clean) + "\n")
         self.fh.flush()

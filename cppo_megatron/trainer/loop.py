@@ -35,15 +35,15 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 
 from ..core import AllocationPlanner, PromptSampler
 from ..rollout import build_engine
+from ..rollout.base import RolloutEngine
 from ..tasks import Task, build_task
 from . import faults
-from .backends import HFBackend
+from .backends import HFBackend, PolicyBackend
 from .checkpoint import checkpoints, filesystem_peers, find_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import Recipe, recipe_to_dict
 from .distribution import LocalRollout, ModelParallelRollout
@@ -93,7 +93,7 @@ class Trainer:
         task: replaces the recipe's task (bring your own problems and scorer).
     """
 
-    def __init__(self, recipe: Recipe, *, resume: bool = False, task: Optional[Task] = None) -> None:
+    def __init__(self, recipe: Recipe, *, resume: bool = False, task: Task | None = None) -> None:
         import torch.distributed as dist
 
         self.r = recipe
@@ -124,23 +124,37 @@ class Trainer:
         self.planner = AllocationPlanner.from_config(recipe.cppo, capacity=recipe.train.capacity, group_size=G)
         self.sampler = PromptSampler(len(self.task.train), seed=recipe.seed)
         # megatron shards are built in prepare(), from the warmed-up weights
-        self.policy = None if self.distributed else HFBackend(self.model, device=self.device, pad_id=self.tok.pad_id,
-                                                                recipe=recipe)
+        self.policy: PolicyBackend | None = None if self.distributed else HFBackend(
+            self.model, device=self.device, pad_id=self.tok.pad_id, recipe=recipe)
         self.step = 0
         self.elapsed = 0.0  # RL wall time, carried across resumes
         self.phase = "setup"  # the step phase running now (interrupts, failure messages)
         self._last_acc = 0.0
         self._rl_started = False
-        self._open_step: Optional[tuple] = None  # (sampler, planner, rng) as the running step began
-        self.resumed_from: Optional[Path] = None
-        self._fs_peers: Optional[list[int]] = None  # ranks sharing this rank's out_dir (first checkpoint)
-        self._resume_policy: Optional[dict] = None
+        self._open_step: tuple | None = None  # (sampler, planner, rng) as the running step began
+        self.resumed_from: Path | None = None
+        self._fs_peers: list[int] | None = None  # ranks sharing this rank's out_dir (first checkpoint)
+        self._resume_policy: dict | None = None
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
         if resume:
             self._resume()
         self.logger = MetricsLogger(self.out, tensorboard=recipe.log.tensorboard,
                                     resume_step=self.step if resume else None) if self.is_main else None
+
+    @property
+    def main_logger(self) -> MetricsLogger:
+        """The metrics logger: the main rank's (the other ranks have none, ``logger`` is None)."""
+        if self.logger is None:
+            raise RuntimeError("only the main rank logs metrics: this rank has no logger")
+        return self.logger
+
+    @property
+    def backend(self) -> PolicyBackend:
+        """The policy backend: HF from the start, Megatron's shards once ``prepare()`` built them."""
+        if self.policy is None:
+            raise RuntimeError("the Megatron policy is built by Trainer.prepare(): call it first")
+        return self.policy
 
     # ------------------------------------------------------------------ construction
     def _device(self) -> torch.device:
@@ -161,7 +175,7 @@ class Trainer:
         # the HF copy holds the current policy (final.pt, warm-up) and generates when engine=hf
         hf_engine = HFEngine(self.model, pad_id=self.tok.pad_id, eos_id=self.tok.eos_id, device=self.device,
                              max_batch_sequences=r.rollout.max_batch_sequences, shared=False)
-        engine = hf_engine
+        engine: RolloutEngine = hf_engine
         if r.rollout.engine == "vllm":
             from ..rollout.vllm import VLLMEngine
 
@@ -190,9 +204,9 @@ class Trainer:
         from .backends.megatron import MegatronBackend
 
         weights = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        self.policy = MegatronBackend(self.r, self.model.config, weights, comm_device=self._comm_device())
+        self.policy = policy = MegatronBackend(self.r, self.model.config, weights, comm_device=self._comm_device())
         del weights
-        self.rollout.attach(dp_group=self.policy.dp_group, mp_group=self.policy.mp_group, tp_group=self.policy.tp_group)
+        self.rollout.attach(dp_group=policy.dp_group, mp_group=policy.mp_group, tp_group=policy.tp_group)
         if self.rollout.hf_engine is None:  # no HF generation or evaluation here: the shards are all it needs
             self.model = None
             self.engine = self.rollout.engine
@@ -214,7 +228,7 @@ class Trainer:
                         sft_warmup(
                             self.model, self.tok, self.task, r.warmup, device=self.device, seed=r.seed,
                             prompt_template=r.task.prompt_template, evaluate_fn=self._evaluate,
-                            log_fn=lambda rec: self.logger.log({"kind": "warmup", **rec}),
+                            log_fn=lambda rec: self.main_logger.log({"kind": "warmup", **rec}),
                             progress=r.log.progress,
                         )
                     torch.save(self.model.state_dict(), self.out / "warmup.pt")
@@ -223,10 +237,10 @@ class Trainer:
                 self._log_eval()
         self._build_policy()
         if self._resume_policy is not None:
-            self.policy.load_state_dict(self._resume_policy)
+            self.backend.load_state_dict(self._resume_policy)
             set_rng_state(self._resume_policy["rng"])  # last: building the shards reseeds torch
             self._resume_policy = None
-        self.policy.start()
+        self.backend.start()
         self._sync_engine()  # warm-up, init_checkpoint or resume changed the weights after the engine started
         self._rl_started = True
 
@@ -265,7 +279,7 @@ class Trainer:
                         break
                     rec = self.step_once()
                     if self.is_main:
-                        self.logger.log(rec, self.step)
+                        self.main_logger.log(rec, self.step)
                     if r.eval.every and self.step % r.eval.every == 0 and self.step < r.train.steps:
                         self._log_eval()
                     if r.log.checkpoint_every and self.step % r.log.checkpoint_every == 0:
@@ -286,7 +300,7 @@ class Trainer:
         summary: dict = {}
         if self.is_main:
             torch.save(self.model.state_dict(), self.out / "final.pt")  # the synced policy, HF layout
-            self.logger.close()
+            self.main_logger.close()
             summary = write_report(self.out, self._title(), plots=r.log.plots, balance=self.rollout.world > 1)
             summary["final_eval"] = final
         return summary
@@ -302,7 +316,7 @@ class Trainer:
         path = self._checkpoint() if checkpoint_ok else None
         marker = self.out / INTERRUPTED_MARKER  # tells the torchrun launcher to exit 130
         if self.is_main:
-            self.logger.close()
+            self.main_logger.close()
             write_report(self.out, self._title(f" (interrupted at step {self.step})"), plots=self.r.log.plots,
                          balance=self.rollout.world > 1)
             marker.write_text(json.dumps({"step": self.step, "checkpoint": None if path is None else str(path)}) + "\n")
@@ -347,19 +361,20 @@ class Trainer:
                                cppo_cfg=r.cppo)
         with timer.phase("cppo"):
             surv = select_survivors(batch, r.cppo, self.planner, step=self.step)
-            rows = self.policy.place(batch, surv.kept, surv.advantages)
+            rows = self.backend.place(batch, surv.kept, surv.advantages)
             if surv.full_denominators is not None:  # importance: the weights travel with the placed rows
+                assert surv.weights is not None  # select_survivors sets the weights of every row
                 rows = dataclasses.replace(rows, weights=surv.weights[rows.rows],
                                            full_denominators=surv.full_denominators)
         old = ref = None
-        if self.policy.needs_old_logprobs(r.train.mu):
+        if self.backend.needs_old_logprobs(r.train.mu):
             with timer.phase("old_logprob"):
-                old = self.policy.logprobs(rows)
+                old = self.backend.logprobs(rows)
         if r.train.beta > 0:
             with timer.phase("ref_logprob"):
-                ref = self.policy.logprobs(rows, reference=True)
+                ref = self.backend.logprobs(rows, reference=True)
         with timer.phase("update"):
-            upd = self.policy.update(rows, old, ref, step=self.step)
+            upd = self.backend.update(rows, old, ref, step=self.step)
         with timer.phase("sync"):
             self._sync_engine()
         self.phase = "metrics"
@@ -385,14 +400,14 @@ class Trainer:
         return evaluate(engine, self.tok, self.task, problems, self.r.rollout.max_new_tokens,
                         self.r.task.prompt_template)
 
-    def _log_eval(self) -> Optional[dict]:
+    def _log_eval(self) -> dict | None:
         """Greedy held-out accuracy on the main rank (the others wait at a barrier)."""
         m = None
         if self.is_main:
             with _threads(self.main_threads, restore=self.rank_threads):
                 m = self._evaluate(self.r.eval.num_problems)
             self._last_acc = m["eval/accuracy"]
-            self.logger.log({"kind": "eval", "step": self.step, "wall": self.elapsed, **m}, self.step)
+            self.main_logger.log({"kind": "eval", "step": self.step, "wall": self.elapsed, **m}, self.step)
         self.rollout.barrier(slow=True)
         return m
 
@@ -407,7 +422,7 @@ class Trainer:
             self._fs_peers = filesystem_peers(self.out, self.rollout.rank, gather=self.rollout.gather, barrier=barrier)
         if self.rollout.world > 1 and len(self._fs_peers) < self.rollout.world:
             state = self.rollout.gather(state)[0]  # each filesystem gets rank 0's trainer.pt
-        return save_checkpoint(self.out, self.step, state, self.policy.state_dict(), rank=self.rollout.rank,
+        return save_checkpoint(self.out, self.step, state, self.backend.state_dict(), rank=self.rollout.rank,
                                barrier=barrier, peers=self._fs_peers)
 
     def _resume(self) -> None:
@@ -456,7 +471,7 @@ class Trainer:
 class _threads:
     """Temporarily give this process ``n`` torch threads (rank 0 while the others wait)."""
 
-    def __init__(self, n: int, restore: Optional[int] = None) -> None:
+    def __init__(self, n: int, restore: int | None = None) -> None:
         self.n, self.restore = n, restore
 
     def __enter__(self):

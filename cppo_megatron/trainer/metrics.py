@@ -9,7 +9,7 @@ Every ``kind: step`` record in metrics.jsonl has the same keys whichever backend
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -70,7 +70,7 @@ def logprob_diff_sums(sampler: Sequence[torch.Tensor], trainer: Sequence[torch.T
     if len(sampler) != len(trainer):
         raise ValueError(f"logprob_diff: {len(sampler)} rows of sampler log-probs for {len(trainer)} trainer rows")
     out = torch.zeros(3, dtype=torch.float64)
-    for i, (s, t) in enumerate(zip(sampler, trainer)):
+    for i, (s, t) in enumerate(zip(sampler, trainer, strict=True)):
         if s.numel() != t.numel():
             raise ValueError(f"logprob_diff: {s.numel()} sampler log-probs for completion {i} of {t.numel()} tokens")
         d = (s.double() - t.double()).abs()
@@ -81,7 +81,7 @@ def logprob_diff_sums(sampler: Sequence[torch.Tensor], trainer: Sequence[torch.T
     return out
 
 
-def logprob_diff(sums: torch.Tensor, warn_threshold: Optional[float] = None) -> dict[str, float]:
+def logprob_diff(sums: torch.Tensor, warn_threshold: float | None = None) -> dict[str, float]:
     """``rollout/logprob_diff`` (mean |engine - trainer| log-prob over the kept tokens, with the
     weights the completions were sampled with) and ``_max`` from ``logprob_diff_sums``
     (summed over ranks; the third entry maxed). Warns above ``warn_threshold``."""

@@ -9,8 +9,8 @@ with ``mask`` marking real tokens.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ class KeptBatch:
 
     @property
     def token_counts(self) -> list[int]:
-        return [len(p) + len(c) for p, c in zip(self.prompts, self.completions)]
+        return [len(p) + len(c) for p, c in zip(self.prompts, self.completions, strict=True)]
 
     @property
     def max_completion(self) -> int:
@@ -149,13 +149,13 @@ class HFPolicy:
         batch: KeptBatch,
         mbs: list[list[int]],
         advantages: torch.Tensor,
-        old_logprobs: Optional[torch.Tensor],
-        ref_logprobs: Optional[torch.Tensor],
+        old_logprobs: torch.Tensor | None,
+        ref_logprobs: torch.Tensor | None,
         *,
         norm_constant: float,
-        weights: Optional[torch.Tensor] = None,
-        num_tokens: Optional[float] = None,
-        num_seqs: Optional[float] = None,
+        weights: torch.Tensor | None = None,
+        num_tokens: float | None = None,
+        num_seqs: float | None = None,
     ) -> HFUpdate:
         """mu optimizer steps on the kept batch. Denominators cover the whole kept set, so
         the micro-batch gradients add up to the gradient of the full-batch loss.
@@ -197,6 +197,7 @@ class HFPolicy:
                 )
                 per_token = pg
                 if cfg.beta > 0:
+                    assert ref_logprobs is not None  # checked above: beta > 0 needs them
                     kl = kl_penalty(lp, ref_logprobs[rows, : lp.shape[1]].to(self.device), cfg.kl_type)
                     per_token = pg + cfg.beta * kl
                     stats["kl"] += float(aggregate_loss(kl.detach(), m, cfg.loss_agg, **mb_agg))

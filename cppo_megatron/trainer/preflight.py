@@ -15,9 +15,10 @@ of a traceback minutes later (or a run that trains at 0 accuracy because no answ
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from ..tasks import Task, build_task
 from .config import Recipe, RecipeError
@@ -42,7 +43,7 @@ class DataFit:
     """
 
     rows: int
-    max_position: Optional[int]
+    max_position: int | None
     max_new_tokens: int
     too_long_for_positions: int
     too_long_for_rollout: int
@@ -94,7 +95,7 @@ def check_inputs(recipe: Recipe, *, resume: bool = False) -> CheckedInputs:
     return CheckedInputs(task=task, tokenizer=tok, fit=fit, warnings=tuple(notes))
 
 
-def measure_fit(task: Task, tok: Any, *, prompt_template: str, max_position: Optional[int],
+def measure_fit(task: Task, tok: Any, *, prompt_template: str, max_position: int | None,
                 max_new_tokens: int) -> DataFit:
     """Token lengths of every train and test row against the two limits.
 
@@ -127,7 +128,7 @@ def measure_fit(task: Task, tok: Any, *, prompt_template: str, max_position: Opt
                    longest_sequence=longest_seq, longest_answer=longest_answer)
 
 
-def describe_fit(fit: DataFit, task_name: str, *, position_key: str) -> Optional[str]:
+def describe_fit(fit: DataFit, task_name: str, *, position_key: str) -> str | None:
     """One line naming the counts and the keys to change; None when every row fits."""
     parts, fixes = [], []
     if fit.too_long_for_positions:
@@ -162,11 +163,12 @@ def _check_engine(recipe: Recipe) -> None:
             raise RecipeError(f"rollout.engine=vllm: {INSTALL_HINT}")
 
 
-def _check_model(recipe: Recipe) -> Optional[int]:
+def _check_model(recipe: Recipe) -> int | None:
     """The model's position limit (None when it is not known without loading the weights)."""
     m = recipe.model
     if m.source == "config":
         return m.max_position
+    assert m.path is not None  # validate_recipe: hf_dir and gguf need model.path
     if m.source == "gguf":
         from .models import resolve_gguf
 

@@ -93,7 +93,7 @@ def _plot(records: list[dict], path: Path, title: str) -> bool:
         vals = [r.get(f"time/{p}", 0.0) for r in steps]
         if any(vals):
             ax[1, 1].bar([r["step"] for r in steps], vals, bottom=bottom, label=p, width=1.0)
-            bottom = [b + v for b, v in zip(bottom, vals)]
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax[1, 1].set(title="time per step by phase", xlabel="step", ylabel="s")
     ax[1, 1].legend(fontsize=7)
     import textwrap

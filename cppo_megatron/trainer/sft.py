@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -42,7 +42,7 @@ def sft_warmup(model, tok, task: Task, cfg, *, device, seed: int, prompt_templat
         ids = torch.full((len(seqs), width), tok.pad_id, dtype=torch.long)
         labels = torch.full_like(ids, -100)
         attn = torch.zeros_like(ids)
-        for i, (s, st) in enumerate(zip(seqs, starts)):
+        for i, (s, st) in enumerate(zip(seqs, starts, strict=True)):
             ids[i, : len(s)] = torch.tensor(s)
             attn[i, : len(s)] = 1
             labels[i, st : len(s)] = ids[i, st : len(s)]

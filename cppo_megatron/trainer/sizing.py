@@ -27,7 +27,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from .config import Recipe, RecipeError
 
@@ -72,7 +72,7 @@ class SizingReport:
         return max(self.kinds, key=lambda k: k.total)
 
 
-def _hf_config(recipe: Recipe, model_config: Optional[str]) -> tuple[Any, str]:
+def _hf_config(recipe: Recipe, model_config: str | None) -> tuple[Any, str]:
     """The model's HF config (architecture only: no weights are read) and where it came from."""
     import transformers
 
@@ -105,6 +105,7 @@ def _hf_config(recipe: Recipe, model_config: Optional[str]) -> tuple[Any, str]:
         return _config_from_dict(transformers, json.loads(path.read_text(encoding="utf-8")), str(path)), str(path)
     from .models import resolve_gguf
 
+    assert m.path is not None  # validate_recipe: model.source=gguf needs model.path
     gguf = resolve_gguf(m.path)
     return transformers.AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name), str(gguf)
 
@@ -123,8 +124,8 @@ def _seq_len(recipe: Recipe, hf_config) -> int:
     return int(min(limit, recipe.train.micro_batch_tokens))
 
 
-def estimate(recipe: Recipe, nproc: int, *, model_config: Optional[str] = None,
-             device_gb: Optional[float] = None) -> SizingReport:
+def estimate(recipe: Recipe, nproc: int, *, model_config: str | None = None,
+             device_gb: float | None = None) -> SizingReport:
     """The per-rank memory of ``recipe`` run on ``nproc`` processes (module docstring)."""
     from ..megatron.memory import DTYPE_BYTES, hf_parameters, kv_cache_bytes, training_memory
 
@@ -235,7 +236,7 @@ def ram_bytes(field: str = "MemAvailable") -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def ram_warning(report: SizingReport, recipe: Recipe, nproc: int) -> Optional[str]:
+def ram_warning(report: SizingReport, recipe: Recipe, nproc: int) -> str | None:
     """On a CPU run: a line when the ranks together need more than the RAM available now."""
     if on_gpu(recipe) or recipe.megatron.device_memory_gb > 0:
         return None
@@ -247,7 +248,7 @@ def ram_warning(report: SizingReport, recipe: Recipe, nproc: int) -> Optional[st
             "now: the run may swap or be killed")
 
 
-def format_report(report: SizingReport, limit_gb: Optional[float] = None, limit_source: str = "") -> str:
+def format_report(report: SizingReport, limit_gb: float | None = None, limit_source: str = "") -> str:
     """The dry run's table: one row per kind of rank, GB per term."""
     cols = ("weights", "gradients", "optimizer", "reference", "activations", "engine", "total")
     head = f"{'rank kind':<22}{'ranks':>6}" + "".join(f"{c:>12}" for c in cols)
@@ -280,7 +281,7 @@ def check_fit(report: SizingReport, limit_gb: float, limit_source: str) -> None:
         "megatron.device_memory_gb to the memory your ranks really have; --dry-run prints the table")
 
 
-def size_run(recipe: Recipe, nproc: int, *, model_config: Optional[str] = None) -> tuple[SizingReport, str, list[str]]:
+def size_run(recipe: Recipe, nproc: int, *, model_config: str | None = None) -> tuple[SizingReport, str, list[str]]:
     """Estimate, check the fit (``RecipeError`` with the numbers when it cannot), and return
     (report, the printed table, warnings)."""
     limit, where = machine_memory_gb(recipe, nproc)

@@ -14,9 +14,10 @@ rollout distribution's business (distribution.py), not this module's.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ class RoundRows:
     local_start: int
     prompts: list
     completions: list
-    logprobs: Optional[list] = None  # [len(completion)] float32 sampler log-probs per local row
+    logprobs: list | None = None  # [len(completion)] float32 sampler log-probs per local row
     seconds: float = 0.0  # this rank's generation time
 
 
@@ -74,7 +75,7 @@ class RolloutBatch:
     local_rows: torch.Tensor
     prompts: list
     completions: list
-    sampler_logprobs: Optional[list]
+    sampler_logprobs: list | None
     rounds: int
     seconds: float
 
@@ -118,7 +119,7 @@ class PhaseTimer:
     """Seconds per step phase (``PHASES``); ``on_enter(phase)`` runs as each phase starts
     (the trainer records the current phase for interrupts and failure messages)."""
 
-    def __init__(self, device: torch.device, on_enter: Optional[Callable[[str], None]] = None) -> None:
+    def __init__(self, device: torch.device, on_enter: Callable[[str], None] | None = None) -> None:
         self.seconds = {p: 0.0 for p in PHASES}
         self.device = device
         self.on_enter = on_enter
@@ -190,13 +191,14 @@ def _assemble(parts: list[RoundRows], G: int, valid: list[int], dropped: int, ro
     local: list[int] = []
     prompts: list = []
     completions: list = []
-    logprobs: Optional[list] = [] if parts and parts[0].logprobs is not None else None
+    logprobs: list | None = [] if parts and parts[0].logprobs is not None else None
     offset = 0
     for p in parts:
         local.extend(range(offset + p.local_start, offset + p.local_start + len(p.completions)))
         prompts.extend(p.prompts)
         completions.extend(p.completions)
         if logprobs is not None:
+            assert p.logprobs is not None  # one engine: every round carries sampler log-probs, or none does
             logprobs.extend(p.logprobs)
         offset += len(p.rewards)
     return RolloutBatch(
@@ -237,8 +239,8 @@ class Survivors:
     advantages: torch.Tensor
     prune: PruneResult
     alloc: dict = field(default_factory=dict)
-    weights: Optional[torch.Tensor] = None
-    full_denominators: Optional[tuple] = None
+    weights: torch.Tensor | None = None
+    full_denominators: tuple | None = None
 
 
 def select_survivors(batch: RolloutBatch, cfg: Any, planner: AllocationPlanner, *, step: int) -> Survivors:
@@ -258,6 +260,7 @@ def select_survivors(batch: RolloutBatch, cfg: Any, planner: AllocationPlanner, 
         raise RuntimeError("no completion survived (every group had equal rewards under cppo.keep_mass); enable "
                            "cppo.allocation so fill rounds draw more prompts, or cppo.dynamic_sampling")
     weights = torch.ones(batch.num_rows, dtype=torch.float32)
+    assert res.selection.weights is not None  # Selection fills in ones when no weights are given
     weights[kept] = res.selection.weights
     full = None
     if res.selection.weighted:

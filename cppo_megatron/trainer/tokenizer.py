@@ -3,7 +3,7 @@ download, for from-scratch models) and a wrapper around an HF tokenizer."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 
@@ -11,7 +11,7 @@ SPECIALS = ("<pad>", "<bos>", "<eos>")
 class CharTokenizer:
     """One token per character of ``alphabet`` (or per byte when alphabet is None)."""
 
-    def __init__(self, alphabet: Optional[str] = None) -> None:
+    def __init__(self, alphabet: str | None = None) -> None:
         self.byte_level = alphabet is None
         chars = [chr(i) for i in range(256)] if alphabet is None else list(dict.fromkeys(alphabet))
         self.itos = list(SPECIALS) + chars
@@ -49,7 +49,7 @@ class CharTokenizer:
 class HFTokenizer:
     """An HF tokenizer; questions optionally wrapped in its chat template."""
 
-    def __init__(self, tok, *, chat_template: bool = False, system_prompt: Optional[str] = None) -> None:
+    def __init__(self, tok, *, chat_template: bool = False, system_prompt: str | None = None) -> None:
         self.tok = tok
         self.chat_template = chat_template
         self.system_prompt = system_prompt

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cppo_megatron.bench import speedup, study
+from cppo_megatron.bench import speedup, study, study_table
 from cppo_megatron.cli import main
 from tests.doc_keys import missing_keys
 from tests.recipes import MICRO, recipe_path
@@ -71,7 +71,7 @@ def test_bad_rates_are_errors():
     with pytest.raises(ValueError, match=r"--rates must be in \[0, 1\)"):
         speedup._rates("0.5,1.0")
     with pytest.raises(ValueError, match="--metrics: unknown"):
-        study.grid(_args(study, ["r.yaml", "--metrics", "median"]))
+        study_table.grid(_args(study, ["r.yaml", "--metrics", "median"]))
 
 
 def test_study_runs_importance_and_keep_mass_and_reads_equal_prompts(tmp_path):
@@ -104,15 +104,15 @@ def _summary_row(p, metric, mean, sd, seeds):
 def test_study_names_a_winner_only_beyond_the_seed_spread_of_two_or_more_seeds():
     grpo = _summary_row(0.0, "grpo", 0.458, 0.078, 3)
     # the documented study: +0.139 against a combined sd of 0.082 -> a winner
-    verdict, diff, noise = study.compare(_summary_row(0.875, "smallest", 0.597, 0.025, 3), grpo)
+    verdict, diff, noise = study_table.compare(_summary_row(0.875, "smallest", 0.597, 0.025, 3), grpo)
     assert verdict == "beats" and diff == pytest.approx(0.139) and noise == pytest.approx((0.078**2 + 0.025**2) ** 0.5)
-    assert study.compare(grpo, _summary_row(0.875, "smallest", 0.597, 0.025, 3))[0] == "trails"
+    assert study_table.compare(grpo, _summary_row(0.875, "smallest", 0.597, 0.025, 3))[0] == "trails"
     # within the combined spread: no winner, either way round
     close = _summary_row(0.5, "smallest", 0.530, 0.05, 3)
-    assert study.compare(close, grpo)[0].startswith("no winner: the difference is within")
+    assert study_table.compare(close, grpo)[0].startswith("no winner: the difference is within")
     # one seed: sd unknown (nan), so no winner however large the difference
     one = [_summary_row(0.0, "grpo", 0.30, float("nan"), 1), _summary_row(0.875, "smallest", 0.60, float("nan"), 1)]
-    notes = study._findings(one)
+    notes = study_table.findings(one)
     assert notes == ["CPPO P=0.875 with allocation vs GRPO at equal time: no winner: 1 seed(s), the seed spread is "
                      "unknown (run --seeds 2 or more): 0.600 vs 0.300 (difference +0.300, combined seed sd unknown)"]
 
@@ -120,7 +120,7 @@ def test_study_names_a_winner_only_beyond_the_seed_spread_of_two_or_more_seeds()
 def test_study_ordering_finding_distinguishes_means_from_spread():
     rows = lambda sd, seeds: [_summary_row(0.875, m, a, sd, seeds)  # noqa: E731
                               for m, a in (("smallest", 0.597), ("random", 0.535), ("largest", 0.440))]
-    assert study._findings(rows(0.01, 3))[0].endswith("holds, each gap beyond the combined seed spread")
-    assert study._findings(rows(0.05, 3))[0].endswith("holds in the means only: a gap is within the combined seed spread")
-    assert study._findings(rows(float("nan"), 1))[0].endswith("is not tested: 1 seed, the seed spread is unknown "
+    assert study_table.findings(rows(0.01, 3))[0].endswith("holds, each gap beyond the combined seed spread")
+    assert study_table.findings(rows(0.05, 3))[0].endswith("holds in the means only: a gap is within the combined seed spread")
+    assert study_table.findings(rows(float("nan"), 1))[0].endswith("is not tested: 1 seed, the seed spread is unknown "
                                                               "(run --seeds 2 or more)")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cppo_megatron.bench import study, verl_study
+from cppo_megatron.bench import heldout, study, study_table, verl_study
 from tests.doc_keys import missing_keys
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,13 +35,13 @@ def test_verl_recipes_are_told_from_embedded_ones():
 
 def test_default_arms_their_configs_and_the_rotated_seed_major_order():
     args = verl_study._verl_args(parse([GRPO_RECIPE, "--seeds", "3"]))
-    runs = verl_study.interleave(study.grid(args))
-    assert [study._run_id(r) for r in runs] == [
+    runs = verl_study.interleave(study_table.grid(args))
+    assert [study_table.run_id(r) for r in runs] == [
         "p0_grpo_alloc_s0", "p0.875_smallest_alloc_s0", "p0.875_smallest_noalloc_s0",
         "p0.875_smallest_alloc_s1", "p0.875_smallest_noalloc_s1", "p0_grpo_alloc_s1",
         "p0.875_smallest_noalloc_s2", "p0_grpo_alloc_s2", "p0.875_smallest_alloc_s2",
     ]
-    by_id = {study._run_id(r): verl_study.arm_overrides(r) for r in runs}
+    by_id = {study_table.run_id(r): verl_study.arm_overrides(r) for r in runs}
     seed1 = ["cppo.seed=1", "data.seed=1", "actor_rollout_ref.rollout.seed=1", "actor_rollout_ref.actor.data_loader_seed=1"]
     assert by_id["p0_grpo_alloc_s1"] == ["algorithm.adv_estimator=cppo", "cppo.pruning_rate=0.0", "cppo.allocation=true",
                                          "cppo.metric=smallest", "cppo.use_abs=true", *seed1]
@@ -88,7 +88,7 @@ def fake_run(out: Path, spec: dict, syncs: list[tuple[int, float]], budget: floa
     step number) and veRL metrics."""
     from cppo_megatron.integrations.verl import clock
 
-    run_id = study._run_id(spec)
+    run_id = study_table.run_id(spec)
     run_dir = out / "runs" / run_id
     cfg = clock.write_settings(run_dir / "clock", budget, marks)
     fake = {"t": 0.0}
@@ -148,7 +148,7 @@ def rows_for(arm: dict, accs: list[float]) -> list[dict]:
     out = []
     for seed, acc in enumerate(accs):
         spec = {**arm, "seed": seed, "kind": "rl", "keep_mass": None}
-        out.append({"run": study._run_id(spec), **spec, "steps": 10, "accuracy_start": 0.2, "accuracy_final": acc,
+        out.append({"run": study_table.run_id(spec), **spec, "steps": 10, "accuracy_start": 0.2, "accuracy_final": acc,
                     "eval_stderr": 0.01, "prompts_drawn": 100.0, "completions_generated": 1600.0,
                     "completions_trained": 1000.0, "accuracy_at_grpo_prompts": None, "prompts_at_grpo_prompts": None,
                     "curve": [[0.0, 0.2, 0.0], [30.0, acc, 100.0]], "load_mean": 4.0,
@@ -163,7 +163,7 @@ NOALLOC = {"P": 0.875, "metric": "smallest", "allocation": False}
 
 def test_verdict_names_no_winner_within_the_seed_spread():
     rows = rows_for(GRPO, [0.40, 0.42, 0.44]) + rows_for(ALLOC, [0.50, 0.51, 0.52]) + rows_for(NOALLOC, [0.38, 0.45, 0.50])
-    table, _ = study.summarize(rows)
+    table, _ = study_table.summarize(rows)
     for t in table:
         t["kind"] = "rl"
     notes = verl_study.verdicts(table)
@@ -182,9 +182,9 @@ def test_verdict_names_no_winner_within_the_seed_spread():
 
 def test_verdict_trails_and_one_seed():
     rows = rows_for(GRPO, [0.50, 0.51, 0.52]) + rows_for(ALLOC, [0.40, 0.41, 0.42])
-    table, _ = study.summarize(rows)
+    table, _ = study_table.summarize(rows)
     assert verl_study.verdicts(table)[0].startswith("CPPO P=0.875 smallest trails GRPO at equal wall time")
-    table, _ = study.summarize(rows_for(GRPO, [0.5]) + rows_for(ALLOC, [0.7]))
+    table, _ = study_table.summarize(rows_for(GRPO, [0.5]) + rows_for(ALLOC, [0.7]))
     assert "no winner: 1 seed(s), the seed spread is unknown" in verl_study.verdicts(table)[0]
 
 
@@ -209,7 +209,7 @@ def test_evaluator_grades_like_the_embedded_evaluator_with_verls_prompts(tiny_ex
     from cppo_megatron.trainer.evaluate import evaluate
 
     out, model, tok, task, r = tiny_export
-    ev = verl_study.Evaluator(out, str(ROOT / "recipes" / "tiny_cpu.yaml"), 50, 6)
+    ev = heldout.Evaluator(out, str(ROOT / "recipes" / "tiny_cpu.yaml"), 50, 6)
     # veRL's prompt ids (chat template over the task prompt) are the embedded trainer's
     assert ev.prompts == [tok.prompt_ids(r.task.prompt_template.format(question=p.question)) for p in task.test[:50]]
     # a model that answers: give the start model's weights a trained look by copying a state
@@ -232,12 +232,12 @@ def test_study_command_on_a_verl_recipe_writes_table_figure_and_verdict(tiny_exp
     from cppo_megatron.cli import main
 
     out_model = tiny_export[0]
-    start = verl_study.Evaluator(out_model, str(ROOT / "recipes" / "tiny_cpu.yaml"), 1, 6).start
+    start = heldout.Evaluator(out_model, str(ROOT / "recipes" / "tiny_cpu.yaml"), 1, 6).start
     noise = {k: torch.randn_like(v) for k, v in start.items()}
     calls = []
 
     def run_one(recipe, user_overrides, spec, out, model_dir, data_dir, budget, marks, timeout_s):
-        calls.append(study._run_id(spec))
+        calls.append(study_table.run_id(spec))
         assert model_dir == out_model.resolve() and budget == 20.0 and marks == [10.0, 20.0]
         steps = 4 if spec["P"] == 0 else 2
         syncs = [(0, 0.0)] + [(g, g * 21.0 / steps) for g in range(1, steps + 1)]

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import time
 import traceback
-from typing import Callable, Optional
+from collections.abc import Callable
 
-from .common import _peak_memory
+from .common import peak_memory
 from .core_check import check_core
 from .env_check import check_environment
 from .megatron_check import TOLERANCES, check_megatron, judge_megatron, megatron_sizes
@@ -78,7 +78,7 @@ def run_one(name: str, fn, s: GpuCheckSettings, budget: float) -> CheckResult:
     nums: dict = {}
     failures: list[str] = []
     err = tb = None
-    with _peak_memory(s.device, box):
+    with peak_memory(s.device, box):
         try:
             nums, failures = fn(s, ctx)
         except Exception as exc:  # noqa: BLE001 - a failing check must not stop the others
@@ -96,7 +96,7 @@ def run_one(name: str, fn, s: GpuCheckSettings, budget: float) -> CheckResult:
 
 
 def run_gpu_check(s: GpuCheckSettings, *, log: Callable[[str], None] = print,
-                  funcs: Optional[dict] = None) -> tuple[list[CheckResult], float]:
+                  funcs: dict | None = None) -> tuple[list[CheckResult], float]:
     """Run the selected checks in order; return their results and the total seconds."""
     s.validate()
     funcs = funcs or CHECK_FUNCS

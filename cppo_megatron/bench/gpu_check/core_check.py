@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .common import _sync
+from .common import sync_device
 
 if TYPE_CHECKING:
     from .settings import GpuCheckSettings
@@ -41,12 +41,12 @@ def _core_step(rewards, gids, lengths, cfg, group_size: int, ranks: int) -> dict
 
 def check_core(s: GpuCheckSettings, ctx: dict) -> tuple[dict, list[str]]:
     from ...config import CPPOConfig
-    from ..overhead import _synthetic_step
+    from ..overhead import synthetic_step
 
     n = 10**5 if s.quick else 10**6
     G, P, ranks = 16, 0.875, 8
     cfg = CPPOConfig(pruning_rate=P, seed=s.seed)
-    rewards, gids, lengths = _synthetic_step(n, G, s.seed)
+    rewards, gids, lengths = synthetic_step(n, G, s.seed)
     dev = torch.device(s.device)
     _core_step(rewards[: 64 * G], gids[: 64 * G], lengths[: 64 * G], cfg, G, ranks)  # warm-up (imports)
 
@@ -54,10 +54,10 @@ def check_core(s: GpuCheckSettings, ctx: dict) -> tuple[dict, list[str]]:
     ref = _core_step(rewards, gids, lengths, cfg, G, ranks)
     t_cpu = time.perf_counter() - t0
     r_d, g_d, l_d = rewards.to(dev), gids.to(dev), lengths.to(dev)
-    _sync(s.device)
+    sync_device(s.device)
     t0 = time.perf_counter()
     got = _core_step(r_d, g_d, l_d, cfg, G, ranks)
-    _sync(s.device)
+    sync_device(s.device)
     t_dev = time.perf_counter() - t0
 
     adv_dev = got["advantages"]

@@ -2,7 +2,7 @@
 in this process, TP 2 and PP 2 through torchrun when ``parallel`` >= 2): per-token
 log-probs of a random-init Qwen2 against the HF model in float32 and bfloat16, one float32
 update step, its loss and grad norm against a plain-torch HF reference (``TOLERANCES``).
-``_megatron_worker`` is one torchrun rank (``python -m cppo_megatron.bench.gpu_check
+``megatron_worker`` is one torchrun rank (``python -m cppo_megatron.bench.gpu_check
 --megatron-worker SPEC``)."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .common import _finite, _quiet_megatron, _rss_mib, _sync
+from .common import finite, quiet_megatron, rss_mib, sync_device
 
 if TYPE_CHECKING:
     from .settings import GpuCheckSettings
@@ -40,6 +40,7 @@ TOLERANCES = {
 
 def megatron_sizes(quick: bool) -> dict:
     """The random-init Qwen2 and the sequences of the megatron check."""
+    model: dict[str, Any]
     if quick:
         model = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
@@ -92,7 +93,7 @@ def _hf_update_reference(model, seqs, masks, adv, old, lr: float, device) -> tup
     n_seq = float(sum(1 for m in masks if m.any()))
 
     def loss_fn():
-        total = 0.0
+        total: torch.Tensor | float = 0.0
         for s, m, a, o in zip(seqs, masks, adv, old, strict=True):
             logits = model(s[None].to(device)).logits[0, :-1].float()
             lp = torch.log_softmax(logits, -1).gather(-1, s[1:, None].to(device)).squeeze(-1)[None]
@@ -118,7 +119,7 @@ def _megatron_rank(spec: dict, tp: int, pp: int) -> dict:
     """Everything the megatron check measures on one rank (torch.distributed is up)."""
     import cppo_megatron.megatron as cm
 
-    _quiet_megatron()
+    quiet_megatron()
     device = torch.device("cuda", torch.cuda.current_device()) if spec["device"] == "cuda" else torch.device("cpu")
     sizes = megatron_sizes(spec["quick"])
     seed = spec["seed"]
@@ -126,7 +127,7 @@ def _megatron_rank(spec: dict, tp: int, pp: int) -> dict:
     timings: dict[str, float] = {}
 
     def tick(name, t0):
-        _sync(spec["device"])
+        sync_device(spec["device"])
         timings[name] = round(timings.get(name, 0.0) + time.perf_counter() - t0, 3)
 
     t0 = time.perf_counter()
@@ -192,7 +193,7 @@ def _megatron_rank(spec: dict, tp: int, pp: int) -> dict:
     if spec["device"] == "cuda":
         out["peak_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
     else:
-        out["peak_memory_mib"] = _rss_mib()
+        out["peak_memory_mib"] = rss_mib()
     return out
 
 
@@ -205,16 +206,17 @@ def judge_megatron(r: dict, label: str = "") -> list[str]:
                      ("logprob_max_abs_diff_bf16", t["bf16_logprob_max_abs"]),
                      ("logprob_mean_abs_diff_bf16", t["bf16_logprob_mean_abs"])):
         v = r.get(key)
-        if not _finite(v) or v > tol:
+        if not finite(v) or v > tol:
             f.append(f"{pre}{key} = {v} exceeds the tolerance {tol}")
     loss, ref = r.get("loss"), r.get("hf_loss")
-    if not (_finite(loss) and _finite(ref)) or abs(loss - ref) > t["loss_abs"] + t["loss_rel"] * abs(ref):
+    if not (finite(loss) and finite(ref)) or abs(loss - ref) > t["loss_abs"] + t["loss_rel"] * abs(ref):
         f.append(f"{pre}update loss {loss} vs HF {ref}: beyond {t['loss_abs']} + {t['loss_rel']} x |loss|")
     gn, ref_gn = r.get("grad_norm"), r.get("hf_grad_norm")
-    if not (_finite(gn) and _finite(ref_gn)) or ref_gn <= 0 or abs(gn - ref_gn) > t["grad_norm_rel"] * ref_gn:
+    if not (finite(gn) and finite(ref_gn)) or ref_gn <= 0 or abs(gn - ref_gn) > t["grad_norm_rel"] * ref_gn:
         f.append(f"{pre}grad norm {gn} vs HF {ref_gn}: relative difference above {t['grad_norm_rel']}")
     post, ref_post = r.get("post_step_loss"), r.get("hf_post_step_loss")
-    if not (_finite(post) and _finite(ref_post)) or abs(post - ref_post) > max(t["loss_abs"], t["post_loss_rel"] * abs(ref_post)):
+    if not (finite(post) and finite(ref_post)) or (
+            abs(post - ref_post) > max(t["loss_abs"], t["post_loss_rel"] * abs(ref_post))):
         f.append(f"{pre}post-step loss {post} vs HF {ref_post}: relative difference above {t['post_loss_rel']}")
     elif not post < r["loss"]:
         f.append(f"{pre}the update step did not lower the loss on its own batch ({r['loss']} -> {post})")
@@ -236,7 +238,7 @@ def check_megatron(s: GpuCheckSettings, ctx: dict) -> tuple[dict, list[str]]:
 
     from ..._optional import require
 
-    _quiet_megatron()
+    quiet_megatron()
     require("megatron.core", "the megatron check")
     require("transformers", "the megatron check")
     spec = {"device": s.device, "quick": s.quick, "seed": s.seed}
@@ -268,14 +270,14 @@ def check_megatron(s: GpuCheckSettings, ctx: dict) -> tuple[dict, list[str]]:
             failures.append(err)
         for name, r in runs.items():
             failures += judge_megatron(r, name)
-        mems = [r["peak_memory_mib"] for r in runs.values() if _finite(r.get("peak_memory_mib"))]
+        mems = [r["peak_memory_mib"] for r in runs.values() if finite(r.get("peak_memory_mib"))]
         nums["parallel_peak_memory_mib"] = max(mems) if mems else None
     else:
         nums["parallel"] = "not run (needs 2 GPUs, or --parallel 2)"
     return nums, failures
 
 
-def _megatron_torchrun(s: GpuCheckSettings, ctx: dict) -> tuple[dict, Optional[str]]:
+def _megatron_torchrun(s: GpuCheckSettings, ctx: dict) -> tuple[dict, str | None]:
     """TP 2 and PP 2 on two local processes (torchrun); rank 0's results per layout."""
     import tempfile
 
@@ -303,7 +305,7 @@ def _megatron_torchrun(s: GpuCheckSettings, ctx: dict) -> tuple[dict, Optional[s
         return runs, None
 
 
-def _megatron_worker(spec_path: str) -> int:
+def megatron_worker(spec_path: str) -> int:
     """One torchrun rank of the TP/PP part: every layout in the spec, results to rank{R}.json."""
     import torch.distributed as dist
 

@@ -40,19 +40,20 @@ def write_outputs(results: list[CheckResult], s: GpuCheckSettings, total_s: floa
 
     out = Path(s.out)
     out.mkdir(parents=True, exist_ok=True)
+    machine = machine_info()
     data = {
         "tool": "cppo-megatron gpu-check",
         "version": __version__,
         "settings": asdict(s),
         "passed": all(r.passed for r in results),
         "total_seconds": total_s,
-        "machine": machine_info(),
+        "machine": machine,
         "peak_memory_mib": {r.name: r.peak_memory_mib for r in results},
         "checks": [asdict(r) for r in results],
     }
     env = next((r for r in results if r.name == "environment"), None)
     if env is not None and env.numbers.get("gpus"):
-        data["machine"]["gpus"] = env.numbers["gpus"]
+        machine["gpus"] = env.numbers["gpus"]
     (out / "gpu_check.json").write_text(json.dumps(_jsonable(data), indent=2, allow_nan=False) + "\n")
 
     head = "GPU" if s.device == "cuda" else "CPU"
@@ -65,7 +66,7 @@ def write_outputs(results: list[CheckResult], s: GpuCheckSettings, total_s: floa
         "",
         f"- machine: {where}; python {sys.version.split()[0]}, torch {torch.__version__}"
         f"{', CUDA ' + str(torch.version.cuda) if torch.version.cuda else ''}",
-        f"- total {total_s:.1f} s; written {data['machine']['time_utc']}",
+        f"- total {total_s:.1f} s; written {machine['time_utc']}",
         "",
         markdown_table(
             ["check", "result", "seconds", "budget", "peak memory (MiB)"],

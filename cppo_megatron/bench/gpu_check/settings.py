@@ -4,7 +4,6 @@ budgets, ``GpuCheckSettings`` and ``CheckResult``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -54,7 +53,7 @@ class GpuCheckSettings:
     parallel: int = 0
     only: tuple = CHECKS
 
-    def validate(self) -> "GpuCheckSettings":
+    def validate(self) -> GpuCheckSettings:
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -83,9 +82,9 @@ class CheckResult:
     passed: bool
     seconds: float
     budget_s: float
-    peak_memory_mib: Optional[float]
+    peak_memory_mib: float | None
     memory_kind: str
     numbers: dict
     failures: tuple = ()
-    error: Optional[str] = None
-    traceback: Optional[str] = None
+    error: str | None = None
+    traceback: str | None = None

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .common import _finite
+from .common import finite
 
 if TYPE_CHECKING:
     from .settings import GpuCheckSettings
@@ -71,7 +71,8 @@ def check_trainer(s: GpuCheckSettings, ctx: dict) -> tuple[dict, list[str]]:
         "model": {"hidden": m.hidden_size, "layers": m.num_layers, "heads": m.num_heads, "mlp": m.intermediate_size,
                   "dtype": m.dtype, "params": params},
         "group_size": recipe.rollout.group_size, "capacity": recipe.train.capacity,
-        "steps_per_run_per_round": steps, "rounds": repeats, "unmeasured_warmup_steps_per_run": warm_steps, "warmup_seconds": t_warm,
+        "steps_per_run_per_round": steps, "rounds": repeats, "unmeasured_warmup_steps_per_run": warm_steps,
+        "warmup_seconds": t_warm,
         "rows": [{k: r[k] for k in keep} for r in rows],
         "t_gen_ms_per_prompt": 1e3 * split["t_gen_per_prompt_s"],
         "t_rest_ms_per_prompt": 1e3 * split["t_rest_per_prompt_s"],
@@ -85,7 +86,7 @@ def check_trainer(s: GpuCheckSettings, ctx: dict) -> tuple[dict, list[str]]:
     failures = []
     for r in rows:
         for k in ("ms/prompt", "speedup", "bound", "of bound", "ms/prompt rollout"):
-            if not (_finite(r[k]) and r[k] > 0):
+            if not (finite(r[k]) and r[k] > 0):
                 failures.append(f"P={r['P']} allocation={r['allocation']}: {k} = {r[k]} is not a positive number")
         if r["steps measured"] != steps * repeats:
             failures.append(f"P={r['P']} allocation={r['allocation']}: {r['steps measured']} steps measured, "
@@ -100,7 +101,7 @@ def check_trainer(s: GpuCheckSettings, ctx: dict) -> tuple[dict, list[str]]:
     if alloc["trained/step"] != grpo["trained/step"]:
         failures.append(f"with allocation {alloc['trained/step']} completions trained per step, expected GRPO's "
                         f"{grpo['trained/step']:g} (the capacity)")
-    if _finite(alloc["bound"]) and abs(alloc["bound"] - _bound(P, split)) > 1e-9 * alloc["bound"]:
+    if finite(alloc["bound"]) and abs(alloc["bound"] - _bound(P, split)) > 1e-9 * alloc["bound"]:
         failures.append("the reported bound does not follow from the GRPO phase split")
     return nums, failures
 

@@ -6,7 +6,8 @@ the expensive passes on them — it never sees a pruned row:
     place(batch, kept, advantages)  -> TrainRows   this rank's share of the survivors
     logprobs(rows, reference=...)   -> PassResult  old-policy or reference log-probs
     update(rows, old, ref, step=)   -> UpdateResult  mu optimizer steps
-    export_weights()                -> full HF state dict (the rollout engine's weights)
+    start()                            RL begins: freeze the reference policy
+    export_weights(dst_ranks=None)  -> full HF state dict (the rollout engine's weights)
     state_dict() / load_state_dict()   this rank's part of a checkpoint
 
 Implementations: ``HFBackend`` (one process, an HF causal LM) and ``MegatronBackend``
@@ -15,8 +16,9 @@ Implementations: ``HFBackend`` (one process, an HF causal LM) and ``MegatronBack
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -41,12 +43,12 @@ class TrainRows:
     completions: list
     advantages: torch.Tensor
     rows: torch.Tensor
-    sampler_logprobs: Optional[list]
+    sampler_logprobs: list | None
     placement: dict
     owned: int
     payload: Any = None
-    weights: Optional[torch.Tensor] = None
-    full_denominators: Optional[tuple] = None
+    weights: torch.Tensor | None = None
+    full_denominators: tuple | None = None
 
     def __len__(self) -> int:
         return len(self.completions)
@@ -73,7 +75,7 @@ class UpdateResult:
     response tokens and rows over all ranks; micro_batches: per optimizer step."""
 
     iterations: list
-    behaviour: Optional[list]
+    behaviour: list | None
     lr: float
     tokens: float
     sequences: float
@@ -92,10 +94,12 @@ class PolicyBackend(Protocol):
 
     def logprobs(self, rows: TrainRows, *, reference: bool = False) -> PassResult: ...
 
-    def update(self, rows: TrainRows, old: Optional[PassResult], ref: Optional[PassResult], *,
+    def update(self, rows: TrainRows, old: PassResult | None, ref: PassResult | None, *,
                step: int) -> UpdateResult: ...
 
-    def export_weights(self) -> dict: ...
+    def start(self) -> None: ...
+
+    def export_weights(self, dst_ranks: Sequence[int] | None = None) -> dict: ...
 
     def state_dict(self) -> dict: ...
 

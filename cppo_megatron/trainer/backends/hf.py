@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Optional
+from collections.abc import Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ class HFBackend:
         self.model = model
         self.hf = HFPolicy(model, device=device, pad_id=pad_id, train_cfg=recipe.train,
                            total_steps=recipe.train.steps)
-        self.ref_model = None
+        self.ref_model: torch.nn.Module | None = None
 
     @property
     def rows_seen(self) -> dict:
@@ -63,7 +63,7 @@ class HFBackend:
         out = self.hf.logprobs(kb, mbs, counter="ref_logprob" if reference else "old_logprob", model=model)
         return PassResult(_per_row(out, kb), out, len(kb), _padded(kb, mbs))
 
-    def update(self, rows: TrainRows, old: Optional[PassResult], ref: Optional[PassResult], *,
+    def update(self, rows: TrainRows, old: PassResult | None, ref: PassResult | None, *,
                step: int) -> UpdateResult:
         kb, mbs = rows.payload
         full = rows.full_denominators
@@ -75,7 +75,8 @@ class HFBackend:
         return UpdateResult(res.iterations, _per_row(res.first_pass, kb), res.lr, res.tokens, res.sequences,
                             len(mbs), mu * len(kb), mu * _padded(kb, mbs))
 
-    def export_weights(self) -> dict:
+    def export_weights(self, dst_ranks: Sequence[int] | None = None) -> dict:
+        """The model's state dict (one process: ``dst_ranks`` has nothing to choose)."""
         return self.model.state_dict()
 
     def state_dict(self) -> dict:

@@ -10,7 +10,7 @@ hold the same rows and receive the same survivors.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from collections.abc import Sequence
 
 import torch
 
@@ -61,8 +61,8 @@ class MegatronBackend:
         meta = GlobalMetadata(counts, batch.rewards.double()[order], batch.group_ids[order], batch.lengths[order])
         position = torch.empty_like(order)
         position[order] = torch.arange(order.numel())
-        seqs = [torch.tensor(p + c, dtype=torch.int64) for p, c in zip(batch.prompts, batch.completions)]
-        masks = [_loss_mask(len(p), len(c)) for p, c in zip(batch.prompts, batch.completions)]
+        seqs = [torch.tensor(p + c, dtype=torch.int64) for p, c in zip(batch.prompts, batch.completions, strict=True)]
+        masks = [_loss_mask(len(p), len(c)) for p, c in zip(batch.prompts, batch.completions, strict=True)]
         fields = {"tokens": seqs, "mask": masks, "row": batch.local_rows.clone(),
                   "prompt_len": torch.tensor([len(p) for p in batch.prompts], dtype=torch.int64)}
         if batch.sampler_logprobs is not None:
@@ -74,8 +74,8 @@ class MegatronBackend:
         rows = moved["row"].cpu()
         placement = plan.metrics()
         return TrainRows(
-            prompts=[t[:n].tolist() for t, n in zip(toks, plens)],
-            completions=[t[n:].tolist() for t, n in zip(toks, plens)],
+            prompts=[t[:n].tolist() for t, n in zip(toks, plens, strict=True)],
+            completions=[t[n:].tolist() for t, n in zip(toks, plens, strict=True)],
             advantages=advantages[rows],
             rows=rows,
             sampler_logprobs=None if "sampler_lp" not in moved else [x.cpu() for x in moved["sampler_lp"]],
@@ -90,9 +90,10 @@ class MegatronBackend:
         toks, _, plens = rows.payload
         counter = ForwardCounter()
         raw = self.actor.logprobs(toks, counter, reference=reference)
-        return PassResult([lp[n - 1 :] for lp, n in zip(raw, plens)], raw, counter.sequences, counter.padded_tokens)
+        return PassResult([lp[n - 1 :] for lp, n in zip(raw, plens, strict=True)], raw, counter.sequences,
+                          counter.padded_tokens)
 
-    def update(self, rows: TrainRows, old: Optional[PassResult], ref: Optional[PassResult], *,
+    def update(self, rows: TrainRows, old: PassResult | None, ref: PassResult | None, *,
                step: int) -> UpdateResult:
         from ...megatron import ForwardCounter
 
@@ -108,7 +109,7 @@ class MegatronBackend:
         return UpdateResult(its, None, lrs[-1], its[-1]["num_tokens"], its[-1]["num_seqs"],
                             counter.micro_batches // mu, counter.sequences, counter.padded_tokens)
 
-    def export_weights(self, dst_ranks=None) -> dict:
+    def export_weights(self, dst_ranks: Sequence[int] | None = None) -> dict:
         """Full HF tensors on every rank, or only on ``dst_ranks`` (``{}`` elsewhere); a collective:
         TP shards gathered, PP parts sent to the ranks that keep them."""
         return self.actor.hf_state_dict(dst_ranks)

@@ -99,7 +99,11 @@ def check_chain(straight: dict, attempts: list[dict], kills: list[int], steps: i
         last = kills[i] + 1 if i < len(kills) else steps
         assert sorted(prunes) == list(range(first_step, last + 1)), (i, sorted(prunes))
         trained = list(range(first_step, kills[i] + 1 if i < len(kills) else steps + 1))
-        assert sorted(updates) == trained, (i, sorted(updates))
+        struck = [last] if i < len(kills) else []
+        # a SIGKILL lands anywhere in the struck step: the driver may already have called that
+        # step's update (its record is written at the call) but not checkpointed it (the next
+        # attempt's first step, checked below, says so), so only the resumed run's update counts
+        assert sorted(updates) in (trained, trained + struck), (i, sorted(updates))
         for step in range(first_step, last + 1):
             (pr,) = prunes[step]
             assert pr["step"] == step
@@ -107,8 +111,9 @@ def check_chain(straight: dict, attempts: list[dict], kills: list[int], steps: i
             assert got == want, (i, step)
             assert len(got) == drawn and set(got.values()) == {G}
             if step in updates:
-                assert not seen_rows & set(got), (i, step)  # no prompt trained twice across the restart
-                seen_rows |= set(got)
+                if step in trained:  # no prompt trained twice across the restart
+                    assert not seen_rows & set(got), (i, step)
+                    seen_rows |= set(got)
                 (up,) = updates[step]
                 kept = core_survivors(pr["uids"], pr["rewards"], step, pruning_rate)
                 assert kept == pr["kept"] and sorted(up["rows"]) == sorted(pr["rows"][j] for j in kept)

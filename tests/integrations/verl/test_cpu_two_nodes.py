@@ -8,8 +8,9 @@ veRL places one resource pool bundle set per node, so the 4 Megatron ranks sit 2
 nodes; with TP 2 x PP 2 (TP innermost in megatron-core's rank order) each node holds one pipeline
 stage: the pipeline's activations and gradients cross the nodes. Checked per step from the audit
 records as in the single-node run: exactly the core's survivors are trained, each with its
-full-group advantage; every weight sync is exact; and from the ``placement`` records: which node
-each rank (TP, PP) ran on.
+full-group advantage; every weight sync is exact; from the ``placement`` records: which node
+each rank (TP, PP) ran on; and from the key trace, as ``test_cpu_cluster_recipe.py`` (whose
+single-node run CI leaves out for time): every recipe key the override set leaves alone was read.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 import pytest
 
 from .conftest import ROOT
+from .test_cpu_cluster_recipe import check_keys_read
 from .test_cpu_e2e import STEPS
 from .test_cpu_megatron_e2e import check_rows_and_advantages, check_syncs, tiny_model  # noqa: F401 (fixture)
 
@@ -51,12 +53,12 @@ def cluster():
 def two_node_run(cluster, tiny_model, tmp_path_factory):  # noqa: F811 (the imported fixture)
     nodes = cluster.alive_nodes()
     tmp = tmp_path_factory.mktemp("toy14b2n")
-    audit_dir, run_dir = tmp / "audit", tmp / "run"
+    audit_dir, keys_dir, run_dir = tmp / "audit", tmp / "keys", tmp / "run"
     args = [sys.executable, "-m", "cppo_megatron.integrations.verl.main", str(RECIPE), "--cpu", str(OVERRIDES),
             "trainer.nnodes=2", "trainer.n_gpus_per_node=2", f"+ray_kwargs.ray_init.address={cluster.address}",
             f"cppo_cpu.model_dir={tiny_model}", f"cppo_cpu.data_dir={tmp / 'data'}", f"cppo_cpu.run_dir={run_dir}",
             "cppo_cpu.eval_problems=16"]
-    env = {**os.environ, "CPPO_VERL_AUDIT": str(audit_dir), "PYTHONHASHSEED": "0"}
+    env = {**os.environ, "CPPO_VERL_AUDIT": str(audit_dir), "CPPO_VERL_KEYS": str(keys_dir), "PYTHONHASHSEED": "0"}
     env.pop("RAY_ADDRESS", None)
     out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900, cwd=tmp)
     log = out.stdout + out.stderr
@@ -65,7 +67,7 @@ def two_node_run(cluster, tiny_model, tmp_path_factory):  # noqa: F811 (the impo
 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {"metrics": {m["step"]: m["data"] for m in metrics}, "audit": audit.read(audit_dir), "log": log,
-            "nodes": nodes, "address": cluster.address}
+            "nodes": nodes, "address": cluster.address, "keys": keys_dir}
 
 
 def test_the_cpu_mode_names_its_ray_explicitly():
@@ -110,3 +112,7 @@ def test_14b_recipe_on_two_nodes_trains_the_core_survivors_with_the_pipeline_acr
     stage_nodes = {pp: {p["node"] for p in places if p["pp_rank"] == pp} for pp in (0, 1)}
     # each pipeline stage on one node, the two stages on different nodes
     assert all(len(v) == 1 for v in stage_nodes.values()) and stage_nodes[0] != stage_nodes[1], stage_nodes
+
+
+def test_every_key_the_override_set_leaves_alone_is_read_on_two_nodes(two_node_run):
+    check_keys_read(two_node_run["keys"])

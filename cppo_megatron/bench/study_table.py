@@ -1,0 +1,211 @@
+"""The study's grid of arms and its results, shared by the embedded study (``study.py``) and
+the veRL study (``verl_study.py``): the arms a command line asks for (``grid``, ``run_id``),
+the summary table and its verdicts against the seed spread (``summarize``, ``compare``,
+``verdict_line``, ``findings``), the per-run CSV (``write_csv``) and the accuracy-vs-time
+curves (``plot_curves``). It imports neither study, so both can take it."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from pathlib import Path
+
+__all__ = ["DEFAULT", "FULL", "METRIC_SETTINGS", "compare", "findings", "grid", "plot_curves", "run_id",
+           "sd_or_zero", "summarize", "verdict_line", "write_csv"]
+
+DEFAULT = {"rates": "0,0.5,0.875", "metrics": "smallest,random,largest", "allocation": "on"}
+FULL = {"rates": "0,0.5,0.75,0.875,0.9375", "metrics": "smallest,random,largest,signed", "allocation": "both"}
+METRIC_SETTINGS = {  # name -> (cppo.metric, cppo.use_abs)
+    "smallest": ("smallest", True),
+    "largest": ("largest", True),
+    "random": ("random", True),
+    "signed": ("smallest", False),
+    "importance": ("importance", True),  # 1/pi-weighted PPS sample (core.sampling)
+    "keep_mass": ("smallest", True),  # adaptive k: one run per seed, --keep-mass f instead of P
+}
+
+
+def grid(args) -> list[dict]:
+    """The runs (one dict per arm and seed: kind, P, metric, allocation, seed, keep_mass) that
+    ``args`` (--rates, --metrics, --allocation, --full, --seeds, --keep-mass, --no-control)
+    ask for; an unknown metric or a keep-mass outside (0, 1] is a ValueError."""
+    spec = dict(FULL if args.full else DEFAULT)
+    for key in ("rates", "metrics", "allocation"):
+        if getattr(args, key):
+            spec[key] = getattr(args, key)
+    rates = sorted({float(x) for x in spec["rates"].split(",")})
+    metrics = [m.strip() for m in spec["metrics"].split(",")]
+    unknown = [m for m in metrics if m not in METRIC_SETTINGS]
+    if unknown:
+        raise ValueError(f"--metrics: unknown {unknown}; choose from {list(METRIC_SETTINGS)}")
+    allocs = {"on": [True], "off": [False], "both": [True, False]}[spec["allocation"]]
+    f = getattr(args, "keep_mass", 0.9)
+    if "keep_mass" in metrics and not (0 < f <= 1):
+        raise ValueError(f"--keep-mass must be in (0, 1], got {f}")
+    per_p = [m for m in metrics if m != "keep_mass"] or ["smallest"]
+    runs = []
+    for seed in range(args.seeds):
+        for p in rates:
+            for a in allocs:
+                # at P = 0 nothing is pruned: metric and allocation change nothing
+                for m in ([per_p[0]] if p == 0 else [m for m in metrics if m != "keep_mass"]):
+                    if p == 0 and a != allocs[0]:
+                        continue
+                    runs.append({"kind": "rl", "P": p, "metric": "grpo" if p == 0 else m, "allocation": a, "seed": seed,
+                                 "keep_mass": None})
+        if "keep_mass" in metrics:
+            for a in allocs:
+                runs.append({"kind": "rl", "P": None, "metric": "keep_mass", "allocation": a, "seed": seed,
+                             "keep_mass": f})
+        if not args.no_control:
+            runs.append({"kind": "control", "P": None, "metric": "sft", "allocation": None, "seed": seed,
+                         "keep_mass": None})
+    return runs
+
+
+def run_id(spec: dict) -> str:
+    """The run's name (``p0.875_smallest_alloc_s1``, ``control_s0``): its folder and CSV row."""
+    if spec["kind"] == "control":
+        return f"control_s{spec['seed']}"
+    what = f"keepmass{spec['keep_mass']:g}" if spec["metric"] == "keep_mass" else f"p{spec['P']:g}_{spec['metric']}"
+    return f"{what}_{'alloc' if spec['allocation'] else 'noalloc'}_s{spec['seed']}"
+
+
+def summarize(rows: list[dict]) -> tuple[list[dict], list[str]]:
+    """Per-run ``rows`` grouped by configuration (kind, P, metric, allocation): the summary
+    table (means over seeds, seed sd, eval stderr, steps, prompts) and its ``findings``."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["kind"], r["P"], r["metric"], r["allocation"]), []).append(r)
+    table = []
+    for (kind, p, metric, alloc), rs in groups.items():
+        accs = [r["accuracy_final"] for r in rs]
+        at_prompts = [r["accuracy_at_grpo_prompts"] for r in rs if r.get("accuracy_at_grpo_prompts") is not None]
+        if p == 0:
+            at_prompts = accs  # GRPO's final evaluation is the equal-prompts point
+        if kind == "control":
+            label = "SFT control"
+        elif metric == "keep_mass":
+            label = f"keep_mass f={rs[0]['keep_mass']:g}{'' if alloc else ' no-alloc'}"
+        else:
+            label = f"P={p:g} {metric}{'' if alloc else ' no-alloc'}"
+        table.append({
+            "config": label,
+            "acc @ GRPO's prompts": statistics.mean(at_prompts) if at_prompts else None,
+            "P": p, "metric": metric, "allocation": alloc, "seeds": len(rs),
+            "final acc (mean)": statistics.mean(accs),
+            "seed spread (sd)": statistics.stdev(accs) if len(accs) > 1 else float("nan"),
+            "eval stderr": statistics.mean(r["eval_stderr"] for r in rs),
+            "steps": statistics.mean(r["steps"] for r in rs),
+            "prompts": statistics.mean(r["prompts_drawn"] or 0 for r in rs),
+            "trained": statistics.mean(r["completions_trained"] or 0 for r in rs),
+        })
+    table.sort(key=lambda t: (t["P"] is None, t["P"] or 0, t["metric"]))
+    return table, findings(table)
+
+
+def compare(a: dict, b: dict) -> tuple[str, float, float]:
+    """(verdict, difference, combined seed sd) of summary row ``a`` against ``b``.
+
+    A winner is declared only with at least 2 seeds on each side and a difference in mean
+    final accuracy larger than the combined seed spread sqrt(sd_a^2 + sd_b^2); otherwise
+    the verdict says why there is none.
+    """
+    diff = a["final acc (mean)"] - b["final acc (mean)"]
+    seeds = min(a["seeds"], b["seeds"])
+    if seeds < 2:
+        return f"no winner: {seeds} seed(s), the seed spread is unknown (run --seeds 2 or more)", diff, float("nan")
+    noise = math.sqrt(sd_or_zero(a["seed spread (sd)"]) ** 2 + sd_or_zero(b["seed spread (sd)"]) ** 2)
+    if abs(diff) <= noise:
+        return "no winner: the difference is within the combined seed spread", diff, noise
+    return ("beats" if diff > 0 else "trails"), diff, noise
+
+
+def verdict_line(a: dict, b: dict, *, name_a: str, name_b: str, where: str = "") -> str:
+    """One sentence: summary row ``a`` (``name_a``) against ``b`` by ``compare``, both means,
+    the difference and the combined seed sd; ``where`` follows the names (" at equal time")."""
+    verdict, diff, noise = compare(a, b)
+    sd = f"combined seed sd {noise:.3f}" if math.isfinite(noise) else "combined seed sd unknown"
+    head = (f"{name_a} {verdict} {name_b}{where}" if verdict in ("beats", "trails")
+            else f"{name_a} vs {name_b}{where}: {verdict}")
+    return f"{head}: {a['final acc (mean)']:.3f} vs {b['final acc (mean)']:.3f} (difference {diff:+.3f}, {sd})"
+
+
+def findings(table: list[dict]) -> list[str]:
+    """The study's sentences from its summary ``table``: CPPO vs GRPO at equal time, the paper's
+    ordering smallest > random > largest per P, the beyond-the-paper selections vs CPPO, the
+    equal-prompts reading and the supervised control."""
+    by = {(t["P"], t["metric"], t["allocation"]): t for t in table}
+    out = []
+    grpo = next((t for t in table if t["P"] == 0), None)
+    for t in table:
+        if grpo and t["P"] and t["metric"] == "smallest" and t["allocation"]:
+            out.append(verdict_line(t, grpo, name_a=f"CPPO P={t['P']:g} with allocation", name_b="GRPO",
+                                    where=" at equal time"))
+    for p in sorted({t["P"] for t in table if t["P"]}):
+        rows = {m: by[(p, m, True)] for m in ("smallest", "random", "largest") if (p, m, True) in by}
+        if len(rows) == 3:
+            accs = {m: r["final acc (mean)"] for m, r in rows.items()}
+            spread = max(sd_or_zero(r["seed spread (sd)"]) for r in rows.values())
+            text = (f"P={p:g}: {', '.join(f'{m} {a:.3f}' for m, a in accs.items())} (largest seed sd {spread:.3f}); "
+                    "the paper's ordering smallest > random > largest ")
+            gaps = [compare(rows["smallest"], rows["random"])[0], compare(rows["random"], rows["largest"])[0]]
+            if min(r["seeds"] for r in rows.values()) < 2:
+                text += "is not tested: 1 seed, the seed spread is unknown (run --seeds 2 or more)"
+            elif gaps == ["beats", "beats"]:
+                text += "holds, each gap beyond the combined seed spread"
+            elif accs["smallest"] > accs["random"] > accs["largest"]:
+                text += "holds in the means only: a gap is within the combined seed spread"
+            else:
+                text += "does not hold in the means"
+            out.append(text)
+    cppo = next((t for t in table if t["metric"] == "smallest" and t["P"] and t["allocation"]), None)
+    for t in table:
+        if cppo and t["metric"] in ("importance", "keep_mass") and t["allocation"]:
+            out.append(verdict_line(t, cppo, name_a=t["config"], name_b=f"CPPO {cppo['config']}",
+                                    where=" at equal time"))
+    if grpo:
+        key = "acc @ GRPO's prompts"
+        eq = [f"{t['config']} {t[key]:.3f}" for t in table if t.get(key) is not None and t["metric"] != "sft"]
+        if len(eq) > 1:  # GRPO and at least one pruned run were read at GRPO's prompts
+            out.append("at equal prompts drawn (GRPO's final count, the paper's comparison): " + ", ".join(eq))
+    ctrl = next((t for t in table if t["metric"] == "sft"), None)
+    if ctrl:
+        out.append(f"supervised control for the same time: {ctrl['final acc (mean)']:.3f}")
+    return out
+
+
+def sd_or_zero(x: float) -> float:
+    """A seed spread for arithmetic: 0.0 where it is missing (None) or unknown (NaN, one seed)."""
+    return 0.0 if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """The per-run ``rows`` as CSV (the union of their keys; ``curve`` as JSON)."""
+    fields = list(dict.fromkeys(k for r in rows for k in r if k != "curve")) + ["curve"]  # union: keep_mass rows
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow({**r, "curve": json.dumps(r["curve"])})
+
+
+def plot_curves(ax, rows: list[dict], xlabel: str = "RL time (s)", label=None) -> None:
+    """Accuracy vs time per configuration (runs named ``CONFIG_sSEED``): the mean over seeds
+    at each evaluation point, with a ± sd band. ``label`` maps a configuration name to the
+    legend's text (default: the name)."""
+    configs: dict = {}
+    for r in rows:
+        configs.setdefault(r["run"].rsplit("_s", 1)[0], []).append(r["curve"])
+    for name, curves in sorted(configs.items()):
+        n = min(len(c) for c in curves)
+        ts = [statistics.mean(c[i][0] for c in curves) for i in range(n)]
+        ms = [statistics.mean(c[i][1] for c in curves) for i in range(n)]
+        sd = [statistics.stdev([c[i][1] for c in curves]) if len(curves) > 1 else 0.0 for i in range(n)]
+        line = ax.plot(ts, ms, "o-" if "control" not in name else "s--", ms=3, label=label(name) if label else name)[0]
+        ax.fill_between(ts, [m - s for m, s in zip(ms, sd, strict=True)], [m + s for m, s in zip(ms, sd, strict=True)],
+                        alpha=0.15, color=line.get_color())
+    ax.set(xlabel=xlabel, ylabel="held-out accuracy", title="accuracy vs time (mean ± sd over seeds)")
+    ax.legend(fontsize=6)
