@@ -185,7 +185,9 @@ def check_settings(values: dict[str, Any], estimator: str) -> list[str]:
     return notes
 
 
-def _check_supported(args: Any) -> str:
+def check_supported(args: Any) -> str:
+    """The core's ``adv_norm`` for the run's advantage estimator; raises, naming the flag, when
+    CPPO cannot run with ``args`` (an estimator without a group baseline, groups of one)."""
     estimator = args.algo.advantage.estimator
     if estimator not in SUPPORTED_ESTIMATORS:
         raise ValueError(
@@ -211,7 +213,7 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
     from openrlhf.trainer.ppo_utils import experience_maker as em  # its own length penalties
 
     args = maker.strategy.args
-    adv_norm = _check_supported(args)
+    adv_norm = check_supported(args)
     if not rollout_samples:
         return rollout_samples
     for i, sample in enumerate(rollout_samples):
@@ -354,7 +356,7 @@ def compute_advantages_with_recorded_stats(
         return original(maker, experiences)
     cfg = cfg or _config()
     args = maker.strategy.args
-    adv_norm = _check_supported(args)
+    adv_norm = check_supported(args)
     rewards = []
     for i, exp in enumerate(experiences):
         if MEAN_KEY not in exp.info or STD_KEY not in exp.info:

@@ -118,7 +118,7 @@ def parse_openrlhf_args(forwarded: list[str]):
 
 def plan(cfg: CPPOConfig, args: Any) -> dict[str, float]:
     """Per-step sample counts this configuration gives OpenRLHF (checked before launching)."""
-    hook._check_supported(args)
+    hook.check_supported(args)
     if not (args.reward.remote_url or args.train.agent_func_path):
         raise ValueError(
             "CPPO prunes before the model forwards, so rewards must come with the rollout: set "

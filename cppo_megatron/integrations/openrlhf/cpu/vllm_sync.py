@@ -84,8 +84,8 @@ def install() -> None:
 def register() -> Any:
     """vLLM ``general_plugins`` entry point: install when the OpenRLHF CPU mode is on and there
     is no CUDA device (vLLM loads it in every process, on GPUs too)."""
-    from . import _has_cuda, enabled
+    from .switch import enabled, has_cuda
 
-    if enabled() and not _has_cuda():
+    if enabled() and not has_cuda():
         install()
     return None

@@ -498,11 +498,9 @@ def _patch_distrib_optimizer(module) -> None:
 
 def install() -> None:
     """Install the seven seams as their modules are imported (idempotent); each acts only when
-    ``needed()``. Called by ``cpu.enable`` with ``VERL_PLATFORM=cpu``."""
+    ``needed()``. Called by ``cpu.enable`` with ``VERL_PLATFORM=cpu`` (with
+    ``megatron_bridge.install``, the seams of the Megatron-Bridge route)."""
     after_import(ENGINE_MODULE, _patch_engine_module)
     after_import(LLM_BRIDGE_MODULE, _patch_llm_bridge)
     after_import(ATTENTION_MODULE, _patch_attention)
     after_import(DISTRIB_OPTIMIZER_MODULE, _patch_distrib_optimizer)
-    from .megatron_bridge import install as install_bridge
-
-    install_bridge()  # vanilla_mbridge: false (Megatron-Bridge, Python 3.12)
