@@ -203,10 +203,10 @@ class Watchdog(threading.Thread):
         self.out = out
         self.reported: list[DeadActor] = []
         self.first_seen: float | None = None
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     def _say(self, line: str) -> None:
         stream = self.out or sys.stderr
@@ -215,10 +215,10 @@ class Watchdog(threading.Thread):
     def _job_id(self) -> str | None:
         import ray
 
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             if ray.is_initialized():
                 return ray.get_runtime_context().get_job_id()
-            self._stop.wait(self.poll_s)
+            self._halt.wait(self.poll_s)
         return None
 
     def check(self, job_id: str | None, table: dict | None = None, now: float | None = None) -> bool:
@@ -241,7 +241,7 @@ class Watchdog(threading.Thread):
             job_id = self._job_id()
         except Exception:  # noqa: BLE001 - a watchdog must never take the run down by itself
             return
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             try:
                 over = self.check(job_id)
             except Exception as exc:  # noqa: BLE001
@@ -251,10 +251,10 @@ class Watchdog(threading.Thread):
                 self._say(f"{PREFIX} the host did not stop {self.grace_s:g} s after "
                           f"{self.reported[0].describe()}; ending the job (exit status {EXIT_CODE})")
                 _thread.interrupt_main()
-                if not self._stop.wait(15.0):
+                if not self._halt.wait(15.0):
                     self.exit_fn(EXIT_CODE)
                 return
-            self._stop.wait(self.poll_s)
+            self._halt.wait(self.poll_s)
 
 
 def start(resume_hint: Callable[[], str] = lambda: "") -> Watchdog | None:
