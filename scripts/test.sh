@@ -10,8 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-# lint and type check first: the whole package but the parts of integrations/ that pyproject.toml
-# ([tool.ruff] extend-exclude, [tool.mypy] exclude) still lists
+# lint and type check first: the whole package (rules and paths in pyproject.toml)
 .venv/bin/python -m ruff check
 .venv/bin/python -m mypy
 .venv/bin/python -m pytest -q "$@"
