@@ -5,13 +5,12 @@
 #   VLLM_TESTS=0 bash scripts/test.sh  # without the real-vLLM tests (.venv-vllm)
 #   BRIDGE_TESTS=0 bash scripts/test.sh  # without the Megatron-Bridge tests (.venv-bridge, Python 3.12)
 #   E2E_TESTS=all bash scripts/test.sh   # also the legacy-loop Megatron GRPO run and the single-node 14B run left out of CI for time
-#   RESUME_TESTS=all bash scripts/test.sh  # also veRL's Megatron TP2xDP2 resume chain (docs/integrations/verl.md)
+#   RESUME_TESTS=all bash scripts/test.sh  # also a dead worker at the start of veRL's Megatron TP2xDP2 resume chain (docs/integrations/verl.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-# lint and type check first: the whole package but the parts of integrations/ that pyproject.toml
-# ([tool.ruff] extend-exclude, [tool.mypy] exclude) still lists
+# lint and type check first: the whole package (rules and paths in pyproject.toml)
 .venv/bin/python -m ruff check
 .venv/bin/python -m mypy
 .venv/bin/python -m pytest -q "$@"

@@ -29,7 +29,8 @@ def free_ports(n: int) -> list[int]:
     """``n`` distinct free TCP ports on 127.0.0.1 (none of Ray's defaults)."""
     import socket
 
-    socks, ports = [], []
+    socks: list = []
+    ports: list[int] = []
     try:
         while len(ports) < n:
             s = socket.socket()

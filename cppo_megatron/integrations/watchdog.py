@@ -31,8 +31,8 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 __all__ = ["ENV_GRACE", "EXIT_CODE", "DeadActor", "Watchdog", "dead_actors", "explain", "grace_from_env", "start"]
 
@@ -76,7 +76,7 @@ def _short(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def grace_from_env() -> Optional[float]:
+def grace_from_env() -> float | None:
     """Seconds to wait for the host to stop after a death (None: the watchdog is off)."""
     raw = os.environ.get(ENV_GRACE, "").strip().lower()
     if not raw:
@@ -92,7 +92,7 @@ def grace_from_env() -> Optional[float]:
     return value
 
 
-def _from_table_entry(info: dict) -> Optional[DeadActor]:
+def _from_table_entry(info: dict) -> DeadActor | None:
     """A DEAD actor-table entry (``ray._private.state.actors()``) -> DeadActor, or None when it
     ended on purpose (``ray.kill``, out of scope) or is alive."""
     if info.get("State") != "DEAD":
@@ -115,7 +115,7 @@ def _from_table_entry(info: dict) -> Optional[DeadActor]:
                      detail=detail)
 
 
-def dead_actors(job_id: Optional[str] = None, table: Optional[dict] = None) -> list[DeadActor]:
+def dead_actors(job_id: str | None = None, table: dict | None = None) -> list[DeadActor]:
     """Actors of ``job_id`` (hex; None: every job) that died unexpectedly, root causes first
     (an actor whose owner died is listed after the ones that died by themselves).
 
@@ -143,7 +143,7 @@ _OOM_PID = re.compile(r"task name=[\w.]+, .*?pid=(\d+)")
 _OOM_MEM = re.compile(r"Memory on the node \(IP: ([\d.]+), ID: \w+\) was ([\d.]+GB / [\d.]+GB)")
 
 
-def explain(exc: BaseException) -> Optional[DeadActor]:
+def explain(exc: BaseException) -> DeadActor | None:
     """The dead actor behind a host's exception (``ActorDiedError``, possibly wrapped in the
     ``RayTaskError`` of the call that waited on it; ``OutOfMemoryError`` when Ray's memory monitor
     killed the worker), or None for any other error."""
@@ -152,7 +152,7 @@ def explain(exc: BaseException) -> Optional[DeadActor]:
     except ImportError:  # pragma: no cover - Ray is installed wherever a host runs
         return None
     seen = set()
-    stack = [exc]
+    stack: list[BaseException | None] = [exc]
     while stack:
         e = stack.pop()
         if e is None or id(e) in seen:
@@ -202,26 +202,26 @@ class Watchdog(threading.Thread):
         self.resume_hint, self.exit_fn = resume_hint, exit_fn
         self.out = out
         self.reported: list[DeadActor] = []
-        self.first_seen: Optional[float] = None
-        self._stop = threading.Event()
+        self.first_seen: float | None = None
+        self._halt = threading.Event()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     def _say(self, line: str) -> None:
         stream = self.out or sys.stderr
         print(line, file=stream, flush=True)
 
-    def _job_id(self) -> Optional[str]:
+    def _job_id(self) -> str | None:
         import ray
 
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             if ray.is_initialized():
                 return ray.get_runtime_context().get_job_id()
-            self._stop.wait(self.poll_s)
+            self._halt.wait(self.poll_s)
         return None
 
-    def check(self, job_id: Optional[str], table: Optional[dict] = None, now: Optional[float] = None) -> bool:
+    def check(self, job_id: str | None, table: dict | None = None, now: float | None = None) -> bool:
         """One poll: report new deaths; True when the grace is over (the job must end now)."""
         now = time.monotonic() if now is None else now
         dead = dead_actors(job_id, table)
@@ -241,7 +241,7 @@ class Watchdog(threading.Thread):
             job_id = self._job_id()
         except Exception:  # noqa: BLE001 - a watchdog must never take the run down by itself
             return
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             try:
                 over = self.check(job_id)
             except Exception as exc:  # noqa: BLE001
@@ -251,13 +251,13 @@ class Watchdog(threading.Thread):
                 self._say(f"{PREFIX} the host did not stop {self.grace_s:g} s after "
                           f"{self.reported[0].describe()}; ending the job (exit status {EXIT_CODE})")
                 _thread.interrupt_main()
-                if not self._stop.wait(15.0):
+                if not self._halt.wait(15.0):
                     self.exit_fn(EXIT_CODE)
                 return
-            self._stop.wait(self.poll_s)
+            self._halt.wait(self.poll_s)
 
 
-def start(resume_hint: Callable[[], str] = lambda: "") -> Optional[Watchdog]:
+def start(resume_hint: Callable[[], str] = lambda: "") -> Watchdog | None:
     """Start the watchdog in this (driver) process unless ``CPPO_DEAD_WORKER_GRACE_S=off``."""
     grace = grace_from_env()
     if grace is None:

@@ -12,16 +12,21 @@ the one place that does it:
   (the layers above are rebuilt over what it wrapped).
 - ``original(obj)`` follows the marks down to what the host wrote: the drift guard hashes that,
   not our wrapper.
+- ``wrapped(owner, name, make, tag=...)``: the same for the duration of a ``with`` block.
+- ``replace(owner, name, obj, tag=...)``: ``wrap`` with a stand-in that does not call what it
+  replaces (``torch.cuda.synchronize`` by a no-op); the replaced attribute is kept and marked
+  all the same.
 
 Imports nothing of ours.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["ORIGINAL", "TAG", "is_wrapped", "layer", "original", "unwrap", "wrap"]
+__all__ = ["ORIGINAL", "TAG", "is_wrapped", "layer", "original", "replace", "unwrap", "wrap", "wrapped"]
 
 ORIGINAL = "__cppo_original__"  # on a wrapper: the attribute it replaced
 TAG = "__cppo_tag__"  # on a wrapper: the seam that installed it
@@ -29,16 +34,22 @@ _MAKE = "__cppo_make__"  # on a wrapper: how it was made (to rebuild it when a l
 _INHERITED = "__cppo_inherited__"  # on a wrapper: the class it was set on had only inherited the name
 
 
+def _marks(obj: Any) -> dict[str, Any]:
+    # the marks in the object's own __dict__ (not getattr: a class would inherit its base's);
+    # a slot wrapper (object.__getattribute__) or a builtin has no __dict__, so no marks
+    return getattr(obj, "__dict__", None) or {}
+
+
 def _chain(obj: Any):
     while obj is not None:
         yield obj
-        obj = getattr(obj, ORIGINAL, None) if TAG in getattr(obj, "__dict__", {}) else None
+        obj = _marks(obj).get(ORIGINAL) if TAG in _marks(obj) else None
 
 
 def layer(obj: Any, tag: str) -> Any:
     """The wrapper installed by ``tag`` on ``obj``'s chain, or None."""
     for item in _chain(obj):
-        if item.__dict__.get(TAG) == tag:
+        if _marks(item).get(TAG) == tag:
             return item
     return None
 
@@ -47,7 +58,7 @@ def is_wrapped(obj: Any, tag: str | None = None) -> bool:
     """``obj`` is one of our wrappers (installed by ``tag``, or by anyone when ``tag`` is None),
     or stands on top of one."""
     if tag is None:
-        return TAG in getattr(obj, "__dict__", {})
+        return TAG in _marks(obj)
     return layer(obj, tag) is not None
 
 
@@ -95,6 +106,11 @@ def wrap(owner: Any, name: str, make: Callable[[Any], Any], *, tag: str) -> bool
     return True
 
 
+def replace(owner: Any, name: str, obj: Any, *, tag: str) -> bool:
+    """``wrap`` with ``obj`` itself as the layer (``obj`` carries the marks: one owner per object)."""
+    return wrap(owner, name, lambda _current: obj, tag=tag)
+
+
 def unwrap(owner: Any, name: str, *, tag: str) -> bool:
     """Take the layer ``tag`` installed on ``owner.name`` out of the chain; False when it is not
     there. Layers above it are rebuilt over what it wrapped (their ``make`` runs again), since a
@@ -102,7 +118,7 @@ def unwrap(owner: Any, name: str, *, tag: str) -> bool:
     _check(owner, name, tag)
     above: list[Any] = []
     for item in _chain(_current(owner, name)):
-        if item.__dict__.get(TAG) != tag:
+        if _marks(item).get(TAG) != tag:
             above.append(item)
             continue
         if item.__dict__.get(_INHERITED):
@@ -113,3 +129,16 @@ def unwrap(owner: Any, name: str, *, tag: str) -> bool:
             wrap(owner, name, layer_.__dict__[_MAKE], tag=layer_.__dict__[TAG])
         return True
     return False
+
+
+@contextlib.contextmanager
+def wrapped(owner: Any, name: str, make: Callable[[Any], Any], *, tag: str) -> Iterator[bool]:
+    """``wrap`` inside the block, ``unwrap`` when it exits (also on an exception). Yields whether
+    this block installed the layer: inside an outer block with the same tag it is already there,
+    and only the outer one takes it out."""
+    installed = wrap(owner, name, make, tag=tag)
+    try:
+        yield installed
+    finally:
+        if installed:
+            unwrap(owner, name, tag=tag)

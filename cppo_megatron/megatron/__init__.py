@@ -23,11 +23,11 @@ from .model import (
     padded_vocab_size,
     transformer_config_from_hf,
 )
+from .optimizer import build_ddp_and_optimizer
 from .passes import (
     ForwardCounter,
     PolicyLossConfig,
     UpdateBatch,
-    build_ddp_and_optimizer,
     compute_logprobs,
     policy_loss,
     policy_update,

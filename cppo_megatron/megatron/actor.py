@@ -24,11 +24,11 @@ import torch
 from ..distributed import prune_and_exchange, rank_wait_metrics
 from .convert import export_hf_weights, load_hf_weights, unwrap_model
 from .model import build_gpt_model, init_parallel, transformer_config_from_hf
+from .optimizer import build_ddp_and_optimizer
 from .passes import (
     ForwardCounter,
     PolicyLossConfig,
     UpdateBatch,
-    build_ddp_and_optimizer,
     compute_logprobs,
     policy_update,
 )

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cppo_megatron.bench import study, study_table, verl_study
+from cppo_megatron.bench import heldout, study, study_table, verl_study
 from tests.doc_keys import missing_keys
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -209,7 +209,7 @@ def test_evaluator_grades_like_the_embedded_evaluator_with_verls_prompts(tiny_ex
     from cppo_megatron.trainer.evaluate import evaluate
 
     out, model, tok, task, r = tiny_export
-    ev = verl_study.Evaluator(out, str(ROOT / "recipes" / "tiny_cpu.yaml"), 50, 6)
+    ev = heldout.Evaluator(out, str(ROOT / "recipes" / "tiny_cpu.yaml"), 50, 6)
     # veRL's prompt ids (chat template over the task prompt) are the embedded trainer's
     assert ev.prompts == [tok.prompt_ids(r.task.prompt_template.format(question=p.question)) for p in task.test[:50]]
     # a model that answers: give the start model's weights a trained look by copying a state
@@ -232,7 +232,7 @@ def test_study_command_on_a_verl_recipe_writes_table_figure_and_verdict(tiny_exp
     from cppo_megatron.cli import main
 
     out_model = tiny_export[0]
-    start = verl_study.Evaluator(out_model, str(ROOT / "recipes" / "tiny_cpu.yaml"), 1, 6).start
+    start = heldout.Evaluator(out_model, str(ROOT / "recipes" / "tiny_cpu.yaml"), 1, 6).start
     noise = {k: torch.randn_like(v) for k, v in start.items()}
     calls = []
 

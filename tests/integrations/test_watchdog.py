@@ -144,3 +144,24 @@ def test_a_driver_waiting_on_a_survivor_ends_within_the_grace(tmp_path):
     line = next(ln for ln in log.splitlines() if ln.startswith(watchdog.PREFIX))
     assert f"'rank1' (Rank), pid {pid}" in line and "resume hint here" in line, line
     assert "did not stop 5 s after" in log
+
+
+def test_a_fork_with_the_watchdog_running_is_clean():
+    """Ray forks its helpers from the driver: threading's after-fork hook calls ``_stop()`` on every
+    other thread, so a Thread subclass must not shadow it (an attribute ``_stop`` printed five
+    'Exception ignored ... TypeError' tracebacks into every veRL CPU log)."""
+    code = textwrap.dedent("""
+        import os
+        from cppo_megatron.integrations.watchdog import Watchdog
+        w = Watchdog(grace_s=5, poll_s=0.05)
+        w.start()  # no Ray here: it waits for ray.init
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        w.stop(); w.join(5)
+        print("forked", flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "forked" in out.stdout, out.stderr[-2000:]
+    assert "Exception ignored" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]

@@ -77,6 +77,21 @@ def test_methods_inherited_and_static():
     w.unwrap(host.D, "m", tag="two")
     assert "m" not in host.D.__dict__
 
+    # an inherited slot wrapper (object.__getattribute__): no __dict__ of its own, still wrapped
+    seen = []
+
+    def spy(get):
+        def __getattribute__(self, name):
+            seen.append(name)
+            return get(self, name)
+        return __getattribute__
+
+    assert w.wrap(host.D, "__getattribute__", spy, tag="t")
+    assert w.wrap(host.D, "__getattribute__", spy, tag="t") is False
+    assert host.D().m() == "C.m" and seen == ["m"] and w.original(host.D.__getattribute__) is object.__getattribute__
+    w.unwrap(host.D, "__getattribute__", tag="t")
+    assert "__getattribute__" not in host.D.__dict__ and not w.is_wrapped(object.__getattribute__, "t")
+
     s = host.C.__dict__["s"]
     w.wrap(host.C, "s", lambda sm: staticmethod(lambda: "w:" + sm.__func__()), tag="t")
     assert host.C.s() == "w:C.s" and w.original(host.C.__dict__["s"]) is s
@@ -92,3 +107,29 @@ def test_bad_calls_name_what_is_wrong():
         w.wrap(host, "f", _plus(1), tag="")
     with pytest.raises(ValueError, match="new object"):
         w.wrap(host, "f", lambda fn: fn, tag="a")
+
+
+def test_wrapped_block_installs_for_its_duration_and_nests():
+    host = _host()
+    f = host.f
+    with w.wrapped(host, "f", _plus(10), tag="a") as installed:
+        assert installed is True and host.f(1) == 12
+        with w.wrapped(host, "f", _plus(10), tag="a") as again:  # the outer block's layer: kept
+            assert again is False and host.f(1) == 12
+        assert host.f(1) == 12
+    assert host.f is f
+    with pytest.raises(RuntimeError, match="boom"), w.wrapped(host, "f", _plus(10), tag="a"):
+        raise RuntimeError("boom")
+    assert host.f is f
+
+
+def test_replace_keeps_and_marks_what_it_stands_in_for():
+    host = _host()
+    f = host.f
+
+    def stand_in(x):
+        return 0
+
+    assert w.replace(host, "f", stand_in, tag="cpu") is True and host.f is stand_in and host.f(5) == 0
+    assert w.replace(host, "f", stand_in, tag="cpu") is False and w.original(host.f) is f
+    assert w.unwrap(host, "f", tag="cpu") and host.f is f

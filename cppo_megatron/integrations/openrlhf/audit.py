@@ -33,13 +33,14 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from ..importhook import after_import
 from ..records import append as _append
 from ..records import complete_lines, optimizer_fingerprint, tensor_hash
+from ..wrap import wrap
 from .checkpoint import resumed_step
 
 __all__ = ["ENV", "ROW_KEY", "enabled", "install", "read", "record", "tensor_hash"]
@@ -48,7 +49,7 @@ ENV = "CPPO_OPENRLHF_AUDIT"
 ROW_KEY = "cppo_row"
 ACTOR_MODULE = "openrlhf.trainer.ray.ppo_actor"
 STRATEGY_MODULE = "openrlhf.utils.deepspeed.deepspeed"
-_MARK = "__cppo_audit__"
+WRAP_TAG = __name__  # marks our layers on OpenRLHF's methods (integrations/wrap.py)
 
 
 def enabled() -> bool:
@@ -180,13 +181,9 @@ def _wrap_init(original):
 
 def _patch_actor(module) -> None:
     cls = module.ActorPPOTrainer
-    for name, wrap in (("__init__", _wrap_init), ("training_step", _wrap_training_step),
+    for name, make in (("__init__", _wrap_init), ("training_step", _wrap_training_step),
                        ("ppo_train", _wrap_ppo_train), ("broadcast_to_vllm", _wrap_broadcast)):
-        current = cls.__dict__[name]
-        if not hasattr(current, _MARK):
-            wrapped = wrap(current)
-            setattr(wrapped, _MARK, current)
-            setattr(cls, name, wrapped)
+        wrap(cls, name, make, tag=WRAP_TAG)
 
 
 # ------------------------------------------------------------------------------ engine side
@@ -208,7 +205,7 @@ def record_engine_sync(worker, weights: dict[str, torch.Tensor]) -> None:
 
 
 # ------------------------------------------------------------------------------ checkpoints (every actor rank)
-def _tag_of(path) -> Optional[str]:
+def _tag_of(path) -> str | None:
     """The checkpoint tag (``global_step1``): save_ckpt is given it; load_ckpt returns DeepSpeed's
     ``load_path``, the loaded model-states file (``.../global_step1/mp_rank_00_model_states.pt``)."""
     if path is None:
@@ -232,11 +229,7 @@ def _wrap_ckpt(op: str, original):
 def _patch_strategy(module) -> None:
     cls = module.DeepspeedStrategy
     for name, op in (("save_ckpt", "save"), ("load_ckpt", "load")):
-        current = cls.__dict__[name]
-        if not hasattr(current, _MARK):
-            wrapped = _wrap_ckpt(op, current)
-            setattr(wrapped, _MARK, current)
-            setattr(cls, name, wrapped)
+        wrap(cls, name, functools.partial(_wrap_ckpt, op), tag=WRAP_TAG)
 
 
 def install() -> bool:

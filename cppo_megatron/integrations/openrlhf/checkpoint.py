@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["ACTOR_DIR", "checkpoint_warnings", "latest_tag", "resume_hint", "resumed_step"]
 
@@ -26,7 +26,7 @@ ACTOR_DIR = "_actor"  # OpenRLHF's actor checkpoint folder under --ckpt.path
 _STEP = re.compile(r"global_step(\d+)$")
 
 
-def latest_tag(ckpt_path: str | os.PathLike) -> Optional[str]:
+def latest_tag(ckpt_path: str | os.PathLike) -> str | None:
     """The tag in ``{ckpt_path}/_actor/latest`` (what DeepSpeed loads), or None without one."""
     latest = Path(ckpt_path) / ACTOR_DIR / "latest"
     if not latest.is_file():
@@ -85,7 +85,8 @@ def checkpoint_warnings(args: Any) -> list[str]:
     gen = getattr(args.rollout, "vllm_generate_batch_size", None)
     if saves and gen and int(gen) > int(args.rollout.batch_size):
         out.append(
-            f"--rollout.vllm_generate_batch_size {gen} > --rollout.batch_size {args.rollout.batch_size}: OpenRLHF keeps "
+            f"--rollout.vllm_generate_batch_size {gen} > --rollout.batch_size {args.rollout.batch_size}: "
+            "OpenRLHF keeps "
             "the extra samples in memory for later steps (samples_generator.py:96-131) but checkpoints the dataloader "
             "past them (ppo_trainer.py:558), so a run resumed from a checkpoint never trains those prompts; leave "
             "--rollout.vllm_generate_batch_size unset for runs that may resume"

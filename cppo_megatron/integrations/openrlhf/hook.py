@@ -31,14 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.abc
-import importlib.util
 import json
 import logging
 import math
 import os
-import sys
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -51,6 +49,8 @@ from ...core import (
     prune,
     sequence_workload,
 )
+from ..importhook import after_import
+from ..wrap import is_wrapped, unwrap, wrap
 from . import audit
 from .checkpoint import resumed_step
 
@@ -68,7 +68,8 @@ STD_KEY = "cppo_group_std"
 # an estimator name OpenRLHF's advantage step does not know: no group baseline, no whitening
 _PRECOMPUTED = "cppo_precomputed_group_baseline"
 
-_ORIGINALS: dict[str, Callable] = {}
+WRAP_TAG = __name__  # marks our layers on RemoteExperienceMaker's two methods (integrations/wrap.py)
+WRAPPED = ("make_experience_batch", "compute_advantages_and_returns")
 _CONFIG: CPPOConfig | None = None
 
 
@@ -184,7 +185,9 @@ def check_settings(values: dict[str, Any], estimator: str) -> list[str]:
     return notes
 
 
-def _check_supported(args: Any) -> str:
+def check_supported(args: Any) -> str:
+    """The core's ``adv_norm`` for the run's advantage estimator; raises, naming the flag, when
+    CPPO cannot run with ``args`` (an estimator without a group baseline, groups of one)."""
     estimator = args.algo.advantage.estimator
     if estimator not in SUPPORTED_ESTIMATORS:
         raise ValueError(
@@ -193,7 +196,8 @@ def _check_supported(args: Any) -> str:
         )
     if args.rollout.n_samples_per_prompt < 2:
         raise ValueError(
-            f"CPPO prunes within groups: --rollout.n_samples_per_prompt must be >= 2, got {args.rollout.n_samples_per_prompt}"
+            "CPPO prunes within groups: --rollout.n_samples_per_prompt must be >= 2, "
+            f"got {args.rollout.n_samples_per_prompt}"
         )
     return SUPPORTED_ESTIMATORS[estimator]
 
@@ -209,7 +213,7 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
     from openrlhf.trainer.ppo_utils import experience_maker as em  # its own length penalties
 
     args = maker.strategy.args
-    adv_norm = _check_supported(args)
+    adv_norm = check_supported(args)
     if not rollout_samples:
         return rollout_samples
     for i, sample in enumerate(rollout_samples):
@@ -301,8 +305,8 @@ def _balanced_order(kept: torch.Tensor, samples: list, args: Any, cfg: CPPOConfi
     work = sequence_workload(lengths, linear=cfg.workload_linear, quadratic=cfg.workload_quadratic)
     part = balance_partitions(work, actors, equal_size=True)
     order = []
-    for members in part.parts:
-        members = torch.as_tensor(members, dtype=torch.int64)
+    for chunk in part.parts:
+        members = torch.as_tensor(chunk, dtype=torch.int64)
         # longest first inside a chunk: micro-batches of similar lengths pad less
         members = members[torch.argsort(lengths[members], descending=True, stable=True)]
         order.append(kept[members])
@@ -352,7 +356,7 @@ def compute_advantages_with_recorded_stats(
         return original(maker, experiences)
     cfg = cfg or _config()
     args = maker.strategy.args
-    adv_norm = _check_supported(args)
+    adv_norm = check_supported(args)
     rewards = []
     for i, exp in enumerate(experiences):
         if MEAN_KEY not in exp.info or STD_KEY not in exp.info:
@@ -364,7 +368,7 @@ def compute_advantages_with_recorded_stats(
         exp.rewards = advantages_from_stats(reward, mean, std, adv_norm=adv_norm, eps=cfg.eps)
     with _precomputed_baseline(args):
         experiences = original(maker, experiences)
-    for exp, reward in zip(experiences, rewards):
+    for exp, reward in zip(experiences, rewards, strict=False):
         exp.rewards = reward  # the (penalised) reward again, for logging and the replay buffer
         if "reward" in exp.info:
             exp.info["reward"] = reward.clone()
@@ -372,45 +376,56 @@ def compute_advantages_with_recorded_stats(
 
 
 # ---------------------------------------------------------------------------- installation
+def _pruning_make_batch(make_batch):
+    def make_experience_batch(self, rollout_samples):
+        return make_batch(self, prune_rollout_samples(self, rollout_samples))
+
+    make_experience_batch.__doc__ = f"CPPO ({__name__}) around OpenRLHF's make_experience_batch."
+    return torch.no_grad()(make_experience_batch)
+
+
+def _advantages_from_recorded_stats(advantages):
+    def compute_advantages_and_returns(self, experiences):
+        return compute_advantages_with_recorded_stats(self, experiences, advantages)
+
+    compute_advantages_and_returns.__doc__ = f"CPPO ({__name__}) around OpenRLHF's compute_advantages_and_returns."
+    return torch.no_grad()(compute_advantages_and_returns)
+
+
+def is_installed(maker_class: Any) -> bool:
+    """True when ``maker_class`` (or the class it inherits the methods from) carries the hook."""
+    return all(is_wrapped(getattr(maker_class, name, None), WRAP_TAG) for name in WRAPPED)
+
+
+def _experience_maker(maker_class: Any) -> Any:
+    """``maker_class``, or OpenRLHF's ``RemoteExperienceMaker`` when None."""
+    if maker_class is not None:
+        return maker_class
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+    return RemoteExperienceMaker
+
+
 def install(cfg: CPPOConfig, maker_class: Any = None) -> None:
     """Wrap ``RemoteExperienceMaker`` in this process (idempotent; ``cfg`` replaces the last)."""
     global _CONFIG
     if not isinstance(cfg, CPPOConfig):
         raise ValueError(f"install expects a CPPOConfig, got {type(cfg).__name__}")
-    if maker_class is None:
-        from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker as maker_class
+    maker_class = _experience_maker(maker_class)
     _CONFIG = _check_config(cfg)
-    if getattr(maker_class, "_cppo_installed", False):
+    if is_installed(maker_class):
         return
-    make_batch = maker_class.make_experience_batch
-    advantages = maker_class.compute_advantages_and_returns
-    _ORIGINALS["make_experience_batch"] = make_batch
-    _ORIGINALS["compute_advantages_and_returns"] = advantages
-
-    def make_experience_batch(self, rollout_samples):
-        return make_batch(self, prune_rollout_samples(self, rollout_samples))
-
-    def compute_advantages_and_returns(self, experiences):
-        return compute_advantages_with_recorded_stats(self, experiences, advantages)
-
-    for name, fn in (("make_experience_batch", make_experience_batch), ("compute_advantages_and_returns", compute_advantages_and_returns)):
-        fn.__doc__ = f"CPPO ({__name__}) around OpenRLHF's {name}."
-        wrapped = torch.no_grad()(fn)
-        wrapped.__wrapped__ = _ORIGINALS[name]
-        setattr(maker_class, name, wrapped)
-    maker_class._cppo_installed = True
+    wrap(maker_class, "make_experience_batch", _pruning_make_batch, tag=WRAP_TAG)
+    wrap(maker_class, "compute_advantages_and_returns", _advantages_from_recorded_stats, tag=WRAP_TAG)
     logger.info("CPPO installed in OpenRLHF's RemoteExperienceMaker: %s", cfg.describe())
 
 
 def uninstall(maker_class: Any = None) -> None:
     """Restore OpenRLHF's methods."""
     global _CONFIG
-    if maker_class is None:
-        from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker as maker_class
-    if getattr(maker_class, "_cppo_installed", False):
-        maker_class.make_experience_batch = _ORIGINALS["make_experience_batch"]
-        maker_class.compute_advantages_and_returns = _ORIGINALS["compute_advantages_and_returns"]
-        maker_class._cppo_installed = False
+    maker_class = _experience_maker(maker_class)
+    for name in WRAPPED:
+        unwrap(maker_class, name, tag=WRAP_TAG)
     _CONFIG = None
 
 
@@ -435,27 +450,9 @@ def install_from_env(maker_class: Any = None) -> bool:
     return True
 
 
-class _InstallOnImport(importlib.abc.MetaPathFinder):
-    """Installs the hook right after OpenRLHF's experience_maker module is first imported."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET_MODULE:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return None
-        exec_module = spec.loader.exec_module
-
-        def exec_and_install(module):
-            exec_module(module)
-            install_from_env(module.RemoteExperienceMaker)
-
-        spec.loader.exec_module = exec_and_install
-        return spec
+def _install_on_import(module) -> None:
+    """``importhook`` callback: hook the experience maker of the module just imported."""
+    install_from_env(module.RemoteExperienceMaker)
 
 
 def setup_ray_worker() -> None:
@@ -466,7 +463,4 @@ def setup_ray_worker() -> None:
     """
     if config_from_env() is None:
         return
-    if TARGET_MODULE in sys.modules:
-        install_from_env(sys.modules[TARGET_MODULE].RemoteExperienceMaker)
-    elif not any(isinstance(f, _InstallOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _InstallOnImport())
+    after_import(TARGET_MODULE, _install_on_import)  # now, when the module is already imported

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..importhook import after_import
+from ..wrap import wrap
 from .checkpoint import resumed_step
 
 __all__ = ["ENV", "EVAL_BEFORE_ENV", "install", "read", "write"]
@@ -38,7 +39,7 @@ ENV = "CPPO_OPENRLHF_METRICS"
 EVAL_BEFORE_ENV = "CPPO_OPENRLHF_EVAL_BEFORE_TRAIN"
 LOGGER_MODULE = "openrlhf.utils.logging_utils"
 GENERATOR_MODULE = "openrlhf.trainer.ppo_utils.samples_generator"
-_MARK = "__cppo_metrics__"
+WRAP_TAG = __name__  # marks our layers on OpenRLHF's methods (integrations/wrap.py)
 
 
 def _scalar(v: Any):
@@ -85,11 +86,7 @@ def _wrap_log(original, kind: str):
 def _patch_logger(module) -> None:
     cls = module.TensorboardLogger
     for name, kind in (("log_train", "train"), ("log_eval", "eval")):
-        current = cls.__dict__[name]
-        if not hasattr(current, _MARK):
-            wrapped = _wrap_log(current, kind)
-            setattr(wrapped, _MARK, current)
-            setattr(cls, name, wrapped)
+        wrap(cls, name, functools.partial(_wrap_log, kind=kind), tag=WRAP_TAG)
 
 
 def _wrap_generate(original):
@@ -112,12 +109,7 @@ def _wrap_generate(original):
 
 
 def _patch_generator(module) -> None:
-    cls = module.SamplesGenerator
-    current = cls.__dict__["generate_samples"]
-    if not hasattr(current, _MARK):
-        wrapped = _wrap_generate(current)
-        setattr(wrapped, _MARK, current)
-        cls.generate_samples = wrapped
+    wrap(module.SamplesGenerator, "generate_samples", _wrap_generate, tag=WRAP_TAG)
 
 
 def install() -> bool:

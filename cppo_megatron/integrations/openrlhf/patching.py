@@ -88,5 +88,6 @@ def run_patch(action: str, target: str | None = None, patch_file: str | None = N
     state = apply(root, pfile, reverse=(action == "revert"))
     print(f"patch {pfile.name}: {state}")
     if state == "applied":
-        print("set CPPO_OPENRLHF_CONFIG in the Ray workers' environment to turn CPPO on (see docs/integrations/openrlhf.md)")
+        print("set CPPO_OPENRLHF_CONFIG in the Ray workers' environment to turn CPPO on "
+              "(see docs/integrations/openrlhf.md)")
     return 0

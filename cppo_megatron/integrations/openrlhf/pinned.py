@@ -28,7 +28,8 @@ PINNED_VERSION = "0.11.2"
 SEAMS: dict[tuple[str, str], str] = {
     # the hook wraps these two; the advantage step is run with the arguments it reads
     ("trainer/ppo_utils/experience_maker.py", "RemoteExperienceMaker.make_experience_batch"): "c1c7f9794384589f",
-    ("trainer/ppo_utils/experience_maker.py", "RemoteExperienceMaker.compute_advantages_and_returns"): "7f5f69b8647e91f7",
+    ("trainer/ppo_utils/experience_maker.py",
+     "RemoteExperienceMaker.compute_advantages_and_returns"): "7f5f69b8647e91f7",
     # micro-batching of the survivors and the "enough samples for every actor" condition
     ("trainer/ppo_utils/experience_maker.py", "RemoteExperienceMaker.split_rollout_samples"): "4666b971b926e2cb",
     ("trainer/ray/launcher.py", "RayActorGroup.async_run_method_batch"): "8bbc7ba8d7f7ecd9",
@@ -123,7 +124,8 @@ def pinned_parser(root: Path | None = None) -> argparse.ArgumentParser:
     if not mains:
         raise LookupError(f"no `if __name__ == '__main__'` block in {path}")
     # the stdlib imports the block may use
-    body: list[ast.stmt] = [n for n in tree.body if isinstance(n, ast.Import) and all(a.name in ("argparse", "os") for a in n.names)]
+    body: list[ast.stmt] = [n for n in tree.body
+                            if isinstance(n, ast.Import) and all(a.name in ("argparse", "os") for a in n.names)]
     body += [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "datetime"]
     for stmt in mains[-1].body:
         if isinstance(stmt, ast.Assign) and "parse_args" in ast.dump(stmt.value):

@@ -26,7 +26,8 @@ SECTIONS = ("description", "cppo", "openrlhf", "cpu")
 def load_recipe(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"recipe {str(path)!r} does not exist (give a file, or a shipped recipe's name: `cppo-megatron recipes --host openrlhf`)")
+        raise ValueError(f"recipe {str(path)!r} does not exist (give a file, or a shipped recipe's name: "
+                         "`cppo-megatron recipes --host openrlhf`)")
     data = yaml.safe_load(path.read_text())
     if not isinstance(data, dict):
         raise ValueError(f"recipe {path}: expected a mapping at the top, got {type(data).__name__}")
@@ -69,7 +70,8 @@ def openrlhf_flags(recipe: dict[str, Any]) -> list[str]:
 def launcher_argv(recipe: dict[str, Any]) -> list[str]:
     """Arguments for ``cppo_megatron.integrations.openrlhf.train.main``."""
     cppo = recipe.get("cppo")
-    head = ["--cppo.off"] if cppo is None else [f"--cppo.{k}={yaml.safe_dump(v).splitlines()[0]}" for k, v in cppo.items()]
+    head = (["--cppo.off"] if cppo is None
+            else [f"--cppo.{k}={yaml.safe_dump(v).splitlines()[0]}" for k, v in cppo.items()])
     return head + openrlhf_flags(recipe)
 
 

@@ -25,7 +25,8 @@ import re
 import runpy
 import shlex
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import yaml
 
@@ -94,7 +95,7 @@ def parse_openrlhf_args(forwarded: list[str]):
     def refuse(message: str):  # argparse would print its usage and exit; one line instead
         raise ValueError(f"OpenRLHF {PINNED_VERSION} rejects the arguments: {message}")
 
-    parser.error = refuse
+    parser.error = refuse  # type: ignore[method-assign]  # this parser only: argparse calls self.error
     try:
         flat = parser.parse_args(forwarded)
     except ValueError:
@@ -117,7 +118,7 @@ def parse_openrlhf_args(forwarded: list[str]):
 
 def plan(cfg: CPPOConfig, args: Any) -> dict[str, float]:
     """Per-step sample counts this configuration gives OpenRLHF (checked before launching)."""
-    hook._check_supported(args)
+    hook.check_supported(args)
     if not (args.reward.remote_url or args.train.agent_func_path):
         raise ValueError(
             "CPPO prunes before the model forwards, so rewards must come with the rollout: set "

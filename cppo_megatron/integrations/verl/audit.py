@@ -43,11 +43,12 @@ import torch
 from ..importhook import after_import
 from ..records import append as _append
 from ..records import complete_lines, optimizer_fingerprint
+from ..wrap import wrap
 
 __all__ = ["ENV", "enabled", "install", "read", "record"]
 
 ENV = "CPPO_VERL_AUDIT"
-_MARK = "__cppo_audit__"
+WRAP_TAG = __name__  # marks our layers on veRL's methods (integrations/wrap.py)
 V1 = ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer")
 LEGACY = ("verl.trainer.ppo.ray_trainer", "RayPPOTrainer")
 WORKER = ("verl.workers.engine_workers", "ActorRolloutRefWorker")
@@ -104,7 +105,7 @@ def _row_sums(values) -> list[float]:
 
 
 # ------------------------------------------------------------------------------ V1 (TransferQueue)
-def v1_prompt_ids(keys: list, batch) -> Optional[list]:
+def v1_prompt_ids(keys: list, batch) -> list | None:
     """The dataset row (veRL's ``index``, from ``extra_info.index``) each V1 row's prompt came
     from: what identifies a prompt across runs (``uid`` is a fresh uuid4 per draw)."""
     import transfer_queue as tq
@@ -137,7 +138,7 @@ def _v1_update(original):
         import transfer_queue as tq
 
         rows, pad = _v1_rows(batch)
-        real = [k for k, p in zip(batch.keys, pad) if not p]
+        real = [k for k, p in zip(batch.keys, pad, strict=False) if not p]
         data = tq.kv_batch_get(keys=real, partition_id=batch.partition_id,
                                select_fields=["uid", "rm_scores", "advantages", "response_mask"])
         record("update", step=int(self.global_steps), loop="v1", rows=[str(k) for k in real],
@@ -175,7 +176,8 @@ def _legacy_update(original):
         rows, pad = _legacy_rows(batch)
         keep = [i for i, p in enumerate(pad) if not p]
         uids = [str(batch.non_tensor_batch["uid"][i]) for i in keep]
-        scores = batch.batch["token_level_scores"] if "token_level_scores" in batch.batch.keys() else batch.batch["rm_scores"]
+        scores = (batch.batch["token_level_scores"] if "token_level_scores" in batch.batch.keys()
+                  else batch.batch["rm_scores"])
         mask = batch.batch["response_mask"]
         adv = _row_means(batch.batch["advantages"], mask)
         rew = _row_sums(scores)
@@ -199,24 +201,26 @@ def _worker_init(original):
         except Exception:  # noqa: BLE001 - outside Ray (tests) there is no actor name
             pass
         record("worker", role="worker", pid=os.getpid(), rank=int(os.environ.get("RANK", -1)),
-               world_size=int(os.environ.get("WORLD_SIZE", -1)), actor_name=name, worker_role=getattr(self, "role", None))
+               world_size=int(os.environ.get("WORLD_SIZE", -1)), actor_name=name,
+               worker_role=getattr(self, "role", None))
 
     return __init__
 
 
 def _worker_checkpoint(op: str):
-    def wrap(original):
+    def make(original):
         @functools.wraps(original)
         def method(self, local_path, *args, **kwargs):
             out = original(self, local_path, *args, **kwargs)
             engine = getattr(getattr(self, "actor", None), "engine", None)
             record("checkpoint", role="worker", op=op, path=str(local_path), pid=os.getpid(),
-                   rank=int(os.environ.get("RANK", -1)), optimizer=optimizer_fingerprint(getattr(engine, "optimizer", None)))
+                   rank=int(os.environ.get("RANK", -1)),
+                   optimizer=optimizer_fingerprint(getattr(engine, "optimizer", None)))
             return out
 
         return method
 
-    return wrap
+    return make
 
 
 _WRAPPERS = {
@@ -232,14 +236,10 @@ def _patch(module) -> None:
         if module.__name__ != mod_name:
             continue
         cls = getattr(module, cls_name)
-        for meth, wrap in wrappers.items():
-            current = cls.__dict__.get(meth)
-            if current is None:
+        for meth, make in wrappers.items():
+            if meth not in cls.__dict__:
                 raise RuntimeError(f"cppo audit: {cls_name}.{meth} is gone; veRL changed (pinned 0.9.1)")
-            if not hasattr(current, _MARK):
-                wrapped = wrap(current)
-                setattr(wrapped, _MARK, current)
-                setattr(cls, meth, wrapped)
+            wrap(cls, meth, make, tag=WRAP_TAG)
 
 
 MEGATRON_ENGINE = ("verl.workers.engine.megatron.transformer_impl", "MegatronEngine")
@@ -265,12 +265,14 @@ def placement() -> dict:
             "node": node, "host": socket.gethostname(), "pid": os.getpid()}
 
 
-def _has_audit(fn) -> bool:
-    while fn is not None:  # the CPU mode's engine wrappers keep what they wrap under __cppo_cpu__
-        if hasattr(fn, _MARK):
-            return True
-        fn = getattr(fn, "__cppo_cpu__", None)
-    return False
+def _placement_recorder(fn):
+    @functools.wraps(fn)
+    def initialize(self, *args, **kwargs):
+        out = fn(self, *args, **kwargs)
+        record("placement", role="megatron", **placement())
+        return out
+
+    return initialize
 
 
 def _record_placement(module) -> None:
@@ -279,21 +281,11 @@ def _record_placement(module) -> None:
     # the engine classes veRL builds (the CPU mode may have given each its own wrapper already)
     for name in (MEGATRON_ENGINE[1], "MegatronEngineWithLMHead", "MegatronEngineWithValueHead"):
         cls = getattr(module, name, None)
-        current = inspect.getattr_static(cls, "initialize", None) if cls is not None else None
-        if current is None or _has_audit(current):
+        if cls is None or inspect.getattr_static(cls, "initialize", None) is None:
             continue
-
-        def wrap(fn):
-            @functools.wraps(fn)
-            def initialize(self, *args, **kwargs):
-                out = fn(self, *args, **kwargs)
-                record("placement", role="megatron", **placement())
-                return out
-
-            setattr(initialize, _MARK, fn)
-            return initialize
-
-        cls.initialize = wrap(current)
+        # once per class: a subclass that inherits a recorded initialize (or the CPU mode's
+        # wrapper over it) is seen through
+        wrap(cls, "initialize", _placement_recorder, tag=WRAP_TAG)
 
 
 def install() -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["LATEST_FILE", "checkpoint_dir", "latest_step", "resume_hint"]
 
@@ -27,7 +27,7 @@ def checkpoint_dir(config: Any) -> Path:
     return Path(path if os.path.isabs(path) else os.path.join(os.getcwd(), path))
 
 
-def latest_step(directory: str | os.PathLike) -> Optional[int]:
+def latest_step(directory: str | os.PathLike) -> int | None:
     """The step of the newest complete checkpoint in ``directory`` (veRL's tracker file), or None."""
     tracker = Path(directory) / LATEST_FILE
     if not tracker.is_file():

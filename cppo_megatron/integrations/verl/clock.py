@@ -28,18 +28,20 @@ import functools
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from ..importhook import after_import
+from ..wrap import wrap
 
 __all__ = ["ENV", "ClockSettings", "Snapshots", "install", "policy_at_marks", "read_run", "settings", "stop_now",
            "write_settings"]
 
 ENV = "CPPO_VERL_CLOCK"
 SETTINGS = "clock.json"
-_MARK = "__cppo_clock__"
+WRAP_TAG = __name__  # marks our layer on RayPPOTrainer._get_gen_batch (integrations/wrap.py)
 LEGACY = ("verl.trainer.ppo.ray_trainer", "RayPPOTrainer")
 
 
@@ -67,7 +69,7 @@ def write_settings(run_dir: str | Path, budget_s: float, marks: list[float]) -> 
     return s
 
 
-def settings() -> Optional[ClockSettings]:
+def settings() -> ClockSettings | None:
     """This process's clock settings (None: wall-clock mode is off)."""
     root = os.environ.get(ENV)
     if not root:
@@ -80,7 +82,7 @@ def settings() -> Optional[ClockSettings]:
 
 
 # ------------------------------------------------------------------------------ decisions (pure)
-def stop_now(elapsed_s: float, last_step_s: Optional[float], budget_s: float, margin: float = 0.5) -> bool:
+def stop_now(elapsed_s: float, last_step_s: float | None, budget_s: float, margin: float = 0.5) -> bool:
     """Whether the step starting now should be veRL's last: the budget is spent, or what is
     left of it is shorter than ``margin`` x the previous step (this step would end past the
     budget). The step in progress at the budget still runs (its sync dates the policy at B);
@@ -90,7 +92,7 @@ def stop_now(elapsed_s: float, last_step_s: Optional[float], budget_s: float, ma
     return elapsed_s + margin * last_step_s >= budget_s
 
 
-def policy_at_marks(marks: list[float], syncs: list[tuple[int, float]]) -> dict[float, Optional[int]]:
+def policy_at_marks(marks: list[float], syncs: list[tuple[int, float]]) -> dict[float, int | None]:
     """Which policy was in force at each mark: ``{mark: step}``, the step of the last sync at or
     before the mark (None when no sync preceded it).
 
@@ -99,7 +101,7 @@ def policy_at_marks(marks: list[float], syncs: list[tuple[int, float]]) -> dict[
         syncs: ``(global step, elapsed seconds)`` of each weight sync, in order; the initial
             sync is step 0 at 0.0.
     """
-    out: dict[float, Optional[int]] = {}
+    out: dict[float, int | None] = {}
     for m in marks:
         step = None
         for g, t in syncs:
@@ -122,19 +124,19 @@ class Snapshots:
     def __init__(self, cfg: ClockSettings, clock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
         self.clock = clock
-        self.origin: Optional[float] = None
-        self.step: Optional[int] = None  # step of the weights now loaded
+        self.origin: float | None = None
+        self.step: int | None = None  # step of the weights now loaded
         self.pending = list(cfg.marks)
 
     @classmethod
-    def from_env(cls) -> Optional["Snapshots"]:
+    def from_env(cls) -> Snapshots | None:
         s = settings()
         return None if s is None else cls(s)
 
     def elapsed(self) -> float:
         return 0.0 if self.origin is None else self.clock() - self.origin
 
-    def before_update(self, state: Callable[[], dict], global_steps: Optional[int]) -> list[float]:
+    def before_update(self, state: Callable[[], dict], global_steps: int | None) -> list[float]:
         """Called when new weights arrive, before they are loaded: the weights still loaded
         were the policy at every mark passed since the last sync; save them for those marks.
         ``state`` returns the loaded weights (called only when a mark was passed)."""
@@ -152,7 +154,7 @@ class Snapshots:
             self.pending = [m for m in self.pending if m >= now]
         return passed
 
-    def after_update(self, state: Callable[[], dict], global_steps: Optional[int], extra: Optional[dict] = None) -> None:
+    def after_update(self, state: Callable[[], dict], global_steps: int | None, extra: dict | None = None) -> None:
         """Called after new weights are loaded: the first sync starts the clock; each sync is
         logged (with ``extra``, e.g. the server's cumulative generate time), and the newest
         weights are kept as ``latest.pt``."""
@@ -186,7 +188,7 @@ def read_run(run_dir: str | Path) -> dict:
     sync_rows = _jsonl(d / "syncs.jsonl")
     syncs = [(int(r["step"]), float(r["elapsed"])) for r in sync_rows]
     snaps = {float(r["mark"]): {"file": d / r["file"], "step": r["step"]} for r in _jsonl(d / "snapshots.jsonl")}
-    latest = None
+    latest: dict[str, Any] | None = None
     if (d / "latest.json").is_file():
         lj = json.loads((d / "latest.json").read_text())
         latest = {"file": d / "latest.pt", "step": int(lj["step"]), "elapsed": float(lj["elapsed"])}
@@ -243,13 +245,9 @@ def _legacy_gen_batch(original):
 
 def _patch(module) -> None:
     cls = getattr(module, LEGACY[1])
-    current = cls.__dict__.get("_get_gen_batch")
-    if current is None:
+    if "_get_gen_batch" not in cls.__dict__:
         raise RuntimeError("cppo clock: RayPPOTrainer._get_gen_batch is gone; veRL changed (pinned 0.9.1)")
-    if not hasattr(current, _MARK):
-        wrapped = _legacy_gen_batch(current)
-        setattr(wrapped, _MARK, current)
-        cls._get_gen_batch = wrapped
+    wrap(cls, "_get_gen_batch", _legacy_gen_batch, tag=WRAP_TAG)
 
 
 def install() -> bool:

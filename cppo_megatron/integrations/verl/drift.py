@@ -28,6 +28,8 @@ import inspect
 import textwrap
 from dataclasses import dataclass
 
+from ..wrap import original
+
 __all__ = [
     "BRIDGE_PINNED", "BRIDGE_VERSIONS", "CPU_PINNED", "MEGATRON_PINNED", "MEGATRON_VERSIONS", "PINNED", "DriftReport",
     "bridge_installed", "changed", "megatron_installed", "report", "source_hash",
@@ -203,8 +205,8 @@ def _resolve(name: str):
         return obj
     for part in qualname.split("."):
         obj = getattr(obj, part)
-    # our own wrapper and hydra's decorator hide the function veRL wrote
-    obj = getattr(obj, "__cppo_original__", obj)
+    # our own wrappers (any number of seams) and hydra's decorator hide the function veRL wrote
+    obj = original(obj)
     return getattr(obj, "__wrapped__", obj)
 
 

@@ -74,6 +74,7 @@ def compute_cppo_outcome_advantage(
     adv = torch.zeros(n, dtype=scores.dtype, device=scores.device)
     if bool(real.any()):
         rows = real.nonzero().squeeze(-1)
+        assert adv_norm is not None and eps is not None  # a real row's record set them above
         adv_real = advantages_from_stats(
             scores[rows.to(scores.device)].detach().cpu(), mean[rows], std[rows], adv_norm=adv_norm, eps=eps
         )

@@ -26,15 +26,15 @@ import math
 import os
 import sys
 import warnings
-from typing import Any
 
 import numpy as np
 import torch
 
 from ...core import balance_partitions, prune, sequence_workload
 from .. import importhook
-from . import audit
 from ..importhook import after_import
+from ..wrap import is_wrapped, unwrap, wrap
+from . import audit
 from .runconfig import PREPARED_ENV, cppo_config_from, is_cppo, unprepared_message
 from .stats import GroupRecord, record_groups
 
@@ -54,7 +54,7 @@ HOOK_TARGETS = {
     "verl.trainer.ppo.v1.trainer_base": "PPOTrainer",
     "verl.trainer.ppo.ray_trainer": "RayPPOTrainer",
 }
-_MARK = "__cppo_original__"
+WRAP_TAG = __name__  # marks our layer on ``_balance_batch`` (integrations/wrap.py)
 
 
 # ---------------------------------------------------------------------------------- decision
@@ -289,7 +289,7 @@ def _v1_dp_size(trainer) -> int:
 
 
 # ---------------------------------------------------------------------------------- install
-def _wrap(original, prune_fn, v1: bool):
+def _pruning_balance_batch(original, prune_fn, v1: bool):
     @functools.wraps(original)
     def _balance_batch(self, batch, metrics, *args, **kwargs):
         if not is_cppo(self.config):
@@ -312,7 +312,7 @@ def _wrap(original, prune_fn, v1: bool):
                 out = KVBatchMeta(keys=[out.keys[i] for i in order], tags=[out.tags[i] for i in order],
                                   partition_id=out.partition_id, fields=out.fields, extra_info=out.extra_info)
             final = out
-            seq_len = {k: int(t["seq_len"]) for k, t in zip(out.keys, out.tags)}
+            seq_len = {k: int(t["seq_len"]) for k, t in zip(out.keys, out.tags, strict=False)}
             arrival = [k for k in batch.keys if k in seq_len]  # survivors as pruned, then veRL's padding
             seen = set(arrival)
             arrival += [k for k in out.keys if k not in seen]
@@ -333,7 +333,6 @@ def _wrap(original, prune_fn, v1: bool):
         metrics["cppo/rows_out"] = float(len(final))
         return out if v1 else None
 
-    setattr(_balance_batch, _MARK, original)
     return _balance_batch
 
 
@@ -356,14 +355,11 @@ def _patch_module(module) -> bool:
     cls = getattr(module, HOOK_TARGETS[module.__name__], None)
     if cls is None:
         raise RuntimeError(f"cppo: {module.__name__} has no {HOOK_TARGETS[module.__name__]}; veRL changed")
-    current = cls.__dict__.get("_balance_batch")
-    if current is None:
+    if "_balance_batch" not in cls.__dict__:
         raise RuntimeError(f"cppo: {cls.__qualname__}._balance_batch is gone; veRL changed")
-    if hasattr(current, _MARK):
-        return False
     v1 = module.__name__.endswith("trainer_base")
-    cls._balance_batch = _wrap(current, prune_kv_batch if v1 else prune_dataproto, v1=v1)
-    return True
+    make = functools.partial(_pruning_balance_batch, prune_fn=prune_kv_batch if v1 else prune_dataproto, v1=v1)
+    return wrap(cls, "_balance_batch", make, tag=WRAP_TAG)
 
 
 def install() -> list[str]:
@@ -380,7 +376,7 @@ def is_installed(module_name: str) -> bool:
     """True when the class of ``module_name`` (a key of HOOK_TARGETS) carries the hook."""
     module = importlib.import_module(module_name)
     cls = getattr(module, HOOK_TARGETS[module_name])
-    return hasattr(cls.__dict__.get("_balance_batch"), _MARK)
+    return is_wrapped(cls.__dict__.get("_balance_batch"), WRAP_TAG)
 
 
 def uninstall() -> None:
@@ -390,7 +386,4 @@ def uninstall() -> None:
         module = sys.modules.get(name)
         if module is None:
             continue
-        cls = getattr(module, clsname)
-        current = cls.__dict__.get("_balance_batch")
-        if hasattr(current, _MARK):
-            cls._balance_batch = getattr(current, _MARK)
+        unwrap(getattr(module, clsname), "_balance_batch", tag=WRAP_TAG)

@@ -28,7 +28,8 @@ from ...recipes import arg_type as recipe_arg
 from . import keytrace
 from .overrides import SKIP, flatten
 
-__all__ = ["KeyRow", "combined_markdown", "composed_config", "interpolation_aliases", "key_rows", "main", "markdown", "recipe_leaves"]
+__all__ = ["KeyRow", "combined_markdown", "composed_config", "interpolation_aliases", "key_rows", "main", "markdown",
+           "recipe_leaves"]
 
 RECIPE_SKIP = ("hydra", "defaults")
 VERL_SITE = "verl" + os.sep
@@ -216,7 +217,8 @@ def combined_markdown(runs: list[tuple[str, list[KeyRow]]], *, max_sites: int = 
     out = ["| recipe key | recipe value | toy run | read by veRL at (first sites) | process | read in |",
            "|---|---|---|---|---|---|"]
     for key in keys:
-        here = [(label, next(r for r in rows if r.key == key)) for label, rows in runs if any(r.key == key for r in rows)]
+        here = [(label, next(r for r in rows if r.key == key))
+                for label, rows in runs if any(r.key == key for r in rows)]
         by_value: dict[str, list[str]] = {}
         for lb, r in here:
             by_value.setdefault(_cell(r.recipe), []).append(lb)

@@ -39,15 +39,18 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from types import FrameType
+from typing import Any
 
 from ..importhook import after_import
+from ..wrap import wrap
 
 __all__ = ["ENV", "enabled", "install", "read"]
 
 ENV = "CPPO_VERL_KEYS"
 TAG = "_cppo_key_path"  # instance attribute on veRL config dataclasses: the config key they came from
-_MARK = "__cppo_keytrace__"
+WRAP_TAG = __name__  # marks our layers on omegaconf's, hydra's and veRL's readers (integrations/wrap.py)
+FIELDS = "_cppo_field_names"  # on a config dataclass: its field names, cached
 _local = threading.local()
 _seen: set[tuple[str, str, str]] = set()
 _lock = threading.Lock()
@@ -88,7 +91,7 @@ def _active() -> bool:
 def _site() -> str:
     """``package/path.py:LINE`` of the first frame outside the config machinery and this file."""
     here = os.path.abspath(__file__)
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
         if os.path.abspath(name) != here and not any(p in name for p in _SKIP_PARTS):
@@ -147,7 +150,6 @@ def _dictconfig_reader(original):
                 _note(str(full), value, "config")
         return value
 
-    setattr(read, _MARK, original)
     return read
 
 
@@ -168,7 +170,6 @@ def _bulk(original):
         with _quiet():
             return original(cfg, *args, **kwargs)
 
-    setattr(bulk, _MARK, original)
     return bulk
 
 
@@ -178,8 +179,12 @@ def _silent(original):
         with _quiet():
             return original(*args, **kwargs)
 
-    setattr(silent, _MARK, original)
     return silent
+
+
+def _static(make):
+    """``make`` for a staticmethod entry of a class: wraps its function, stays a staticmethod."""
+    return lambda entry: staticmethod(make(entry.__func__))
 
 
 # ----------------------------------------------------------------------------- dataclass reads
@@ -218,16 +223,15 @@ def _converter(original):
             _tag(obj, path)
         return obj
 
-    setattr(omega_conf_to_dataclass, _MARK, original)
     return omega_conf_to_dataclass
 
 
 def _field_names(cls) -> frozenset:
-    names = cls.__dict__.get("__cppo_fields__")
+    names = cls.__dict__.get(FIELDS)
     if names is None:
         names = frozenset(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else frozenset()
         try:
-            type.__setattr__(cls, "__cppo_fields__", names)
+            type.__setattr__(cls, FIELDS, names)
         except (AttributeError, TypeError):
             pass
     return names
@@ -244,16 +248,21 @@ def _getattribute(original):
                     _note(f"{path}.{name}", value, "whole" if isinstance(value, (dict, list)) else "dataclass")
         return value
 
-    setattr(__getattribute__, _MARK, original)
     return __getattribute__
 
 
 def _wrap_converters(module) -> None:
-    fn = getattr(module, "omega_conf_to_dataclass", None)
-    if fn is not None and not hasattr(fn, _MARK):
-        source = sys.modules.get("verl.utils.config")
-        base = getattr(source, "omega_conf_to_dataclass", fn) if source is not None else fn
-        module.omega_conf_to_dataclass = base if hasattr(base, _MARK) else _converter(fn)
+    # each module that bound the name before verl.utils.config's was wrapped gets its own layer
+    if getattr(module, "omega_conf_to_dataclass", None) is not None:
+        wrap(module, "omega_conf_to_dataclass", _converter, tag=WRAP_TAG)
+
+
+def _wrap_instantiate(module) -> None:
+    wrap(module, "instantiate", _silent, tag=WRAP_TAG)
+
+
+def _wrap_base_config(module) -> None:
+    wrap(module.BaseConfig, "__getattribute__", _getattribute, tag=WRAP_TAG)
 
 
 def install() -> bool:
@@ -263,38 +272,19 @@ def install() -> bool:
     from omegaconf import DictConfig, OmegaConf
 
     for name in ("__getattr__", "__getitem__", "get", "pop"):
-        fn = DictConfig.__dict__[name]
-        if not hasattr(fn, _MARK):
-            setattr(DictConfig, name, _dictconfig_reader(fn))
+        wrap(DictConfig, name, _dictconfig_reader, tag=WRAP_TAG)
     for name in ("to_container", "to_object"):
-        fn = OmegaConf.__dict__[name].__func__
-        if not hasattr(fn, _MARK):
-            setattr(OmegaConf, name, staticmethod(_bulk(fn)))
+        wrap(OmegaConf, name, _static(_bulk), tag=WRAP_TAG)
     for name in ("merge", "create", "structured", "to_yaml", "resolve"):
-        fn = OmegaConf.__dict__[name].__func__
-        if not hasattr(fn, _MARK):
-            setattr(OmegaConf, name, staticmethod(_silent(fn)))
-
-    def _hydra(module):
-        fn = module.instantiate
-        if not hasattr(fn, _MARK):
-            module.instantiate = _silent(fn)
-
-    after_import("hydra.utils", _hydra)
-
-    def _base_config(module):
-        cls = module.BaseConfig
-        fn = cls.__getattribute__
-        if not hasattr(fn, _MARK):
-            cls.__getattribute__ = _getattribute(fn)
-
-    after_import("verl.base_config", _base_config)
+        wrap(OmegaConf, name, _static(_silent), tag=WRAP_TAG)
+    after_import("hydra.utils", _wrap_instantiate)
+    after_import("verl.base_config", _wrap_base_config)
     for name in CONVERTERS:
         after_import(name, _wrap_converters)
     return True
 
 
-def read(root: str | Path, key_prefix: Optional[str] = None) -> list[dict]:
+def read(root: str | os.PathLike, key_prefix: str | None = None) -> list[dict]:
     """Every record under ``root`` (all processes); only keys under ``key_prefix`` when given."""
     out = []
     for path in sorted(Path(root).glob("keys-*.jsonl")):

@@ -56,7 +56,8 @@ def flatten(mapping: dict, prefix: str = "") -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     for key, value in mapping.items():
         if not isinstance(key, str) or not key or "." in key:
-            raise OverrideFileError(f"override file: key {prefix}{key!r} must be a plain name (nest mappings instead of dots)")
+            raise OverrideFileError(f"override file: key {prefix}{key!r} must be a plain name "
+                                    "(nest mappings instead of dots)")
         path = f"{prefix}{key}"
         if isinstance(value, dict) and value:
             out += flatten(value, path + ".")
@@ -82,7 +83,8 @@ def file_overrides(path: str | os.PathLike) -> list[str]:
     with open(path) as f:
         data = yaml.safe_load(f)
     if not isinstance(data, dict):
-        raise OverrideFileError(f"{FLAG} {path}: expected a mapping of veRL config keys at the top, got {type(data).__name__}")
+        raise OverrideFileError(f"{FLAG} {path}: expected a mapping of veRL config keys at the top, "
+                                f"got {type(data).__name__}")
     body = {k: v for k, v in data.items() if k not in SKIP}
     if not body:
         raise OverrideFileError(f"{FLAG} {path}: no keys to override")

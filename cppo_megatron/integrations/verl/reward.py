@@ -9,7 +9,7 @@ same completion: ``correct * w_correct + formatted * w_format`` (weights from
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from ...tasks import Problem, combine_reward
 from ...tasks.arithmetic import score_arithmetic
@@ -20,7 +20,7 @@ DATA_SOURCE = "cppo_arithmetic"
 SCORERS = {DATA_SOURCE: score_arithmetic}
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None,
+def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
                   w_correct: float = 1.0, w_format: float = 0.1, **kwargs) -> dict[str, float]:
     """Reward of one decoded completion ``solution_str`` against ``ground_truth``:
     ``{"score": reward, "acc": correct, "formatted": formatted}``. veRL trains on ``score``

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from ...config import ESTIMATOR_NAME, FIELD_NAMES, CPPOConfig
 
@@ -54,10 +54,12 @@ def cppo_config_from(config: Any) -> CPPOConfig:
     if node is None:
         return CPPOConfig()
     values = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+    if not isinstance(values, dict):
+        raise ValueError(f"cppo: must be a mapping of CPPO settings, got {type(values).__name__}: {values!r}")
     unknown = sorted(set(values) - set(FIELD_NAMES))
     if unknown:
         raise ValueError(f"cppo.{unknown[0]} is not a CPPO setting; known: {sorted(FIELD_NAMES)}")
-    return CPPOConfig.from_dict(values)
+    return CPPOConfig.from_dict(cast("dict[str, Any]", values))  # every key is one of FIELD_NAMES (above)
 
 
 @dataclass(frozen=True)
@@ -267,7 +269,7 @@ def dp_size(config: Any, role: str = "actor") -> int:
     sizes = [int(OmegaConf.select(config, k, default=1) or 1) for k in keys]
     group = math.prod(sizes)
     if group <= 0 or world % group:
-        named = " x ".join(f"{k.rsplit('.', 1)[1]}={v}" for k, v in zip(keys, sizes))
+        named = " x ".join(f"{k.rsplit('.', 1)[1]}={v}" for k, v in zip(keys, sizes, strict=True))
         raise ValueError(f"{named} does not divide the {world} GPUs (trainer.n_gpus_per_node x trainer.nnodes) "
                          f"of {node}; pick parallel sizes whose product divides the world")
     return world // group
@@ -358,7 +360,8 @@ def overlay_mismatches(overlay: Any, base: Any, prefix: str = "") -> list[str]:
         if key not in base.keys():  # `in` is False for veRL's mandatory "???" values
             problems.append(f"{path}: not a key of veRL's config")
             continue
-        value = OmegaConf.to_container(overlay, resolve=False)[key] if isinstance(overlay, DictConfig) else overlay[key]
+        value = (cast(dict, OmegaConf.to_container(overlay, resolve=False))[key] if isinstance(overlay, DictConfig)
+                 else overlay[key])
         node = base._get_node(key)
         if isinstance(value, dict):
             if isinstance(node, DictConfig):

@@ -9,6 +9,7 @@ import torch
 
 from cppo_megatron import CPPOConfig
 from cppo_megatron.core import group_advantages, keep_order, prune
+from cppo_megatron.integrations import wrap
 from cppo_megatron.integrations.openrlhf import hook
 
 pytestmark = pytest.mark.openrlhf
@@ -261,7 +262,7 @@ def test_refuses_what_it_cannot_prune(orl, make_args, make_maker, make_rollout, 
 def test_importance_is_refused_with_a_reason(orl):
     with pytest.raises(ValueError, match="metric=importance is not supported under OpenRLHF"):
         hook.install(CPPOConfig(metric="importance"), orl.Maker)
-    assert not getattr(orl.Maker, "_cppo_installed", False)
+    assert not hook.is_installed(orl.Maker)
 
 
 def test_install_is_reversible_and_reaches_new_instances(orl, make_args, make_maker):
@@ -269,7 +270,10 @@ def test_install_is_reversible_and_reaches_new_instances(orl, make_args, make_ma
     hook.install(CPPOConfig(pruning_rate=0.5), orl.Maker)
     try:
         assert orl.Maker.make_experience_batch is not original
-        assert orl.Maker.make_experience_batch.__wrapped__ is original
+        assert hook.is_installed(orl.Maker) and wrap.original(orl.Maker.make_experience_batch) is original
+        top = orl.Maker.make_experience_batch
+        hook.install(CPPOConfig(pruning_rate=0.5), orl.Maker)  # a second install changes nothing
+        assert orl.Maker.make_experience_batch is top
     finally:
         hook.uninstall(orl.Maker)
     assert orl.Maker.make_experience_batch is original

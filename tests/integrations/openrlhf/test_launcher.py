@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from cppo_megatron import CPPOConfig
+from cppo_megatron.integrations import importhook
 from cppo_megatron.integrations.openrlhf import hook
 from cppo_megatron.integrations.openrlhf.train import allocate, parse_openrlhf_args, plan, ray_runtime_env, split_argv
 
@@ -112,18 +113,18 @@ def test_worker_setup_hooks_openrlhf_when_it_is_imported(monkeypatch, orl):
     loaded = sys.modules.pop(hook.TARGET_MODULE)
     try:
         hook.setup_ray_worker()
-        hook.setup_ray_worker()  # idempotent: one finder
-        assert sum(isinstance(f, hook._InstallOnImport) for f in sys.meta_path) == 1
+        hook.setup_ray_worker()  # idempotent: one callback
+        assert importhook.pending(hook._install_on_import) == [hook.TARGET_MODULE]
         import importlib
 
         fresh = importlib.import_module(hook.TARGET_MODULE)
-        assert fresh is not loaded and fresh.RemoteExperienceMaker._cppo_installed
+        assert fresh is not loaded and hook.is_installed(fresh.RemoteExperienceMaker)
         assert hook._CONFIG == CPPOConfig(pruning_rate=0.5, seed=3)
         hook.uninstall(fresh.RemoteExperienceMaker)
     finally:
-        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, hook._InstallOnImport)]
+        importhook.remove(hook._install_on_import)
         sys.modules[hook.TARGET_MODULE] = loaded
-    assert not getattr(loaded.RemoteExperienceMaker, "_cppo_installed", False)
+    assert not hook.is_installed(loaded.RemoteExperienceMaker)
 
 
 def test_ray_workers_get_the_config_and_the_setup_hook(monkeypatch):
@@ -139,13 +140,13 @@ def test_ray_workers_get_the_config_and_the_setup_hook(monkeypatch):
         @ray.remote
         def probe():
             import os
-            import sys as worker_sys
 
+            from cppo_megatron.integrations import importhook as worker_importhook
             from cppo_megatron.integrations.openrlhf import hook as worker_hook
 
             return (
                 os.environ.get(worker_hook.ENV_CONFIG),
-                any(type(f).__name__ == "_InstallOnImport" for f in worker_sys.meta_path),
+                worker_importhook.pending(worker_hook._install_on_import) == [worker_hook.TARGET_MODULE],
             )
 
         env_value, finder = ray.get(probe.remote(), timeout=120)

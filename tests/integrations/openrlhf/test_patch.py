@@ -54,12 +54,12 @@ def test_patched_module_prunes_only_when_configured(checkout, monkeypatch, orl, 
     patching.apply(checkout, patching.default_patch_file())
     monkeypatch.delenv(hook.ENV_CONFIG, raising=False)
     plain = _load(checkout / patching.PATCHED_FILE, "patched_experience_maker_plain")
-    assert not getattr(plain.RemoteExperienceMaker, "_cppo_installed", False)
+    assert not hook.is_installed(plain.RemoteExperienceMaker)
 
     monkeypatch.setenv(hook.ENV_CONFIG, json.dumps(CPPOConfig(pruning_rate=0.5).to_dict()))
     patched = _load(checkout / patching.PATCHED_FILE, "patched_experience_maker_cppo")
     try:
-        assert patched.RemoteExperienceMaker._cppo_installed
+        assert hook.is_installed(patched.RemoteExperienceMaker)
         args = make_args("--rollout.n_samples_per_prompt", "4")
         maker = make_maker(args, maker_class=patched.RemoteExperienceMaker)
         out = maker.make_experience_batch(make_rollout([("a", [1, 0, 0, 0]), ("b", [1, 1, 0, 1])]))

@@ -282,7 +282,6 @@ def test_a_dead_actor_rank_ends_the_run_with_a_message_naming_it(chain):
     assert any("PolicyModelActor" in ln and "Rerun the same command to resume from step 1" in ln for ln in lines), lines
 
 
-@pytest.mark.skipif(os.environ.get("RESUME_TESTS", "") != "all", reason="failed in CI after the merge (issue 29 open); runs with RESUME_TESTS=all")
 def test_resume_after_a_dead_worker_and_a_sigkill_continues_the_run(cppo_run, chain):
     """What OpenRLHF determines across the restarts, compared (see docs/integrations/openrlhf.md,
     "Checkpoints and resume"): the steps and their seeds, the prompts, survivors and advantages,
@@ -295,8 +294,12 @@ def test_resume_after_a_dead_worker_and_a_sigkill_continues_the_run(cppo_run, ch
     # the dead and the killed attempt reached step 2's hook; each restart decides step 2 again, seeded as step 2
     assert [[p["step"] for p in pr] for pr in prunes] == [[0, 1], [1], [1]]
     trains = [by_kind(a["audit"], "train") for a in chain]
-    assert {t["step"] for t in trains[0]} == {1} and trains[1] == [] and {t["step"] for t in trains[2]} == {2}
-    check_step(prunes[0][0], trains[0], pruning_rate=P)
+    # a SIGKILL lands anywhere in step 2 after its hook: an actor may already have trained some of
+    # step 2's micro-batches (a record each), never checkpointed them (the restarts decide step 2
+    # again, above); only the last attempt's step 2 counts
+    assert {t["step"] for t in trains[0]} in ({1}, {1, 2}) and {t["step"] for t in trains[1]} <= {2}
+    assert {t["step"] for t in trains[2]} == {2}
+    check_step(prunes[0][0], [t for t in trains[0] if t["step"] == 1], pruning_rate=P)
     check_step(prunes[2][0], trains[2], pruning_rate=P)
     # step 2 draws the same prompts in every attempt (the dataloader state of step 1's checkpoint)
     step2 = [Counter(pr[-1]["prompts"]) for pr in prunes]

@@ -117,32 +117,36 @@ def seams_installed() -> dict:
     import verl.workers.engine.megatron.transformer_impl as impl
     from verl.workers.engine.base import EngineRegistry
 
+    from cppo_megatron.integrations.verl.cpu import megatron_bridge, megatron_engine
+    from cppo_megatron.integrations.wrap import is_wrapped
+
+    def ours(fn, seam=megatron_engine) -> bool:
+        return is_wrapped(fn, seam.WRAP_TAG)
+
     extra: dict = {}
     if VANILLA:
         from mbridge.core import llm_bridge as llm
 
-        layer_spec = hasattr(llm.LLMBridge._get_transformer_layer_spec, "__cppo_cpu__")
+        layer_spec = ours(llm.LLMBridge._get_transformer_layer_spec)
     else:
         import sys
 
         import megatron.bridge.peft.lora_layers as lora_layers
         from megatron.bridge.models import gpt_provider
 
-        layer_spec = hasattr(gpt_provider.GPTModelProvider.provide, "__cppo_cpu__")
+        layer_spec = ours(gpt_provider.GPTModelProvider.provide, megatron_bridge)
         # the TE placeholder served the two modules that import TE, then left sys.modules
-        placeholder = getattr(lora_layers.te, "__cppo_cpu__", False)
+        placeholder = getattr(lora_layers.te, megatron_bridge.PLACEHOLDER, False)
         extra = {"te_placeholder": bool(placeholder) and "transformer_engine" not in sys.modules}
     return {
         "cpu_engine": "cpu" in EngineRegistry._engines["language_model"].get("megatron", {}),
         "cpu_value_engine": "cpu" in EngineRegistry._engines["value_model"].get("megatron", {}),
         "layer_spec": layer_spec,
-        "attention": hasattr(dpa.DotProductAttention.forward, "__cppo_cpu__"),
-        "seed": hasattr(impl.set_random_seed, "__cppo_cpu__"),
-        "methods": hasattr(impl.MegatronEngine.forward_backward_batch, "__cppo_cpu__"),
-        "optimizer_state": all(hasattr(getattr(dopt.DistributedOptimizer, m), "__cppo_cpu__")
-                               for m in ("state_dict", "load_state_dict")),
-        "current_device": str(torch.cuda.current_device()) if hasattr(torch.cuda.current_device, "__cppo_cpu__")
-        else None,
+        "attention": ours(dpa.DotProductAttention.forward),
+        "seed": ours(impl.set_random_seed),
+        "methods": ours(impl.MegatronEngine.forward_backward_batch),
+        "optimizer_state": all(ours(getattr(dopt.DistributedOptimizer, m)) for m in ("state_dict", "load_state_dict")),
+        "current_device": str(torch.cuda.current_device()) if ours(torch.cuda.current_device) else None,
         **extra,
     }
 

@@ -26,11 +26,13 @@ import verl.workers.engine.fsdp.transformer_impl as fsdp
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.rollout.replica import RolloutReplicaRegistry
 from verl.workers.rollout.base import _ROLLOUT_REGISTRY
+from cppo_megatron.integrations.wrap import is_wrapped
+SEAMS = "cppo_megatron.integrations.verl.cpu.seams"  # its wrap tag
 out = {"device": get_device_name(), "hf_replica": "hf" in RolloutReplicaRegistry._registry,
        "hf_adapter": _ROLLOUT_REGISTRY.get(("hf", "async")),
        "cpu_engine": "cpu" in EngineRegistry._engines["language_model"]["fsdp2"],
-       "pg_wrapped": hasattr(ew.initialize_global_process_group_ray, "__cppo_cpu__"),
-       "offload_wrapped": hasattr(fsdp.CPUOffloadPolicy, "__cppo_cpu__"),
+       "pg_wrapped": is_wrapped(ew.initialize_global_process_group_ray, SEAMS),
+       "offload_wrapped": is_wrapped(fsdp.CPUOffloadPolicy, SEAMS),
        "cpu_modules": sorted(m for m in sys.modules if m.startswith("cppo_megatron.integrations.verl.cpu"))}
 if out["device"] == "cpu":
     import torch.distributed as td

@@ -62,9 +62,12 @@ def test_hash_is_of_verl_source_not_our_wrapper(plugin):
     from cppo_megatron.integrations.verl import drift
 
     assert plugin.is_installed("verl.trainer.ppo.v1.trainer_base")
+    from cppo_megatron.integrations import wrap
+
+    assert wrap.is_wrapped(PPOTrainer._balance_batch)  # the hash must see through our layer
     assert drift._resolve("verl.trainer.ppo.v1.trainer_base:PPOTrainer._balance_batch") is (
-        PPOTrainer._balance_batch.__cppo_original__
-    )
+        wrap.original(PPOTrainer._balance_batch)
+    ) is not PPOTrainer._balance_batch
     with pytest.raises(ValueError):
         drift.source_hash("no-colon-here")
 

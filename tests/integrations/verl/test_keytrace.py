@@ -52,7 +52,8 @@ def _run(tmp_path, env_on: bool):
     if env_on:
         env[keytrace.ENV] = str(tmp_path / "keys")
     code = ("import reader, sys\nfrom omegaconf import DictConfig\n"
-            "print(hasattr(DictConfig.__dict__['__getattr__'], '__cppo_keytrace__'))")
+            "from cppo_megatron.integrations.wrap import is_wrapped\n"
+            f"print(is_wrapped(DictConfig.__dict__['__getattr__'], {keytrace.WRAP_TAG!r}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.strip().splitlines()[-1] == "True"

@@ -23,20 +23,9 @@ from __future__ import annotations
 import os
 import sys
 
+from .switch import ENV, enabled, has_cuda
+
 __all__ = ["ENV", "enabled", "install", "worker_env"]
-
-ENV = "CPPO_OPENRLHF_CPU"
-
-
-def enabled() -> bool:
-    """True when the run asked for the CPU mode (``CPPO_OPENRLHF_CPU=1``)."""
-    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def install() -> bool:
@@ -44,7 +33,7 @@ def install() -> bool:
     exists; returns whether it did (idempotent)."""
     if not enabled():
         return False
-    if _has_cuda():
+    if has_cuda():
         import warnings
 
         warnings.warn(f"{ENV}=1 on a machine with CUDA: the OpenRLHF CPU mode is not installed", stacklevel=2)

@@ -26,7 +26,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ....recipes import root as recipes_root
 from . import worker_env
@@ -93,7 +93,7 @@ def _warmup_recipe(name: str) -> Path:
     raise FileNotFoundError(f"cpu.warmup_recipe={name!r}: no such file here or under {RECIPES_DIR}")
 
 
-def write_jsonl(warmup_recipe: str | Path, data_dir: str | Path, eval_problems: Optional[int]) -> tuple[Path, Path]:
+def write_jsonl(warmup_recipe: str | Path, data_dir: str | Path, eval_problems: int | None) -> tuple[Path, Path]:
     """The warm-up recipe's task as OpenRLHF prompt files (``train.jsonl``, ``test.jsonl``).
 
     Each row carries the prompt under ``question`` and ``problem`` and the answer under

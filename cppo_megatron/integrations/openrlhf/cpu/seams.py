@@ -39,15 +39,17 @@ import datetime
 import functools
 import sys
 import types
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from ...importhook import after_import, around_import
+from ...wrap import replace, wrap, wrapped
 
-__all__ = ["GlooBroadcaster", "gloo_stateless_process_group", "install", "installed"]
+__all__ = ["GlooBroadcaster", "gloo_stateless_process_group", "install", "installed", "patch_dist_util"]
 
-_MARK = "__cppo_openrlhf_cpu__"
+WRAP_TAG = __name__  # marks our layers on torch's and OpenRLHF's attributes (integrations/wrap.py)
 _INSTALLED = False
 
 REPLAY_BUFFER_MODULE = "openrlhf.trainer.ppo_utils.replay_buffer"
@@ -95,32 +97,23 @@ _CUDA_SEAMS: dict[str, Callable] = {
 
 def _patch_torch_cuda() -> None:
     for name, fn in _CUDA_SEAMS.items():
-        current = getattr(torch.cuda, name)
-        if current is not fn:
-            setattr(fn, _MARK, current)
-            setattr(torch.cuda, name, fn)
+        replace(torch.cuda, name, fn, tag=WRAP_TAG)
 
 
 # ------------------------------------------------------------------------------ replay buffer
-def _patch_replay_buffer(module) -> None:
-    cls = module.NaiveReplayBuffer
-    original = cls.__init__
-    if hasattr(original, _MARK):
-        return
-
+def _cpu_replay_buffer_init(original):
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         # line 40 formats f"cuda:{current_device()}": give it an index for that one call
-        seam = torch.cuda.current_device
-        torch.cuda.current_device = _index_zero
-        try:
+        with wrapped(torch.cuda, "current_device", lambda _seam: _index_zero, tag=f"{WRAP_TAG}.replay_buffer"):
             original(self, *args, **kwargs)
-        finally:
-            torch.cuda.current_device = seam
         self.target_device = torch.device("cpu")
 
-    setattr(__init__, _MARK, original)
-    cls.__init__ = __init__
+    return __init__
+
+
+def _patch_replay_buffer(module) -> None:
+    wrap(module.NaiveReplayBuffer, "__init__", _cpu_replay_buffer_init, tag=WRAP_TAG)
 
 
 # ------------------------------------------------------------------------------ flash-attn placeholder
@@ -140,6 +133,13 @@ class _Unavailable:
         )
 
 
+def _unavailable_names(module_name: str) -> Callable[[str], _Unavailable]:
+    def __getattr__(attr: str) -> _Unavailable:
+        return _Unavailable(f"{module_name}.{attr}")
+
+    return __getattr__
+
+
 @contextlib.contextmanager
 def _flash_attn_placeholder() -> Iterator[None]:
     """flash_attn names in sys.modules only while ring_attn_utils executes."""
@@ -148,8 +148,8 @@ def _flash_attn_placeholder() -> Iterator[None]:
         return
     for name in FLASH_ATTN:
         module = types.ModuleType(name, "CPU-mode placeholder: flash-attn is not installed")
-        module.__path__ = []  # type: ignore[attr-defined]
-        module.__getattr__ = lambda attr, _n=name: _Unavailable(f"{_n}.{attr}")  # type: ignore[method-assign]
+        module.__path__ = []
+        vars(module)["__getattr__"] = _unavailable_names(name)  # a module-level __getattr__ (PEP 562)
         sys.modules[name] = module
     try:
         yield
@@ -175,7 +175,7 @@ class GlooBroadcaster:
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank = int(src)
         opts.rootTensor = 0
-        self.group.broadcast([tensor], opts).wait()
+        self.group.broadcast([tensor], opts).wait()  # type: ignore[attr-defined]  # bound, not in torch's stubs
 
 
 def gloo_stateless_process_group(master_address, master_port, rank, world_size, device=None) -> GlooBroadcaster:
@@ -183,18 +183,25 @@ def gloo_stateless_process_group(master_address, master_port, rank, world_size, 
     return GlooBroadcaster(master_address, master_port, rank, world_size)
 
 
-def _patch_dist_util(module) -> None:
-    current = module.stateless_init_process_group
-    if not hasattr(current, _MARK):
-        setattr(gloo_stateless_process_group, _MARK, current)
-        module.stateless_init_process_group = gloo_stateless_process_group
+def _gloo_group(current):
+    def stateless_init_process_group(master_address, master_port, rank, world_size, device=None) -> GlooBroadcaster:
+        """``gloo_stateless_process_group`` in place of OpenRLHF's NCCL group."""
+        return gloo_stateless_process_group(master_address, master_port, rank, world_size, device)
+
+    return stateless_init_process_group
+
+
+def patch_dist_util(module) -> None:
+    """Replace ``stateless_init_process_group`` in ``module`` (OpenRLHF's ``distributed_util``,
+    or a module that bound the name from it) by the gloo group (idempotent)."""
+    wrap(module, "stateless_init_process_group", _gloo_group, tag=WRAP_TAG)
 
 
 def _patch_dist_util_user(module) -> None:
-    dist_util = __import__(DIST_UTIL_MODULE, fromlist=["x"])
-    _patch_dist_util(dist_util)
+    patch_dist_util(__import__(DIST_UTIL_MODULE, fromlist=["x"]))
+    # a module that bound the name before distributed_util's was replaced gets its own layer
     if hasattr(module, "stateless_init_process_group"):
-        module.stateless_init_process_group = dist_util.stateless_init_process_group
+        patch_dist_util(module)
 
 
 def install() -> None:
@@ -203,7 +210,7 @@ def install() -> None:
     _patch_torch_cuda()
     after_import(REPLAY_BUFFER_MODULE, _patch_replay_buffer)
     around_import(RING_ATTN_MODULE, _flash_attn_placeholder)
-    after_import(DIST_UTIL_MODULE, _patch_dist_util)
+    after_import(DIST_UTIL_MODULE, patch_dist_util)
     for name in DIST_UTIL_USERS:
         after_import(name, _patch_dist_util_user)
     _INSTALLED = True

@@ -31,11 +31,12 @@ from typing import Any
 import torch
 
 from ...importhook import after_import
+from ...wrap import wrap
 
 __all__ = ["WORKER_WRAP_MODULE", "install", "register"]
 
 WORKER_WRAP_MODULE = "openrlhf.trainer.ray.vllm_worker_wrap"
-_MARK = "__cppo_openrlhf_cpu__"
+WRAP_TAG = __name__  # marks our layer on WorkerWrap.update_weight (integrations/wrap.py)
 
 
 def _update_weight_cpu(self, name, dtype, shape, empty_cache=False):
@@ -60,29 +61,31 @@ def _update_weight_cpu(self, name, dtype, shape, empty_cache=False):
         audit.record_engine_sync(self, weights)
 
 
+def _cpu_update_weight(current):
+    @functools.wraps(current)
+    def update_weight(self, name, dtype, shape, empty_cache=False):
+        return _update_weight_cpu(self, name, dtype, shape, empty_cache)
+
+    return update_weight
+
+
 def _patch_worker_wrap(module) -> None:
-    cls = module.WorkerWrap
-    current = cls.update_weight
-    if hasattr(current, _MARK):
-        return
-    replacement = functools.wraps(current)(_update_weight_cpu)
-    setattr(replacement, _MARK, current)
-    cls.update_weight = replacement
+    wrap(module.WorkerWrap, "update_weight", _cpu_update_weight, tag=WRAP_TAG)
 
 
 def install() -> None:
     """The rollout-side seams (idempotent): the worker wrap and the gloo process group."""
     from . import seams
 
-    after_import(seams.DIST_UTIL_MODULE, seams._patch_dist_util)
+    after_import(seams.DIST_UTIL_MODULE, seams.patch_dist_util)
     after_import(WORKER_WRAP_MODULE, _patch_worker_wrap)
 
 
 def register() -> Any:
     """vLLM ``general_plugins`` entry point: install when the OpenRLHF CPU mode is on and there
     is no CUDA device (vLLM loads it in every process, on GPUs too)."""
-    from . import _has_cuda, enabled
+    from .switch import enabled, has_cuda
 
-    if enabled() and not _has_cuda():
+    if enabled() and not has_cuda():
         install()
     return None

@@ -58,11 +58,12 @@ def enable() -> bool:
     if not enabled():
         return False
     from ...logs import collapse_repeated_logs
-    from . import megatron_engine, platform, seams
+    from . import megatron_bridge, megatron_engine, platform, seams
 
     collapse_repeated_logs()  # a CPU job log: each host warning once (TransferQueue's, 232 times per run)
     register_rollout()
     platform.register()
     seams.install()
     megatron_engine.install()
+    megatron_bridge.install()  # vanilla_mbridge: false (Megatron-Bridge, Python 3.12)
     return True

@@ -81,6 +81,8 @@ def _column_parallel_linear():
 class _NormedMixin:
     """Owns ``layer_norm_weight`` and normalises the input before the column-parallel GEMM."""
 
+    weight: torch.Tensor  # ColumnParallelLinear's, next in the MRO (unset before its __init__)
+
     def _init_norm(self, input_size: int, config) -> None:
         if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
             raise ValueError(f"cppo cpu mode: normalization={config.normalization!r}; the TE-free spec has RMSNorm "
@@ -89,10 +91,13 @@ class _NormedMixin:
         self.norm_eps = float(config.layernorm_epsilon)
         self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, dtype=config.params_dtype, device=device))
         # the norm sees this rank's sequence slice under sequence parallel: sum its grad over TP
-        self.layer_norm_weight.sequence_parallel = bool(config.sequence_parallel)
+        self.layer_norm_weight.sequence_parallel = bool(  # type: ignore[attr-defined]  # megatron-core's tag
+            config.sequence_parallel)
 
     def forward(self, input_, *args, **kwargs):
-        return super().forward(rms_norm(input_, self.layer_norm_weight, self.norm_eps), *args, **kwargs)
+        # a mixin: super() is ColumnParallelLinear in the classes built below
+        return super().forward(  # type: ignore[misc]
+            rms_norm(input_, self.layer_norm_weight, self.norm_eps), *args, **kwargs)
 
 
 def __getattr__(name: str):
@@ -128,14 +133,14 @@ def _te_named_layer(layer_spec, normed_linear, norm):
     mlp = sub.mlp
     # megatron-core 0.16: a ModuleSpec; 0.18: functools.partial(MLP.as_mlp_submodule, submodules=...)
     mlp_sub = mlp.keywords.get("submodules") if isinstance(mlp, functools.partial) else getattr(mlp, "submodules", None)
-    if getattr(mlp_sub, "linear_fc1", None) is None:
+    if mlp_sub is None or getattr(mlp_sub, "linear_fc1", None) is None:
         raise ValueError("cppo cpu mode: the TE-free layer spec supports dense MLPs only (not MoE)")
     qk = {k: (norm if getattr(attn.submodules, k) is not IdentityOp else IdentityOp)
           for k in ("q_layernorm", "k_layernorm")}
     attn = _replace(attn, linear_qkv=normed_linear, **qk)
     if isinstance(mlp, functools.partial):
-        mlp = functools.partial(mlp.func, *mlp.args,
-                                **{**mlp.keywords, "submodules": dataclasses.replace(mlp_sub, linear_fc1=normed_linear)})
+        normed_sub = dataclasses.replace(mlp_sub, linear_fc1=normed_linear)
+        mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": normed_sub})
     else:
         mlp = _replace(mlp, linear_fc1=normed_linear)
     layer = _replace(layer_spec, input_layernorm=IdentityOp, self_attention=attn,

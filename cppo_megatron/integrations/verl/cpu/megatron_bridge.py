@@ -33,10 +33,12 @@ import types
 from collections.abc import Iterator
 
 from ...importhook import after_import, around_import
+from ...wrap import wrap
 
 __all__ = ["PROVIDER_MODULE", "TE_IMPORTING_MODULES", "install", "te_placeholder"]
 
-_MARK = "__cppo_cpu__"
+WRAP_TAG = __name__  # marks our layer on GPTModelProvider.provide (integrations/wrap.py)
+PLACEHOLDER = "cppo_te_placeholder"  # True on the placeholder transformer_engine modules
 PROVIDER_MODULE = "megatron.bridge.models.gpt_provider"
 # Megatron-Bridge 0.5.1 modules on `import megatron.bridge`'s path that import TE at module level
 TE_IMPORTING_MODULES = ("megatron.bridge.peft.lora_layers", "megatron.bridge.peft.lora")
@@ -66,7 +68,7 @@ def _placeholder_modules() -> dict[str, types.ModuleType]:
     pt.ops = ops  # type: ignore[attr-defined]
     te.pytorch = pt  # type: ignore[attr-defined]
     for m in (te, pt, ops):
-        setattr(m, _MARK, True)
+        setattr(m, PLACEHOLDER, True)
     return {"transformer_engine": te, "transformer_engine.pytorch": pt, "transformer_engine.pytorch.ops": ops}
 
 
@@ -126,18 +128,15 @@ def _te_free_provide(original):
             self.transformer_layer_spec = spec
         return original(self, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
 
-    setattr(provide, _MARK, original)
     return provide
 
 
 def _patch_provider(module) -> None:
     cls = getattr(module, "GPTModelProvider", None)
-    current = cls.__dict__.get("provide") if cls is not None else None
-    if current is None:
+    if cls is None or "provide" not in cls.__dict__:
         raise RuntimeError(f"cppo cpu mode: {PROVIDER_MODULE}.GPTModelProvider.provide is gone "
                            "(pinned Megatron-Bridge 0.5.1)")
-    if not hasattr(current, _MARK):
-        cls.provide = _te_free_provide(current)
+    wrap(cls, "provide", _te_free_provide, tag=WRAP_TAG)
 
 
 # one context factory per module (module-level, so a second install() registers nothing new)

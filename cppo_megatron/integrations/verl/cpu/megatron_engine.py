@@ -62,6 +62,7 @@ from typing import Any
 import torch
 
 from ...importhook import after_import
+from ...wrap import replace, wrap
 
 __all__ = [
     "ATTENTION_MODULE",
@@ -79,7 +80,7 @@ __all__ = [
     "seed_cpu_rng_tracker",
 ]
 
-_MARK = "__cppo_cpu__"
+WRAP_TAG = __name__  # marks our layers on veRL's, megatron-core's and torch's attributes (integrations/wrap.py)
 ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 LLM_BRIDGE_MODULE = "mbridge.core.llm_bridge"
 ATTENTION_MODULE = "megatron.core.transformer.dot_product_attention"
@@ -207,7 +208,6 @@ def _cpu_set_random_seed(original):
         random.seed(seed)
         seed_cpu_rng_tracker(seed)
 
-    setattr(set_random_seed, _MARK, original)
     return set_random_seed
 
 
@@ -222,7 +222,6 @@ def _te_free_layer_spec(original):
         self.has_vp_stage = True  # read by LLMBridge._model_provider (megatron-core 0.16 takes vp_stage)
         return te_free_block_spec(self.config, vp_stage=vp_stage)
 
-    setattr(_get_transformer_layer_spec, _MARK, original)
     return _get_transformer_layer_spec
 
 
@@ -232,8 +231,7 @@ def _patch_llm_bridge(module) -> None:
     if cls is None or current is None:
         raise RuntimeError("cppo cpu mode: mbridge LLMBridge._get_transformer_layer_spec is gone "
                            "(pinned mbridge 0.15.1)")
-    if not hasattr(current, _MARK):
-        cls._get_transformer_layer_spec = _te_free_layer_spec(current)
+    wrap(cls, "_get_transformer_layer_spec", _te_free_layer_spec, tag=WRAP_TAG)
 
 
 # ------------------------------------------------------------------------ 4. torch.cuda calls
@@ -250,21 +248,12 @@ def install_cuda_device_calls() -> bool:
     no-op for this process when CUDA is absent; returns whether it did (idempotent)."""
     if torch.cuda.is_available():
         return False
-    if not hasattr(torch.cuda.current_device, _MARK):
-        setattr(_cpu_current_device, _MARK, torch.cuda.current_device)
-        torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
-    if not hasattr(torch.cuda.synchronize, _MARK):
-        setattr(_noop, _MARK, torch.cuda.synchronize)
-        torch.cuda.synchronize = _noop
     # CUDA streams (Megatron-Bridge's DDP wrap: megatron/training/models/dist_utils.py:246 makes a
     # side stream, waits on the current one and enters it): a stream that orders nothing on CPU
-    if not hasattr(torch.cuda.Stream, _MARK):
-        setattr(_CpuStream, _MARK, torch.cuda.Stream)
-        torch.cuda.Stream = _CpuStream  # type: ignore[misc, assignment]
-        setattr(_cpu_current_stream, _MARK, torch.cuda.current_stream)
-        torch.cuda.current_stream = _cpu_current_stream  # type: ignore[assignment]
-        setattr(_cpu_stream_context, _MARK, torch.cuda.stream)
-        torch.cuda.stream = _cpu_stream_context  # type: ignore[assignment]
+    for name, replacement in (("current_device", _cpu_current_device), ("synchronize", _noop),
+                              ("Stream", _CpuStream), ("current_stream", _cpu_current_stream),
+                              ("stream", _cpu_stream_context)):
+        replace(torch.cuda, name, replacement, tag=WRAP_TAG)
     return True
 
 
@@ -371,7 +360,6 @@ def _in_mode(fn):
         with engine_cpu_mode():
             return _wrap_result(fn(*args, **kwargs))
 
-    setattr(method, _MARK, fn)
     return method
 
 
@@ -381,22 +369,18 @@ def _wrap_engine_methods(cls) -> list[str]:
     for name in dir(cls):
         if name.startswith("__") and name != "__init__":
             continue
-        static = inspect.getattr_static(cls, name)
-        if not inspect.isfunction(static) or hasattr(static, _MARK):
-            continue
-        setattr(cls, name, _in_mode(static))
-        done.append(name)
+        # an inherited method the base class's pass wrapped already is seen through
+        if inspect.isfunction(inspect.getattr_static(cls, name)) and wrap(cls, name, _in_mode, tag=WRAP_TAG):
+            done.append(name)
     return done
 
 
 def _patch_engine_module(module) -> None:
     register_engines(module)
     install_cuda_device_calls()
-    current = getattr(module, "set_random_seed", None)
-    if current is None:
+    if getattr(module, "set_random_seed", None) is None:
         raise RuntimeError(f"cppo cpu mode: {ENGINE_MODULE}.set_random_seed is gone; veRL changed (pinned 0.9.1)")
-    if not hasattr(current, _MARK):
-        module.set_random_seed = _cpu_set_random_seed(current)
+    wrap(module, "set_random_seed", _cpu_set_random_seed, tag=WRAP_TAG)
     for clsname in ("MegatronEngine", *MEGATRON_ENGINES.values()):
         _wrap_engine_methods(getattr(module, clsname))
 
@@ -454,7 +438,6 @@ def _cpu_attention(original):
         return original(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                         attention_bias=attention_bias, packed_seq_params=None, **kwargs)
 
-    setattr(forward, _MARK, original)
     return forward
 
 
@@ -463,8 +446,7 @@ def _patch_attention(module) -> None:
     current = cls.__dict__.get("forward") if cls is not None else None
     if cls is None or current is None:
         raise RuntimeError("cppo cpu mode: megatron-core DotProductAttention.forward is gone (pinned 0.16.1)")
-    if not hasattr(current, _MARK):
-        cls.forward = _cpu_attention(current)
+    wrap(cls, "forward", _cpu_attention, tag=WRAP_TAG)
 
 
 # ------------------------------------------------------------------------ 7. optimizer state at load
@@ -484,7 +466,6 @@ def _state_dict_before_first_step(original, module):
             out["grad_scaler"] = self.grad_scaler.state_dict()
         return out
 
-    setattr(state_dict, _MARK, original)
     return state_dict
 
 
@@ -502,7 +483,6 @@ def _own_step_per_parameter(original, module):
                     st["step"] = torch.tensor(step, dtype=torch.float32)
         return out
 
-    setattr(load_state_dict, _MARK, original)
     return load_state_dict
 
 
@@ -512,19 +492,15 @@ def _patch_distrib_optimizer(module) -> None:
     if cls is None or any(n not in cls.__dict__ for n in names) or not hasattr(module, "HAVE_APEX_OR_TE"):
         raise RuntimeError("cppo cpu mode: megatron-core DistributedOptimizer.state_dict / load_state_dict are gone "
                            "(pinned 0.16.1)")
-    for name, wrap in zip(names, (_state_dict_before_first_step, _own_step_per_parameter)):
-        current = cls.__dict__[name]
-        if not hasattr(current, _MARK):
-            setattr(cls, name, wrap(current, module))
+    for name, make in zip(names, (_state_dict_before_first_step, _own_step_per_parameter), strict=True):
+        wrap(cls, name, functools.partial(make, module=module), tag=WRAP_TAG)
 
 
 def install() -> None:
     """Install the seven seams as their modules are imported (idempotent); each acts only when
-    ``needed()``. Called by ``cpu.enable`` with ``VERL_PLATFORM=cpu``."""
+    ``needed()``. Called by ``cpu.enable`` with ``VERL_PLATFORM=cpu`` (with
+    ``megatron_bridge.install``, the seams of the Megatron-Bridge route)."""
     after_import(ENGINE_MODULE, _patch_engine_module)
     after_import(LLM_BRIDGE_MODULE, _patch_llm_bridge)
     after_import(ATTENTION_MODULE, _patch_attention)
     after_import(DISTRIB_OPTIMIZER_MODULE, _patch_distrib_optimizer)
-    from .megatron_bridge import install as install_bridge
-
-    install_bridge()  # vanilla_mbridge: false (Megatron-Bridge, Python 3.12)

@@ -27,9 +27,11 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+
+from ...wrap import wrapped
 
 __all__ = ["FirstStepWatcher", "Phases", "choose_threads", "fmt_seconds", "machine_load", "timed_ray_init"]
 
@@ -49,7 +51,7 @@ def machine_load() -> tuple[int, float]:
     return cores, load
 
 
-def choose_threads(cores: Optional[int] = None, load: Optional[float] = None) -> int:
+def choose_threads(cores: int | None = None, load: float | None = None) -> int:
     """torch threads for one compute-bound process: the usable cores that the rest of the
     machine leaves free, rounded to nearest, at least 1.
 
@@ -85,7 +87,7 @@ class Phases:
     interpreter's and hydra's start-up count too).
     """
 
-    def __init__(self, t0: Optional[float] = None, printer: Callable[[str], None] = print) -> None:
+    def __init__(self, t0: float | None = None, printer: Callable[[str], None] = print) -> None:
         self.t0 = _process_start() if t0 is None else t0
         self.durations: dict[str, float] = {}
         self._print = printer
@@ -94,7 +96,7 @@ class Phases:
         self._print(f"{PREFIX} {text}")
 
     @contextmanager
-    def phase(self, key: str, what: str, label: Optional[str] = None) -> Iterator[dict]:
+    def phase(self, key: str, what: str, label: str | None = None) -> Iterator[dict]:
         """Time the block as phase ``key``; prints ``what ...`` and ``label: done in X`` (label
         defaults to ``what``). The block may put a ``result`` string into the yielded dict to
         add to the second line."""
@@ -129,17 +131,15 @@ def timed_ray_init(phases: Phases) -> Iterator[None]:
     ``main_ppo`` calls it; nothing else about the call changes)."""
     import ray
 
-    original = ray.init
+    def timed(original):
+        def init(*args, **kwargs):
+            with phases.phase("ray", "starting Ray (a local cluster for this run)", "starting Ray"):
+                return original(*args, **kwargs)
 
-    def init(*args, **kwargs):
-        with phases.phase("ray", "starting Ray (a local cluster for this run)", "starting Ray"):
-            return original(*args, **kwargs)
+        return init
 
-    ray.init = init
-    try:
+    with wrapped(ray, "init", timed, tag=f"{__name__}.timed_ray_init"):
         yield
-    finally:
-        ray.init = original
 
 
 class FirstStepWatcher:
@@ -150,12 +150,12 @@ class FirstStepWatcher:
         self.metrics = Path(metrics)
         self.phases = phases
         self.poll_s = float(poll_s)
-        self.summary: Optional[str] = None
+        self.summary: str | None = None
         self._offset = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cppo-first-step", daemon=True)
 
-    def start(self) -> "FirstStepWatcher":
+    def start(self) -> FirstStepWatcher:
         # veRL's file logger appends: lines of an earlier run in the same file are not this run's
         self._offset = self.metrics.stat().st_size if self.metrics.is_file() else 0
         self._thread.start()
@@ -181,7 +181,7 @@ class FirstStepWatcher:
 
     def _run(self) -> None:
         seen_val = False
-        self.validation_at: Optional[float] = None
+        self.validation_at: float | None = None
         while not self._stop.wait(self.poll_s):
             for rec in self._records():
                 data = rec.get("data", {})

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import types
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -51,20 +51,22 @@ def _device_module() -> types.ModuleType:
     mod = types.ModuleType("cppo_verl_cpu_device")
     for name in ("Event", "Stream", "StreamContext", "current_stream", "stream", "synchronize", "is_available"):
         setattr(mod, name, getattr(torch.cpu, name))
-    mod.device_count = lambda: 1
-    mod.set_device = _noop  # torch.cpu.set_device rejects ints; veRL passes a local rank
-    mod.current_device = lambda: torch.device("cpu")
     for name in ("empty_cache", "ipc_collect", "set_per_process_memory_fraction", "reset_peak_memory_stats"):
         setattr(mod, name, _noop)
-    mod.manual_seed = torch.manual_seed
-    mod.manual_seed_all = torch.manual_seed
-    mod.get_rng_state = torch.get_rng_state
-    mod.set_rng_state = torch.set_rng_state
     for name in ("memory_allocated", "memory_reserved", "max_memory_allocated", "max_memory_reserved"):
         setattr(mod, name, _zero)
-    mod.mem_get_info = _mem_get_info
-    mod.get_device_name = lambda *a, **k: "cpu"
-    mod.is_initialized = lambda: True
+    vars(mod).update(
+        device_count=lambda: 1,
+        set_device=_noop,  # torch.cpu.set_device rejects ints; veRL passes a local rank
+        current_device=lambda: torch.device("cpu"),
+        manual_seed=torch.manual_seed,
+        manual_seed_all=torch.manual_seed,
+        get_rng_state=torch.get_rng_state,
+        set_rng_state=torch.set_rng_state,
+        mem_get_info=_mem_get_info,
+        get_device_name=lambda *a, **k: "cpu",
+        is_initialized=lambda: True,
+    )
     return mod
 
 
@@ -105,7 +107,7 @@ def _platform_class():
         def set_device(self, device_index: int) -> None:
             return None
 
-        def synchronize(self, device_index: Optional[int] = None) -> None:
+        def synchronize(self, device_index: int | None = None) -> None:
             return None
 
         def manual_seed(self, seed: int) -> None:

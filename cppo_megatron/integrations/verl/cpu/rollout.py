@@ -28,7 +28,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any, cast
 
 import torch
 
@@ -36,7 +36,7 @@ __all__ = [
     "ADAPTER_PATH",
     "ROLLOUT_NAME",
     "HFRolloutServer",
-    "HFServerAdapter",
+    "HFServerAdapter",  # noqa: F822 - made on first access by the module __getattr__ (it needs veRL)
     "load_replica_class",
     "server_name",
     "to_sampling_params",
@@ -55,7 +55,7 @@ def server_name(replica_rank: int) -> str:
     return f"{_SERVER_PREFIX}{int(replica_rank)}"
 
 
-def to_sampling_params(params: dict, *, max_new_tokens: int, logprobs_mode: Optional[str]):
+def to_sampling_params(params: dict, *, max_new_tokens: int, logprobs_mode: str | None):
     """veRL's per-request sampling dict -> our ``SamplingParams`` (n = 1: veRL sends one request
     per sample). Temperature 0 is greedy; top_k -1 is off. Unknown keys are refused, naming
     them, rather than silently ignored."""
@@ -66,7 +66,8 @@ def to_sampling_params(params: dict, *, max_new_tokens: int, logprobs_mode: Opti
              "ignore_eos"}
     unknown = sorted(set(p) - known)
     if unknown:
-        raise ValueError(f"hf rollout: sampling parameter(s) {unknown} are not supported by HF generate; known: {sorted(known)}")
+        raise ValueError(f"hf rollout: sampling parameter(s) {unknown} are not supported by HF generate; "
+                         f"known: {sorted(known)}")
     if p.get("ignore_eos"):
         raise ValueError("hf rollout: ignore_eos=True is not supported; set actor_rollout_ref.rollout.ignore_eos=false")
     mode = LOGPROBS_MODES.get(logprobs_mode or "processed_logprobs")
@@ -108,7 +109,8 @@ class HFRolloutServer:
         get = model_config.get if hasattr(model_config, "get") else lambda k, d=None: getattr(model_config, k, d)
         path = get("local_path", None) or get("path", None)
         if not path or not os.path.isdir(path):
-            raise FileNotFoundError(f"hf rollout: actor_rollout_ref.model.path={path!r} is not a local HF model directory")
+            raise FileNotFoundError(f"hf rollout: actor_rollout_ref.model.path={path!r} is not a local HF model "
+                                    "directory")
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         eos = model.generation_config.eos_token_id
@@ -119,10 +121,10 @@ class HFRolloutServer:
         self.engine = HFEngine(model, pad_id=pad, eos_id=eos, device=torch.device("cpu"),
                                max_batch_sequences=int(config.max_num_seqs), shared=False)
         self.batch_wait_s = float(batch_wait_s)
-        self.global_steps: Optional[int] = None
+        self.global_steps: int | None = None
         self.weight_version = 0
         self._queue: list[tuple[list[int], dict, asyncio.Future]] = []
-        self._drainer: Optional[asyncio.Task] = None
+        self._drainer: asyncio.Task | None = None
         self.stats = {"requests": 0, "batches": 0, "generate_s": 0.0, "max_batch": 0}
         from ..clock import Snapshots
 
@@ -169,7 +171,7 @@ class HFRolloutServer:
                         if not it[2].done():
                             it[2].set_exception(exc)
                     continue
-                for it, out in zip(items, outs):
+                for it, out in zip(items, outs, strict=False):
                     if not it[2].done():
                         it[2].set_result(out)
 
@@ -194,7 +196,7 @@ class HFRolloutServer:
             for i in range(len(prompts))
         ]
 
-    def update_weights(self, state: dict[str, torch.Tensor], global_steps: Optional[int] = None) -> int:
+    def update_weights(self, state: dict[str, torch.Tensor], global_steps: int | None = None) -> int:
         """Load full HF-named tensors (from the adapter); returns the new weight version."""
         if self.snapshots is not None:
             self.snapshots.before_update(self.engine.model.state_dict, global_steps)
@@ -259,6 +261,8 @@ def load_replica_class():
                 max_concurrency=self.max_concurrency,
                 num_cpus=0,  # generation shares the training workers' cores (colocated, hybrid)
             ).remote(config=self.config, model_config=self.model_config, replica_rank=self.replica_rank)
+            # ray types .options().remote() as "a handle or the class"; it is the handle
+            server = cast("ray.actor.ActorHandle", server)
             self.servers = [server]
             self._server_handle = server
             self._server_address = server_name(self.replica_rank)  # a router key; no HTTP server
@@ -291,7 +295,7 @@ def _make_adapter():
 
     BaseRollout = _adapter_base()
 
-    class HFServerAdapter(BaseRollout):
+    class HFServerAdapter(BaseRollout):  # type: ignore[valid-type, misc]  # veRL's, imported on first use
         """Worker-side rollout: forwards the trainer's weights to the replica's server.
 
         Constructed by veRL as ``(config, model_config, device_mesh)`` on every hybrid worker.

@@ -25,10 +25,11 @@ from __future__ import annotations
 import functools
 
 from ...importhook import after_import
+from ...wrap import wrap
 
 __all__ = ["FSDP_ENGINES", "install", "on_cpu"]
 
-_MARK = "__cppo_cpu__"
+WRAP_TAG = __name__  # marks our layers on veRL's functions (integrations/wrap.py)
 # veRL 0.9.1's FSDP engine classes, by registry model type
 FSDP_ENGINES = {"language_model": "FSDPEngineWithLMHead", "value_model": "FSDPEngineWithValueHead"}
 FSDP_MODULE = "verl.workers.engine.fsdp.transformer_impl"
@@ -62,23 +63,21 @@ def _gloo_process_group(original):
             backend = "gloo"
         return original(timeout_second=timeout_second, backend=backend)
 
-    setattr(initialize_global_process_group_ray, _MARK, original)
     return initialize_global_process_group_ray
 
 
 def _patch_process_group(module) -> None:
-    current = getattr(module, "initialize_global_process_group_ray", None)
-    if current is None:
-        raise RuntimeError(f"cppo cpu mode: {module.__name__}.initialize_global_process_group_ray is gone; veRL changed")
-    if not hasattr(current, _MARK):
-        module.initialize_global_process_group_ray = _gloo_process_group(current)
+    if getattr(module, "initialize_global_process_group_ray", None) is None:
+        raise RuntimeError(f"cppo cpu mode: {module.__name__}.initialize_global_process_group_ray is gone; "
+                           "veRL changed")
+    wrap(module, "initialize_global_process_group_ray", _gloo_process_group, tag=WRAP_TAG)
 
 
 def _patch_users(module) -> None:
-    dist = __import__(DIST_MODULE, fromlist=["x"])
-    _patch_process_group(dist)
-    if not hasattr(getattr(module, "initialize_global_process_group_ray", None), _MARK):
-        module.initialize_global_process_group_ray = dist.initialize_global_process_group_ray
+    _patch_process_group(__import__(DIST_MODULE, fromlist=["x"]))
+    # a module that bound the name before veRL's was wrapped gets its own layer over it
+    if getattr(module, "initialize_global_process_group_ray", None) is not None:
+        wrap(module, "initialize_global_process_group_ray", _gloo_process_group, tag=WRAP_TAG)
 
 
 def _unpinned_offload(original):
@@ -88,15 +87,13 @@ def _unpinned_offload(original):
             kwargs["pin_memory"] = False
         return original(*args, **kwargs)
 
-    setattr(CPUOffloadPolicy, _MARK, original)
     return CPUOffloadPolicy
 
 
 def _patch_fsdp(module) -> None:
     _register_engines(module)
-    current = getattr(module, "CPUOffloadPolicy", None)
-    if current is not None and not hasattr(current, _MARK):
-        module.CPUOffloadPolicy = _unpinned_offload(current)
+    if getattr(module, "CPUOffloadPolicy", None) is not None:
+        wrap(module, "CPUOffloadPolicy", _unpinned_offload, tag=WRAP_TAG)
 
 
 def install() -> None:

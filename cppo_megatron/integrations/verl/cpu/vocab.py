@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -29,7 +30,7 @@ def pad_vocab(model_dir: str | Path, multiple: int) -> int:
         raise ValueError(f"pad_vocab: multiple={multiple!r}; need an int >= 1 (e.g. the TP size, or 8)")
     model_dir = Path(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    emb: torch.Tensor = model.get_input_embeddings().weight
+    emb = cast(torch.Tensor, model.get_input_embeddings().weight)  # nn.Module.__getattr__ is typed Tensor | Module
     rows = int(emb.shape[0])
     target = -(-rows // int(multiple)) * int(multiple)
     if target == rows:
@@ -41,7 +42,7 @@ def pad_vocab(model_dir: str | Path, multiple: int) -> int:
     tied = head is not None and head.weight.data_ptr() == emb.data_ptr()
     model.resize_token_embeddings(target, mean_resizing=False)
     with torch.no_grad():
-        new_emb: torch.Tensor = model.get_input_embeddings().weight
+        new_emb = cast(torch.Tensor, model.get_input_embeddings().weight)
         new_emb[rows:] = new_emb[pad_id]
         if head is not None and not tied:
             new_head: torch.Tensor = model.get_output_embeddings().weight
