@@ -242,7 +242,8 @@ def free_port() -> int:
 def run(world: int, model_dir: str, train_cfg: dict, eval_cfg: dict | None, dtype: str, grad_ckpt: bool,
         zero_init: bool, tmp: str) -> dict:
     out = os.path.join(tmp, f"result-{world}.json")
-    mp.start_processes(worker, args=(world, free_port(), model_dir, train_cfg, eval_cfg, dtype, grad_ckpt, zero_init, out),
+    mp.start_processes(worker,
+                       args=(world, free_port(), model_dir, train_cfg, eval_cfg, dtype, grad_ckpt, zero_init, out),
                        nprocs=world, start_method="spawn")
     with open(out) as f:
         return json.load(f)
@@ -258,7 +259,8 @@ def main(argv=None) -> int:
     parser.add_argument("--variant", action="append", choices=sorted(VARIANTS), help="config variant (repeatable)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                         help="set a (dotted) key of the train and eval configs, e.g. bf16.enabled=false")
-    parser.add_argument("--unset", action="append", default=[], metavar="KEY", help="remove a key of the train and eval configs")
+    parser.add_argument("--unset", action="append", default=[], metavar="KEY",
+                        help="remove a key of the train and eval configs")
     parser.add_argument("--eval", action="store_true", help="also build the eval (reference) engine and compare it")
     parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing, as the recipes enable")
     parser.add_argument("--tied", action="store_true",
