@@ -12,9 +12,14 @@ run does, on the same 6 rows split evenly over N ranks:
    model's) and its no-grad forward.
 
 It prints the loss, DeepSpeed's global gradient norm, and max |log-prob difference| against the
-1-rank run of the same variant, for the train forward, the post-step forward and the eval engine.
-A run with right numbers gives the same loss and grad norm for every N and log-prob differences at
-the level of the dtype's rounding.
+1-rank run of the same variant, for the train forward, the post-step forward and the eval engine,
+and every parameter whose gathered value differs from the saved weight (after ``from_pretrained``,
+after ``deepspeed.initialize``, in the eval engine). A run with right numbers gives the same loss
+and grad norm for every N and equal log-probs before the step. On DeepSpeed 0.19.6's CPU
+accelerator the multi-rank ZeRO-3 runs are wrong *intermittently* (garbage in gathered weights;
+docs/integrations/openrlhf.md, "ZeRO-3 with more than one rank"): repeat a rank count to see it,
+e.g. ``--ranks 1 3 3 3``. DeepSpeed compiles its CPU ops (fused Adam, shm comm) on first use into
+``TORCH_EXTENSIONS_DIR``.
 
     DS_ACCELERATOR=cpu .venv-vllm/bin/python scripts/zero3_cpu_repro.py --ranks 1 2 3 \\
         --variant openrlhf --variant openrlhf-fp32
