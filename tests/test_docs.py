@@ -67,6 +67,8 @@ def classify(s: Snippet) -> tuple[str, str, list[str]]:
         return "skip", "runs tests: the test suite itself", []
     if prog == "torchrun":
         return "skip", "runs examples/megatron_step.py: test_megatron_example_runs_under_torchrun", []
+    if prog.endswith("python") and argv[1:2] == ["scripts/zero3_cpu_repro.py"]:
+        return "skip", "spawns N DeepSpeed ZeRO-3 processes (.venv-vllm's DeepSpeed; 20-40 s a run)", []
     if prog.endswith("python") and argv[1:3] == ["-m", "cppo_megatron.integrations.verl.main"]:
         cli = ["verl", *argv[3:]]
     elif prog.endswith("python") and argv[1:3] == ["-m", "cppo_megatron.integrations.openrlhf.train"]:
