@@ -43,12 +43,29 @@ def kill_pid(pid: int, what: str = "") -> Callable[[subprocess.Popen], str]:
     return strike
 
 
+def kill_session(sid: int) -> int:
+    """SIGKILL every process of session ``sid`` (the run's, started with ``start_new_session``):
+    its process group and the groups Ray's workers make for themselves, whose children outlive a
+    SIGKILLed driver otherwise. Returns how many were killed."""
+    killed = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # the fields after the command's closing parenthesis: state ppid pgrp session ...
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid:
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+                killed += 1
+        except (OSError, ValueError, IndexError):
+            pass  # gone meanwhile, or not ours to read
+    return killed
+
+
 def run(args: list[str], *, env: dict, cwd: Path, log_path: Path, timeout: float = 900,
         when: Optional[Callable[[], Optional[Callable[[subprocess.Popen], str]]]] = None,
         poll_s: float = 0.2) -> Run:
     """Run ``args``; while it runs, call ``when()`` every ``poll_s``: once it returns a strike
-    function, call it on the process (once). Afterwards every process left in the run's process
-    group is killed (Ray's head processes outlive a SIGKILLed driver by minutes otherwise)."""
+    function, call it on the process (once). Afterwards every process left in the run's session
+    is killed (Ray's head processes and its workers' children outlive a SIGKILLed driver otherwise)."""
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
@@ -63,10 +80,7 @@ def run(args: list[str], *, env: dict, cwd: Path, log_path: Path, timeout: float
                         struck, struck_at = strike(proc), time.monotonic()
                 time.sleep(poll_s)
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_session(proc.pid)
             proc.wait()
     end = time.monotonic()
     return Run(proc.returncode, log_path.read_text(errors="replace"), end - t0, struck,
