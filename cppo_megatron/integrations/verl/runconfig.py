@@ -103,6 +103,8 @@ def noop_warning(cfg: CPPOConfig, group_size: int) -> str:
 
 def check_compatible(config: Any) -> None:
     """Raise ValueError for veRL settings CPPO cannot run with, naming the key."""
+    from omegaconf import OmegaConf
+
     algorithm = config.algorithm
     if bool(algorithm.get("use_kl_in_reward", False)):
         raise ValueError(
@@ -134,6 +136,17 @@ def check_compatible(config: Any) -> None:
         raise ValueError(
             "trainer.balance_batch=False with trainer.use_v1=False: the legacy loop skips "
             "_balance_batch, the seam CPPO prunes at. Set trainer.balance_batch=True."
+        )
+    mode = str(OmegaConf.select(config, "trainer.v1.trainer_mode", default="sync"))
+    if bool(trainer.get("use_v1", True)) and mode == "separate_async":
+        raise ValueError(
+            "trainer.v1.trainer_mode=separate_async is not supported with cppo: veRL asserts "
+            "data.train_batch_size == trainer.v1.separate_async.parameter_sync_step x "
+            "actor.ppo_mini_batch_size, counted in prompts (verl/trainer/ppo/v1/trainer_separate_async.py:59), "
+            "while CPPO sizes a step by its kept completions: allocation grows train_batch_size by G/k "
+            "(allocation=false shrinks the mini-batch by k/G), so that assert fails either way; its "
+            "partial rollouts also drop groups older than trainer.v1.sampler.max_off_policy_threshold "
+            "before the pruning seam. Use trainer.v1.trainer_mode=sync (or colocate_async)."
         )
     if bool(algorithm.get("filter_groups", {}).get("enable", False)):
         raise ValueError(

@@ -122,7 +122,8 @@ def core_survivors(uids, rewards, step, pruning_rate):
     return res.selection.kept.tolist()
 
 
-def check_run(run, *, pruning_rate, loop):
+def check_run(run, *, pruning_rate, loop, syncs=None):
+    """The audit checks of a run; ``syncs`` checks its weight syncs (default: the ``hf`` adapter's)."""
     records = run["audit"]
     prunes, olds, updates = by_step(records, "prune"), by_step(records, "old_log_prob"), by_step(records, "update")
     assert sorted(updates) == list(range(1, STEPS + 1)), sorted(updates)
@@ -153,7 +154,7 @@ def check_run(run, *, pruning_rate, loop):
         assert m["cppo/num_pruned"] == prompts * G - len(want)
         assert math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0
         assert m["timing_s/gen"] > 0 and m["timing_s/update_actor"] > 0 and m["timing_s/old_log_prob"] > 0
-    check_syncs(records)
+    (syncs or check_syncs)(records)
 
 
 def check_syncs(records):

@@ -141,12 +141,23 @@ def test_allocation_errors_name_the_value(config):
         ("algorithm.filter_groups.enable", True, "filter_groups"),
         ("algorithm.norm_adv_by_std_in_grpo", False, "cppo.adv_norm=none"),
         ("cppo.metric", "importance", "metric=importance is not supported under veRL"),
+        ("trainer.v1.trainer_mode", "separate_async", "separate_async is not supported with cppo: veRL asserts"),
     ],
 )
 def test_incompatible_settings(config, key, value, match):
     OmegaConf.update(config, key, value, force_add=True)
     with pytest.raises(ValueError, match=match):
         check_compatible(config)
+
+
+@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
+def test_the_other_v1_modes_and_the_legacy_loop_pass(config, mode):
+    OmegaConf.update(config, "trainer.v1.trainer_mode", mode)
+    check_compatible(config)
+    with open_dict(config):  # the legacy loop has no trainer modes
+        config.trainer.use_v1 = False
+        config.trainer.v1.trainer_mode = "separate_async"
+    check_compatible(config)
 
 
 def test_keep_mass_is_refused(config):
