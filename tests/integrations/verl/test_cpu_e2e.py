@@ -215,6 +215,8 @@ def test_v1_resume_after_a_dead_worker_and_a_sigkill_of_the_driver_continues_the
     assert resumed["metrics"][2]["actor/lr"] == v1_cppo["metrics"][2]["actor/lr"]
 
 
+@pytest.mark.skipif(os.environ.get("E2E_TESTS", "") != "all",
+                    reason="the V1 GRPO (P = 0) run runs with E2E_TESTS=all (CI time; CI runs CPPO on V1 and legacy)")
 def test_v1_grpo_through_the_same_path_keeps_every_row(tiny_model, tmp_path_factory):
     run = run_verl("tiny_cpu_cppo.yaml", tmp_path_factory.mktemp("v1_p0"), tiny_model, "cppo.pruning_rate=0.0",
                    "trainer.use_v1=true")
