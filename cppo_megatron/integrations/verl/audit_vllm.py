@@ -60,11 +60,11 @@ def _adapter_update(original):
         sent: dict[str, torch.Tensor | None] = {}
         out = await original(self, _teed(weights, sent), global_steps, *args, **kwargs)
         plain = {k: v for k, v in sent.items() if v is not None}
+        sums = {k: _sum_abs(v) for k, v in plain.items()}
         record("sync", role="vllm-adapter", global_steps=global_steps, replica_rank=getattr(self, "replica_rank", None),
                rollout_rank=getattr(self, "rollout_rank", None), rank=int(os.environ.get("RANK", -1)),
-               num_tensors=len(sent), not_hashed=sorted(set(sent) - set(plain)),
-               fingerprint=sum(_sum_abs(v) for v in plain.values()),
-               sums={k: _sum_abs(v) for k, v in plain.items()}, hashes={k: tensor_hash(v) for k, v in plain.items()})
+               num_tensors=len(sent), not_hashed=sorted(set(sent) - set(plain)), fingerprint=sum(sums.values()),
+               sums=sums, hashes={k: tensor_hash(v) for k, v in plain.items()})
         return out
 
     return update_weights

@@ -103,8 +103,6 @@ def noop_warning(cfg: CPPOConfig, group_size: int) -> str:
 
 def check_compatible(config: Any) -> None:
     """Raise ValueError for veRL settings CPPO cannot run with, naming the key."""
-    from omegaconf import OmegaConf
-
     algorithm = config.algorithm
     if bool(algorithm.get("use_kl_in_reward", False)):
         raise ValueError(
@@ -137,8 +135,7 @@ def check_compatible(config: Any) -> None:
             "trainer.balance_batch=False with trainer.use_v1=False: the legacy loop skips "
             "_balance_batch, the seam CPPO prunes at. Set trainer.balance_batch=True."
         )
-    mode = str(OmegaConf.select(config, "trainer.v1.trainer_mode", default="sync"))
-    if bool(trainer.get("use_v1", True)) and mode == "separate_async":
+    if bool(trainer.get("use_v1", True)) and trainer.get("v1", {}).get("trainer_mode", "sync") == "separate_async":
         raise ValueError(
             "trainer.v1.trainer_mode=separate_async is not supported with cppo: veRL asserts "
             "data.train_batch_size == trainer.v1.separate_async.parameter_sync_step x "
