@@ -60,6 +60,9 @@ __all__ = ["arm_overrides", "default_target", "interleave", "is_verl_recipe", "p
 VERL_DEFAULTS = {"rates": "0,0.875", "metrics": "smallest", "allocation": "both"}
 VERL_METRICS = ("smallest", "random", "largest", "signed")
 PHASES = ("gen", "old_log_prob", "ref", "adv", "update_actor", "update_weights")
+# the study grades the policy in force at each wall-clock mark, which the `hf` rollout server keeps
+# (integrations/verl/clock.py); it replaces a recipe's vLLM rollout
+STUDY_ROLLOUT, ROLLOUT_KEY = "hf", "actor_rollout_ref.rollout.name"
 STEP_LIMIT = 1_000_000  # veRL needs a step count; the clock ends the run long before
 
 
@@ -405,13 +408,21 @@ def run(args: argparse.Namespace) -> int:
     if a.seeds < 1 or a.budget <= 0 or a.evals < 1:
         raise ValueError(f"--seeds, --budget, --evals must be positive, got {a.seeds}, {a.budget}, {a.evals}")
     recipe = str(Path(a.recipe).resolve())
-    config = compose(recipe, list(a.overrides))
+    overrides = list(a.overrides)
+    config = compose(recipe, overrides)
     if str(config.trainer.get("device", "")) != "cpu" or config.get(GROUP) is None:
         raise ValueError(f"{a.recipe}: the veRL study runs CPU-mode recipes (trainer.device=cpu with a {GROUP} "
                          "group, e.g. recipes/verl/tiny_cpu_grpo.yaml)")
-    if str(config.actor_rollout_ref.rollout.name) != "hf":
-        raise ValueError("the veRL study needs actor_rollout_ref.rollout.name=hf: its rollout server keeps the "
-                         "policy at each wall-clock mark")
+    if str(config.actor_rollout_ref.rollout.name) != STUDY_ROLLOUT:
+        if any(o.split("=", 1)[0].lstrip("+") == ROLLOUT_KEY for o in overrides):
+            raise ValueError(f"the veRL study needs {ROLLOUT_KEY}={STUDY_ROLLOUT}: its rollout server keeps the "
+                             "policy at each wall-clock mark for the held-out evaluation (vLLM's does not)")
+        was = str(config.actor_rollout_ref.rollout.name)
+        overrides = [f"{ROLLOUT_KEY}={STUDY_ROLLOUT}", *overrides]
+        config = compose(recipe, overrides)
+        print(f"study verl: generating with the `{STUDY_ROLLOUT}` rollout instead of the recipe's "
+              f"`{was}`: its server keeps the policy in force at each wall-clock mark, which "
+              "the held-out evaluation grades; vLLM's server does not", flush=True)
     group = config[GROUP]
     model_dir, data_dir = (Path(str(group[k])).expanduser().resolve() for k in ("model_dir", "data_dir"))
     out = Path(a.out)
@@ -435,7 +446,7 @@ def run(args: argparse.Namespace) -> int:
             result = json.loads(done.read_text())
             print(f"study verl: reusing {result['run']}", flush=True)
         else:
-            result = run_one(recipe, list(a.overrides), spec, out, model_dir, data_dir, a.budget, marks,
+            result = run_one(recipe, overrides, spec, out, model_dir, data_dir, a.budget, marks,
                              a.run_timeout)
         torch.set_num_threads(choose_threads())
         row = evaluate_run(result, out, evaluator, start)
@@ -469,7 +480,7 @@ def run(args: argparse.Namespace) -> int:
         name="study_verl",
         title=(f"study in veRL on {Path(a.recipe).name}: {a.budget:g} s of wall time per run, {a.seeds} seed(s), "
                f"legacy loop, {config.actor_rollout_ref.actor.strategy} engine"),
-        params={"recipe": a.recipe, "overrides": a.overrides, "rates": a.rates, "metrics": a.metrics,
+        params={"recipe": a.recipe, "overrides": overrides, "rates": a.rates, "metrics": a.metrics,
                 "allocation": a.allocation, "seeds": a.seeds, "budget": a.budget, "evals": a.evals,
                 "eval_problems": a.eval_problems, "target": target, "order": [r["run"] for r in rows]},
         columns=["config", "seeds", "final acc (mean)", "seed spread (sd)", "eval stderr", "time to target (s)",

@@ -40,10 +40,11 @@ def load() -> None:
     """Register the estimator, install the hook and, with ``VERL_PLATFORM=cpu``, the CPU mode;
     the audit recorders, the key trace and the wall-clock budget when their variables are set
     (idempotent)."""
-    from . import audit, audit_vllm, clock, cpu, keytrace
+    from . import async_modes, audit, audit_vllm, clock, cpu, keytrace
 
     register_estimator()
     install()
+    async_modes.install()  # separate_async: veRL's mini-batch assert in CPPO's units
     cpu.enable()
     audit.install()
     audit_vllm.install()  # what veRL's vLLM rollout serves after each sync

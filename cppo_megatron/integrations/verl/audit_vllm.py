@@ -18,8 +18,15 @@ of vLLM's ``packed_modules_mapping`` (``q_proj``/``k_proj``/``v_proj`` -> ``qkv_
 ``gate_proj``/``up_proj`` -> ``gate_up_proj``), the shards stacked along dim 0 in the mapping's
 order; a vocabulary padded to a multiple is compared on its first rows; a tied ``lm_head``
 resolves to the embedding it shares. The received tensor is cast to the served dtype first (bf16
-serving of an fp32 actor compares the rounding vLLM itself applies). Only vLLM tensor parallel
-size 1 is compared; a sharded worker records ``compared: false`` with the reason.
+serving of an fp32 actor compares the rounding vLLM itself applies).
+
+Under vLLM tensor parallelism (size > 1) each worker serves a shard, laid out by vLLM's own
+rules (column/row parallel, vocabulary parallel, GQA heads replicated when there are fewer KV
+heads than ranks). There ``sharded_difference`` asks vLLM's own ``weight_loader`` of each
+parameter where this rank's shard of the received tensor goes (loaded into the parameter
+filled with NaN, read back, then the served values restored) and compares the served values
+there; the record says ``method: "weight_loader"``. That check trusts vLLM's loaders for the
+layout; the TP 1 check does not use them.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from ..records import tensor_hash
 from ..wrap import wrap
 from .audit import enabled, record
 
-__all__ = ["ADAPTER", "EXTENSION", "install", "served_difference", "served_parameter"]
+__all__ = ["ADAPTER", "EXTENSION", "install", "served_difference", "served_parameter", "sharded_difference"]
 
 ADAPTER = ("verl.workers.rollout.vllm_rollout.vllm_rollout", "ServerAdapter")
 EXTENSION = ("verl.workers.rollout.vllm_rollout.utils", "vLLMColocateWorkerExtension")
@@ -47,11 +54,28 @@ def _sum_abs(t: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------------------ trainer side
+def _keep(sent: dict[str, torch.Tensor | None], name: str, tensor) -> None:
+    # a DTensor is the sender's to gather (a collective); plain tensors are hashed here
+    sent[name] = None if hasattr(tensor, "full_tensor") else tensor.detach().to("cpu", copy=True)
+
+
 def _teed(weights, sent: dict[str, torch.Tensor | None]):
-    for name, tensor in weights:
-        # a DTensor is the sender's to gather (a collective); plain tensors are hashed here
-        sent[name] = None if hasattr(tensor, "full_tensor") else tensor.detach().to("cpu", copy=True)
-        yield name, tensor
+    """``weights`` passed through, each tensor kept in ``sent``: a generator for a generator, an async
+    generator for an async one (a checkpoint engine's ``receive_weights``, separate_async)."""
+    if hasattr(weights, "__aiter__"):
+        async def ateed():
+            async for name, tensor in weights:
+                _keep(sent, name, tensor)
+                yield name, tensor
+
+        return ateed()
+
+    def teed():
+        for name, tensor in weights:
+            _keep(sent, name, tensor)
+            yield name, tensor
+
+    return teed()
 
 
 def _adapter_update(original):
@@ -135,6 +159,75 @@ def served_difference(model: torch.nn.Module, received: dict[str, torch.Tensor])
     return {"max_abs_diff": diff, "missing": sorted(missing), "mismatched": sorted(mismatched)}
 
 
+def _fused_target(model: torch.nn.Module, name: str) -> tuple[str, Any] | None:
+    """(served parameter name, loader shard id) of an HF tensor that vLLM keeps inside a fused
+    parameter (``packed_modules_mapping``): ``q``/``k``/``v`` for a QKV projection, the shard's
+    index otherwise (vLLM's own ``stacked_params_mapping`` convention); None when not fused."""
+    module, _, leaf = name.rpartition(".")
+    parent, _, proj = module.rpartition(".")
+    for fused, shards in (getattr(model, "packed_modules_mapping", None) or {}).items():
+        if proj in shards:
+            shard_id: Any = proj[0] if fused == "qkv_proj" else shards.index(proj)
+            return f"{parent}.{fused}.{leaf}", shard_id
+    return None
+
+
+def sharded_difference(model: torch.nn.Module, received: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Largest |served - expected| on this vLLM rank, where expected is what vLLM's own
+    ``weight_loader`` puts in the served parameter from each received (full) tensor.
+
+    Each loader writes into its parameter filled with NaN; the entries it wrote are the rank's
+    expected shard, compared with the served values, which are put back exactly afterwards.
+    Returns ``max_abs_diff``, ``missing`` (no served parameter), ``mismatched`` (the loader
+    refused the tensor) and ``compared_values`` (entries compared on this rank)."""
+    if not received:
+        raise ValueError("sharded_difference: no received tensors (the sync delivered nothing)")
+    missing, mismatched, diff, compared = [], [], 0.0, 0
+    with torch.no_grad():
+        for name, want in received.items():
+            target: tuple[str, Any] | None
+            try:
+                model.get_parameter(name)
+                target = (name, None)
+            except AttributeError:
+                target = _fused_target(model, name)
+            if target is None:
+                missing.append(name)
+                continue
+            served_name, shard_id = target
+            try:
+                param = model.get_parameter(served_name)
+            except AttributeError:
+                missing.append(name)
+                continue
+            loader = getattr(param, "weight_loader", None)
+            served = param.detach().clone()
+            try:
+                param.data.fill_(float("nan"))
+                if loader is None:  # a plain parameter: vLLM's default loader copies the whole tensor
+                    param.data.copy_(want)
+                elif shard_id is None:
+                    loader(param, want)
+                else:
+                    loader(param, want, shard_id)
+                expected = param.detach().clone()
+            except (AssertionError, RuntimeError, ValueError) as exc:
+                mismatched.append(f"{name} -> {served_name}: {type(exc).__name__}: {exc}"[:300])
+                continue
+            finally:
+                param.data.copy_(served)
+            written = ~torch.isnan(expected.float())
+            n = int(written.sum())
+            if n == 0:
+                mismatched.append(f"{name} -> {served_name}: the loader wrote nothing")
+                continue
+            compared += n
+            delta = (served.double()[written] - expected.double()[written]).abs()
+            diff = max(diff, float(delta.max()))
+    return {"max_abs_diff": diff, "missing": sorted(missing), "mismatched": sorted(mismatched),
+            "compared_values": compared}
+
+
 def _extension_update_weights(original):
     @functools.wraps(original)
     def _update_weights(self, weights, *args, **kwargs):
@@ -163,13 +256,20 @@ def _extension_update_from_ipc(original):
         if kwargs.get("peft_config") is not None:
             fields.update(compared=False, reason="a LoRA adapter sync: the base weights are not served anew")
         elif tp != 1:
-            fields.update(compared=False, reason=f"vLLM tensor_parallel_size={tp}: shards are not compared")
+            fields.update(compared=True, method="weight_loader", tp_rank=_tp_rank(),
+                          **sharded_difference(self.model_runner.model, received))
         else:
-            fields.update(compared=True, **served_difference(self.model_runner.model, received))
+            fields.update(compared=True, method="direct", **served_difference(self.model_runner.model, received))
         record("served", role="vllm-worker", **fields)
         return out
 
     return update_weights_from_ipc
+
+
+def _tp_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
 
 
 def _patch(module) -> None:

@@ -136,16 +136,17 @@ def check_compatible(config: Any) -> None:
             "_balance_batch, the seam CPPO prunes at. Set trainer.balance_batch=True."
         )
     if bool(trainer.get("use_v1", True)) and trainer.get("v1", {}).get("trainer_mode", "sync") == "separate_async":
-        raise ValueError(
-            "trainer.v1.trainer_mode=separate_async is not supported with cppo: veRL asserts "
-            "data.train_batch_size == trainer.v1.separate_async.parameter_sync_step x "
-            "actor.ppo_mini_batch_size, counted in prompts (verl/trainer/ppo/v1/trainer_separate_async.py:59), "
-            "while CPPO sizes a step by its kept completions: allocation grows train_batch_size by G/k "
-            "(allocation=false shrinks the mini-batch by k/G), so that assert fails either way; its "
-            "partial rollouts also drop groups older than trainer.v1.sampler.max_off_policy_threshold "
-            "before the pruning seam. Use trainer.v1.trainer_mode=sync (colocate_async has not been run "
-            "with cppo yet)."
-        )
+        # veRL's own rule on the recipe's sizes (trainer_separate_async.py:59), checked here before
+        # allocation changes them; async_modes.py keeps veRL's assert true after allocation
+        psync = int(trainer.v1.get("separate_async", {}).get("parameter_sync_step", 1))
+        b, mini = int(config.data.train_batch_size), int(config.actor_rollout_ref.actor.ppo_mini_batch_size)
+        if psync < 1 or b != psync * mini:
+            raise ValueError(
+                f"trainer.v1.trainer_mode=separate_async: data.train_batch_size={b} must equal "
+                f"trainer.v1.separate_async.parameter_sync_step={psync} x actor.ppo_mini_batch_size={mini} "
+                f"(veRL's rule: each local update trains one mini-batch), counted before CPPO's allocation; "
+                f"set data.train_batch_size={max(psync, 1) * mini}"
+            )
     if bool(algorithm.get("filter_groups", {}).get("enable", False)):
         raise ValueError(
             "algorithm.filter_groups.enable=True (DAPO dynamic sampling) together with cppo is not "

@@ -102,3 +102,82 @@ def test_bf16_serving_is_compared_after_the_same_rounding():
     sent = _sent()
     model = _load(_Served(torch.bfloat16), sent)  # vLLM rounds the fp32 actor's tensors on load
     assert served_difference(model, sent)["max_abs_diff"] == 0.0
+
+
+# --- vLLM tensor parallelism: each rank serves a shard, found through the parameter's own loader
+
+
+class _ColumnShard(nn.Module):
+    """A column-parallel fused QKV of rank ``rank`` of 2, with a loader in vLLM's convention
+    (``weight_loader(param, full_tensor, shard_id)``): rows of each shard split over the ranks."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.rank = rank
+        self.qkv_proj = nn.Linear(H, (Q + 2 * KV) // 2, bias=False)
+        self.qkv_proj.weight.weight_loader = self._load_qkv
+
+    def _load_qkv(self, param, full, shard_id):
+        sizes = {"q": Q // 2, "k": KV // 2, "v": KV // 2}
+        start = {"q": 0, "k": Q // 2, "v": Q // 2 + KV // 2}[shard_id]
+        n = sizes[shard_id]
+        param.data[start:start + n].copy_(full[self.rank * n:(self.rank + 1) * n])
+
+
+class _ShardedServed(nn.Module):
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
+    def __init__(self, rank):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList([nn.Module()])
+        self.model.layers[0].self_attn = _ColumnShard(rank)
+        self.model.norm = nn.Linear(H, 1, bias=False)  # a replicated parameter, no loader of its own
+
+
+def _sharded_sent():
+    g = torch.Generator().manual_seed(1)
+    p = "model.layers.0.self_attn."
+    return {p + "q_proj.weight": torch.randn(Q, H, generator=g), p + "k_proj.weight": torch.randn(KV, H, generator=g),
+            p + "v_proj.weight": torch.randn(KV, H, generator=g), "model.norm.weight": torch.randn(1, H, generator=g)}
+
+
+def _serve_rank(rank, sent):
+    m = _ShardedServed(rank)
+    p = "model.layers.0.self_attn."
+    with torch.no_grad():
+        q, k, v = (sent[p + f"{x}_proj.weight"] for x in "qkv")
+        m.model.layers[0].self_attn.qkv_proj.weight.copy_(torch.cat([
+            q[rank * Q // 2:(rank + 1) * Q // 2], k[rank * KV // 2:(rank + 1) * KV // 2],
+            v[rank * KV // 2:(rank + 1) * KV // 2]]))
+        m.model.norm.weight.copy_(sent["model.norm.weight"])
+    return m
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tensor_parallel_rank_serving_its_shards_differs_by_zero_and_keeps_its_values(rank):
+    from cppo_megatron.integrations.verl.audit_vllm import sharded_difference
+
+    sent = _sharded_sent()
+    model = _serve_rank(rank, sent)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    out = sharded_difference(model, sent)
+    assert out["max_abs_diff"] == 0.0 and out["missing"] == [] and out["mismatched"] == []
+    assert out["compared_values"] == (Q + 2 * KV) // 2 * H + H  # the rank's shard and the replicated norm
+    for k, v in model.named_parameters():  # the NaN-filled loads were undone exactly
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+
+
+def test_a_shard_served_from_the_other_ranks_rows_is_found():
+    from cppo_megatron.integrations.verl.audit_vllm import sharded_difference
+
+    sent = _sharded_sent()
+    model = _serve_rank(0, sent)
+    model.model.layers[0].self_attn.rank = 1  # rank 1's loader: rank 0's served rows are wrong for it
+    assert sharded_difference(model, sent)["max_abs_diff"] > 0.1
+    with torch.no_grad():
+        model.model.layers[0].self_attn.qkv_proj.weight[Q // 2, 0] += 0.5  # one k value on rank 0
+    model.model.layers[0].self_attn.rank = 0
+    assert sharded_difference(model, sent)["max_abs_diff"] == pytest.approx(0.5)
+    sent["model.extra.weight"] = torch.zeros(2)
+    assert sharded_difference(model, sent)["missing"] == ["model.extra.weight"]

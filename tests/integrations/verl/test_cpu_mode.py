@@ -23,6 +23,8 @@ from verl.utils.device import get_device_name, get_nccl_backend, get_device_id, 
 import verl.utils.distributed as dist_mod
 import verl.workers.engine_workers as ew
 import verl.workers.engine.fsdp.transformer_impl as fsdp
+import verl.utils.fsdp_utils as fsdp_utils
+from verl.checkpoint_engine.base import CheckpointEngineRegistry
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.rollout.replica import RolloutReplicaRegistry
 from verl.workers.rollout.base import _ROLLOUT_REGISTRY
@@ -33,6 +35,8 @@ out = {"device": get_device_name(), "hf_replica": "hf" in RolloutReplicaRegistry
        "cpu_engine": "cpu" in EngineRegistry._engines["language_model"]["fsdp2"],
        "pg_wrapped": is_wrapped(ew.initialize_global_process_group_ray, SEAMS),
        "offload_wrapped": is_wrapped(fsdp.CPUOffloadPolicy, SEAMS),
+       "save_wrapped": is_wrapped(fsdp_utils.fsdp2_sharded_save_to_cpu, SEAMS),
+       "cpu_sync_engine": "cpu" in CheckpointEngineRegistry._registry,
        "cpu_modules": sorted(m for m in sys.modules if m.startswith("cppo_megatron.integrations.verl.cpu"))}
 if out["device"] == "cpu":
     import torch.distributed as td
@@ -44,6 +48,16 @@ if out["device"] == "cpu":
     ew.initialize_global_process_group_ray(timeout_second=None)
     out["pg_backend"] = str(td.get_backend())
     out["offload_pin"] = fsdp.CPUOffloadPolicy(pin_memory=True).pin_memory
+    # separate_async's old-policy copy (fsdp_utils.py:1180): a copy, not the live shard
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    m = torch.nn.Linear(4, 4)
+    fully_shard(m, mesh=init_device_mesh("cpu", (1,)))
+    saved, _ = fsdp_utils.fsdp2_sharded_save_to_cpu(m)
+    with torch.no_grad():
+        m.weight._local_tensor.add_(1.0)
+    out["old_policy_kept"] = not torch.equal(saved["weight"][0], m.weight._local_tensor)
 print(json.dumps(out))
 """
 
@@ -65,13 +79,15 @@ def test_cpu_platform_and_seams_only_when_asked():
     assert {f"cppo_megatron.integrations.verl.cpu.{m}" for m in ("platform", "seams", "megatron_engine", "rollout")} <= set(
         on.pop("cpu_modules"))
     assert on == {"device": "cpu", "hf_replica": True, "hf_adapter": "cppo_megatron.integrations.verl.cpu.rollout.HFServerAdapter",
-                  "cpu_engine": True, "pg_wrapped": True, "offload_wrapped": True, "backend": "gloo", "device_id": "cpu",
-                  "engine": "FSDPEngineWithLMHead", "pg_backend": "gloo", "offload_pin": False}
+                  "cpu_engine": True, "pg_wrapped": True, "offload_wrapped": True, "save_wrapped": True,
+                  "cpu_sync_engine": True, "backend": "gloo", "device_id": "cpu", "engine": "FSDPEngineWithLMHead",
+                  "pg_backend": "gloo", "offload_pin": False, "old_policy_kept": True}
     # without VERL_PLATFORM nothing of the CPU mode is installed (a GPU machine keeps veRL as it is),
     # not even the `hf` rollout's registration, and no module of the CPU mode but its switch is imported
     off = probe(None)
     assert off["device"] != "cpu"
-    assert (off["cpu_engine"], off["pg_wrapped"], off["offload_wrapped"]) == (False, False, False)
+    assert (off["cpu_engine"], off["pg_wrapped"], off["offload_wrapped"], off["save_wrapped"], off["cpu_sync_engine"]) == (
+        False, False, False, False, False)
     assert (off["hf_replica"], off["hf_adapter"]) == (False, None)
     assert off["cpu_modules"] == ["cppo_megatron.integrations.verl.cpu"]
 

@@ -92,18 +92,19 @@ def _config(name="vllm", **rollout):
     return OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": name, **rollout}}})
 
 
-def test_prepare_config_turns_sleep_mode_off_and_sizes_the_bucket(monkeypatch):
+def test_prepare_config_turns_sleep_mode_off_runs_eager_and_sizes_the_bucket(monkeypatch):
     monkeypatch.setattr(seams, "_shm_free_mb", lambda path=seams.SHM_DIR: 24000)
     c = _config(checkpoint_engine={"update_weights_bucket_megabytes": 2048})
     said = seams.prepare_config(c)
     assert c.actor_rollout_ref.rollout.enable_sleep_mode is False
+    assert c.actor_rollout_ref.rollout.enforce_eager is True
     assert c.actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes == seams.BUCKET_MB == 256
-    assert len(said) == 2 and "was 2048" in said[1]
+    assert len(said) == 3 and "enforce_eager" in said[1] and "was 2048" in said[2]
     monkeypatch.setattr(seams, "_shm_free_mb", lambda path=seams.SHM_DIR: 400)  # a small /dev/shm: a quarter
     c = _config(enable_sleep_mode=True)
     seams.prepare_config(c)
     assert c.actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes == 100
-    c = _config(enable_sleep_mode=False, checkpoint_engine={"update_weights_bucket_megabytes": 64})
+    c = _config(enable_sleep_mode=False, enforce_eager=True, checkpoint_engine={"update_weights_bucket_megabytes": 64})
     assert seams.prepare_config(c) == []  # already fits: left alone
     c = _config("hf", enable_sleep_mode=True)
     assert seams.prepare_config(c) == [] and c.actor_rollout_ref.rollout.enable_sleep_mode is True

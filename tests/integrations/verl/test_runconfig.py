@@ -141,17 +141,21 @@ def test_allocation_errors_name_the_value(config):
         ("algorithm.filter_groups.enable", True, "filter_groups"),
         ("algorithm.norm_adv_by_std_in_grpo", False, "cppo.adv_norm=none"),
         ("cppo.metric", "importance", "metric=importance is not supported under veRL"),
-        ("trainer.v1.trainer_mode", "separate_async", "separate_async is not supported with cppo: veRL asserts"),
+        ("trainer.v1.separate_async.parameter_sync_step", 2,
+         r"separate_async: data.train_batch_size=4 must equal .*parameter_sync_step=2 x actor.ppo_mini_batch_size=1 "
+         r".*set data.train_batch_size=2"),
     ],
 )
 def test_incompatible_settings(config, key, value, match):
+    if key.startswith("trainer.v1.separate_async"):
+        OmegaConf.update(config, "trainer.v1.trainer_mode", "separate_async")
     OmegaConf.update(config, key, value, force_add=True)
     with pytest.raises(ValueError, match=match):
         check_compatible(config)
 
 
-@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
-def test_the_other_v1_modes_and_the_legacy_loop_pass(config, mode):
+@pytest.mark.parametrize("mode", ["sync", "colocate_async", "separate_async"])
+def test_the_v1_modes_and_the_legacy_loop_pass(config, mode):  # separate_async: 4 prompts = 4 syncs x 1
     OmegaConf.update(config, "trainer.v1.trainer_mode", mode)
     check_compatible(config)
     with open_dict(config):  # the legacy loop has no trainer modes

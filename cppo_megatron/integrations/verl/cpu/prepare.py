@@ -38,9 +38,12 @@ from ..clock import ENV as CLOCK_ENV
 from ..keytrace import ENV as KEYS_ENV
 from ..runconfig import export_plugin_to_workers
 from .phases import Phases, choose_threads, machine_load
+from .vllm import CPU_ENV as VLLM_CPU_ENV
+from .vllm import is_vllm_rollout
 from .vllm import prepare_config as prepare_vllm
 
 __all__ = ["CPU_ENV", "CpuRun", "ray_address", "build_start_model", "ensure_inputs", "is_cpu_run", "prepare_cpu_run",
+           "prepare_disaggregated_sync",
            "start_model_info", "write_data"]
 
 RECIPES_DIR = recipes_root()  # the clone's recipes/, or the copy an installed wheel carries
@@ -238,6 +241,33 @@ def ensure_inputs(group: Any, model_dir: Path, data_dir: Path, phases: Phases) -
     return built, wrote
 
 
+CPU_SYNC_BACKEND = "cpu"  # checkpoint_engine.BACKEND (not imported here: that module imports veRL's engine base)
+
+
+def prepare_disaggregated_sync(config: Any) -> list[str]:
+    """A CPU run in ``trainer.v1.trainer_mode=separate_async`` sends weights to its standalone rollout
+    through a checkpoint engine; veRL's own need NCCL/cupy, HCCL, NIXL or Mooncake, and the mode
+    refuses ``naive`` (``trainer_separate_async.py:68``). Select the CPU one (``checkpoint_engine.py``);
+    returns one line per change."""
+    from omegaconf import open_dict
+
+    trainer = config.trainer
+    mode = str(trainer.get("v1", {}).get("trainer_mode", "sync"))
+    if not bool(trainer.get("use_v1", True)) or mode != "separate_async":
+        return []
+    rollout = config.actor_rollout_ref.rollout
+    engine = rollout.get("checkpoint_engine", None) or {}
+    have = str(engine.get("backend", "naive"))
+    if have == CPU_SYNC_BACKEND:
+        return []
+    with open_dict(config):
+        if rollout.get("checkpoint_engine", None) is None:
+            rollout.checkpoint_engine = {}
+        rollout.checkpoint_engine.backend = CPU_SYNC_BACKEND
+    return [f"rollout.checkpoint_engine.backend={CPU_SYNC_BACKEND} (was {have}: separate_async sends weights across "
+            "processes, and veRL's engines for that need GPUs; ours moves them over ZeroMQ)"]
+
+
 # what only a Ray node started by this run can take (ray.init refuses them with an address)
 NODE_RESOURCES = ("num_cpus", "num_gpus")
 
@@ -288,11 +318,13 @@ def prepare_cpu_run(config: Any, phases: Phases | None = None) -> CpuRun | None:
             if group.get(key):
                 group[key] = str(Path(group[key]).expanduser().resolve())
     model_dir, data_dir, run_dir = (Path(group[k]) for k in ("model_dir", "data_dir", "run_dir"))
-    for line in prepare_vllm(config):  # rollout.name=vllm: what vLLM needs on a CPU
+    for line in [*prepare_vllm(config), *prepare_disaggregated_sync(config)]:  # what vLLM / separate_async need
         print(f"cpu mode: {line}")
     built, wrote = ensure_inputs(group, model_dir, data_dir, phases or Phases())
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**CPU_ENV, "VERL_FILE_LOGGER_PATH": str(run_dir / "metrics.jsonl")}
+    if is_vllm_rollout(config):
+        env.update({k: os.environ.get(k, v) for k, v in VLLM_CPU_ENV.items()})  # the user's own values win
     for name in (AUDIT_ENV, KEYS_ENV, CLOCK_ENV):  # audit records, key trace, wall-clock mode: every process
         if os.environ.get(name):
             env[name] = str(Path(os.environ[name]).resolve())

@@ -1,4 +1,4 @@
-"""The three places where veRL 0.9.1 assumes an accelerator, each fixed from outside and only
+"""The four places where veRL 0.9.1 assumes an accelerator, each fixed from outside and only
 when the platform is ``cpu`` (docs/integrations/verl.md, "The veRL 0.9.1 lines the CPU mode
 answers"; paths relative to the ``verl`` package):
 
@@ -12,7 +12,14 @@ answers"; paths relative to the ``verl`` package):
    device cpu ("Duplicate device type cpu"); on CPU it becomes plain ``"gloo"``;
 3. the forward-only (reference) FSDP2 engine is hard-coded to
    ``CPUOffloadPolicy(pin_memory=True)`` (``workers/engine/fsdp/transformer_impl.py:462``):
-   pinning needs an accelerator, so on CPU the policy is built with ``pin_memory=False``.
+   pinning needs an accelerator, so on CPU the policy is built with ``pin_memory=False``;
+4. ``separate_async`` keeps the old policy for a cycle of local updates by copying the actor's
+   shards "to CPU" (``fsdp2_sharded_save_to_cpu``, ``utils/fsdp_utils.py:1167`` and ``:1180``:
+   ``tensor.detach().cpu()``; restored by ``experimental/separation/engine_workers.py:140``). On a
+   CPU tensor ``.cpu()`` is the tensor itself, so the "copy" follows every update and the restore
+   brings back the current weights, not the old policy's: the second local update's old-policy
+   pass then runs on the updated weights (measured: ``training/rollout_probs_diff_max`` 0.05 at
+   staleness 0). On CPU the saved shards are cloned.
 
 Each fix is installed when its module is imported (``importhook``) and checks the platform
 at call time, so nothing changes for a run on GPUs. ``drift.py`` hashes the veRL functions the
@@ -34,6 +41,7 @@ WRAP_TAG = __name__  # marks our layers on veRL's functions (integrations/wrap.p
 FSDP_ENGINES = {"language_model": "FSDPEngineWithLMHead", "value_model": "FSDPEngineWithValueHead"}
 FSDP_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 DIST_MODULE = "verl.utils.distributed"
+FSDP_UTILS = "verl.utils.fsdp_utils"
 DIST_USERS = ("verl.workers.engine_workers",)  # modules that imported the function by name
 
 
@@ -96,9 +104,28 @@ def _patch_fsdp(module) -> None:
         wrap(module, "CPUOffloadPolicy", _unpinned_offload, tag=WRAP_TAG)
 
 
+def _copied_save(original):
+    @functools.wraps(original)
+    def fsdp2_sharded_save_to_cpu(model, *args, **kwargs):
+        state, spec = original(model, *args, **kwargs)
+        if on_cpu():  # `.cpu()` of a CPU tensor aliases it: take the copy veRL means to take
+            state = {name: (tensor.clone(), shard_spec) for name, (tensor, shard_spec) in state.items()}
+        return state, spec
+
+    return fsdp2_sharded_save_to_cpu
+
+
+def _patch_fsdp_utils(module) -> None:
+    if getattr(module, "fsdp2_sharded_save_to_cpu", None) is None:
+        raise RuntimeError(f"cppo cpu mode: {FSDP_UTILS}.fsdp2_sharded_save_to_cpu is gone; "
+                           "veRL changed (pinned 0.9.1)")
+    wrap(module, "fsdp2_sharded_save_to_cpu", _copied_save, tag=WRAP_TAG)
+
+
 def install() -> None:
-    """Install the three fixes (idempotent); each takes effect only on the cpu platform."""
+    """Install the four fixes (idempotent); each takes effect only on the cpu platform."""
     after_import(FSDP_MODULE, _patch_fsdp)
+    after_import(FSDP_UTILS, _patch_fsdp_utils)
     after_import(DIST_MODULE, _patch_process_group)
     for name in DIST_USERS:
         after_import(name, _patch_users)

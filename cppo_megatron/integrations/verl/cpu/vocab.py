@@ -6,8 +6,16 @@ vocabulary divides (``megatron/core/tensor_parallel/utils.py:118``); veRL builds
 have a divisible row count — as real checkpoints do (Qwen2.5: 151936 rows for 151665 tokens).
 The tiny exported models have 19 rows. ``pad_vocab`` appends rows that copy the pad token's
 (pad is never a training target, so its logit was pushed down by every softmax: the new ids
-start as unlikely as pad, the rule ``trainer/export.py`` uses for the tokens it adds); the
-tokenizer is unchanged.
+start as unlikely as pad, the rule ``trainer/export.py`` uses for the tokens it adds).
+
+The tokenizer gets one special token per new row (``<|cppo_vocab_pad_N|>``), so every row is a
+token: veRL's vLLM rollout masks the logits of rows past ``len(tokenizer)``
+(``verl/workers/rollout/vllm_rollout/utils.py:126``, ``vllm_async_server.py:503``) while the actor's
+log-probs cover every row, so on a model whose padded rows carry probability mass the rollout and
+the actor disagree by that mass. A random-init export (the CI start model) puts about 20% there
+(5 of 24 rows at uniform logits; measured ``training/rollout_probs_diff_max`` 0.029, mean 0.012);
+a trained model puts almost none (Qwen2.5's 271 padded rows). With the rows named, both sides
+cover the same 24 tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +27,29 @@ from typing import cast
 import torch
 
 __all__ = ["pad_vocab"]
+
+
+PAD_TOKEN = "<|cppo_vocab_pad_{}|>"
+
+
+def _name_new_rows(model_dir: Path, rows: int, target: int) -> int:
+    """Add a special token for each of the rows ``rows..target-1`` to the tokenizer in ``model_dir``
+    (when it has one and covers exactly the old rows); returns how many were added."""
+    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+        return 0
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if len(tok) != rows:
+        return 0  # a tokenizer that does not map onto the rows one to one: leave it as it is
+    added = tok.add_special_tokens({"additional_special_tokens": [PAD_TOKEN.format(i) for i in range(rows, target)]},
+                                   replace_extra_special_tokens=False)
+    ids = tok.convert_tokens_to_ids([PAD_TOKEN.format(i) for i in range(rows, target)])
+    if added != target - rows or ids != list(range(rows, target)):
+        raise RuntimeError(f"pad_vocab: the tokenizer in {model_dir} gave the new rows ids {ids}, "
+                           f"not {rows}..{target - 1}")
+    tok.save_pretrained(model_dir)
+    return added
 
 
 def pad_vocab(model_dir: str | Path, multiple: int) -> int:
@@ -49,8 +80,10 @@ def pad_vocab(model_dir: str | Path, multiple: int) -> int:
             new_head[rows:] = new_head[pad_id]
     model.config.vocab_size = target
     model.save_pretrained(model_dir, safe_serialization=True)
+    named = _name_new_rows(model_dir, rows, target)
     note = model_dir / "cppo_export.json"
     info = json.loads(note.read_text()) if note.is_file() else {}
-    info["vocab_padded"] = {"from": rows, "to": target, "multiple": int(multiple), "rows_copy": "pad"}
+    info["vocab_padded"] = {"from": rows, "to": target, "multiple": int(multiple), "rows_copy": "pad",
+                            "tokens_added": named}
     note.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     return target
