@@ -85,7 +85,8 @@ def _adapter_update(original):
         out = await original(self, _teed(weights, sent), global_steps, *args, **kwargs)
         plain = {k: v for k, v in sent.items() if v is not None}
         sums = {k: _sum_abs(v) for k, v in plain.items()}
-        record("sync", role="vllm-adapter", global_steps=global_steps, replica_rank=getattr(self, "replica_rank", None),
+        record("sync", role="vllm-adapter", source="vllm-adapter", global_steps=global_steps,
+               replica_rank=getattr(self, "replica_rank", None),
                rollout_rank=getattr(self, "rollout_rank", None), rank=int(os.environ.get("RANK", -1)),
                num_tensors=len(sent), not_hashed=sorted(set(sent) - set(plain)), fingerprint=sum(sums.values()),
                sums=sums, hashes={k: tensor_hash(v) for k, v in plain.items()})

@@ -58,6 +58,13 @@ PINNED = {
     "verl.trainer.ppo.core_algos:agg_loss": "fd052ff7eb539f78",
     "verl.trainer.main_ppo:main": "eb706c4f6622ed04",
     "verl.trainer.main_ppo:run_ppo": "a65eddb189e56ae1",
+    # separate_async (async_modes.py): the assert the wrap answers, what else runs while it presents the
+    # mini-batch in prompts, the local-update loop that calls _balance_batch per update, the logger line
+    "verl.trainer.ppo.v1.trainer_separate_async:PPOTrainerSeparateAsync.__init__": "d643a21d5874c86e",
+    "verl.trainer.ppo.v1.trainer_separate_async:PPOTrainerSeparateAsync._setup": "55ce261a27641a2c",
+    "verl.trainer.ppo.v1.trainer_base:PPOTrainer.__init__": "42c4b73f76c18126",
+    "verl.trainer.ppo.v1.trainer_base:PPOTrainer._build_replay_buffer": "e0a1b665f5d73bc1",
+    "verl.trainer.ppo.v1.trainer_base:PPOTrainer.step": "c583b34f7e91cacd",
 }
 
 # the CPU mode (integrations/verl/cpu/, VERL_PLATFORM=cpu): platform choice, the three seams, the
@@ -78,6 +85,17 @@ CPU_PINNED = {
     "verl.trainer.ppo.ray_trainer:RayPPOTrainer._compute_old_log_prob": "37936dd4c6debf30",
     # the wall-clock budget of the veRL study (clock.py): the first call of a legacy step
     "verl.trainer.ppo.ray_trainer:RayPPOTrainer._get_gen_batch": "9a436d3f19493c7b",
+    # separate_async on CPU: the old-policy copy that aliased (seams.py), the worker methods using it,
+    # and the checkpoint-engine protocol our cpu engine implements (checkpoint_engine.py)
+    "verl.utils.fsdp_utils:fsdp2_sharded_save_to_cpu": "ecdb335bb1d3948f",
+    "verl.experimental.separation.engine_workers:DetachActorWorker.save_model_to_cpu": "09d8aaa726371121",
+    "verl.experimental.separation.engine_workers:DetachActorWorker.restore_model_from_cpu": "c759940e6bf60ea7",
+    "verl.checkpoint_engine.base:CheckpointEngineManager.update_weights": "81e696b0b0774b53",
+    "verl.checkpoint_engine.base:CheckpointEngineManager.build_process_group": "29b9f644fb18708d",
+    "verl.checkpoint_engine.base:CheckpointEngineWorker.update_weights": "c22a6ecf21ab3900",
+    "verl.checkpoint_engine.base:split_weight_chunks": "ffa53988596348a6",
+    "verl.checkpoint_engine.base:merge_weight_chunks": "239c4caf9c74255a",
+    "verl.workers.engine_workers:ActorRolloutRefWorker.init_model": "0d2190a431d5805f",
     # resume (checkpoint.py, docs "Checkpoints and resume"): what veRL saves and restores (step,
     # weights, optimizer, dataloader), where V1 draws prompts and names them (uuid4 uids), and the
     # worker methods the audit records checkpoints and worker pids at
@@ -213,6 +231,11 @@ VLLM_PINNED = {
     "vllm.model_executor.layers.linear:UnquantizedLinearMethod.process_weights_after_loading": "41a1f3f762722344",
     "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm": "5ea7e85e631e2cf4",
     "vllm.model_executor.model_loader.utils:process_weights_after_loading": "1555f9e0ce42b27d",
+    # veRL masks rows past len(tokenizer) in vLLM (why cpu/vocab.py names the padded rows)
+    "verl.workers.rollout.vllm_rollout.utils:monkey_patch_compute_logits": "eb849a1d88666670",
+    # what the CPU env answers: thread binding (one NUMA node per local worker) and the KV cache size
+    "vllm.utils.ompmultiprocessing:OMPProcessManager._get_autobind_cpu_ids": "e24f9d3db4269a5d",
+    "vllm.platforms.cpu:CpuPlatform.check_and_update_config": "97a099cf8ed6a5ea",
 }
 
 

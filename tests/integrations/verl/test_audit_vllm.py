@@ -1,5 +1,5 @@
 """audit_vllm's comparison of served weights with the tensors sent (the pure part; the e2e run in
-test_cpu_vllm_e2e.py checks it against vLLM's real Qwen2). The layout below is vLLM's: fused
+test_cpu_e2e.py checks it against vLLM's real Qwen2). The layout below is vLLM's: fused
 ``qkv_proj`` / ``gate_up_proj`` stacked in ``packed_modules_mapping`` order, the vocabulary padded,
 ``lm_head`` tied to the embedding."""
 

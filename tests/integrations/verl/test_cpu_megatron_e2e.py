@@ -1,14 +1,17 @@
 """The unmodified veRL 0.9.1 loop on CPU with veRL's MEGATRON engine (``strategy: megatron``,
 mbridge, megatron-core on gloo) and the plugin: TP 2 x DP 2 (4 worker ranks, distributed
-optimizer, sequence parallel), rollout through our ``hf`` replica, checked against the core
-through the audit records.
+optimizer, sequence parallel), rollout through veRL's own vLLM server (one replica, vLLM tensor
+parallel 4 over the 4 worker ranks), checked against the core through the audit records.
 
-Two real `cppo-megatron verl` runs of ``recipes/verl/tiny_cpu_megatron_cppo.yaml`` (2 steps
-each, 4 prompts x G = 8, from a random-init export of the main job's model):
+Real `cppo-megatron verl` runs of ``recipes/verl/tiny_cpu_megatron_cppo.yaml`` (2 steps each,
+4 prompts x G = 8, from a random-init export of the main job's model, vocabulary padded to 24 rows
+whose 5 new rows are named in the tokenizer, cpu/vocab.py):
 
-- the V1 loop with CPPO (P = 0.75, allocation: 16 prompts drawn), packed (thd) sequences;
-- the legacy loop with P = 0 through the same estimator and hook (GRPO), padded (bshd)
-  sequences — so both attention-mask paths of the CPU mode run inside the loop.
+- the V1 loop with CPPO (P = 0.75, allocation: 16 prompts drawn), packed (thd) sequences, on vLLM:
+  each of the 4 vLLM workers serves its shard of exactly the tensors the actor sent; ~5 min;
+- the resume chain of that run (driver SIGKILLed, then resumed) on the ``hf`` stand-in, for CI time;
+- with E2E_TESTS=all, the legacy loop with P = 0 through the same estimator and hook (GRPO), padded
+  (bshd) sequences — so both attention-mask paths of the CPU mode run inside the loop.
 """
 
 from __future__ import annotations
@@ -21,13 +24,17 @@ import pytest
 
 from .test_cpu_e2e import (
     CHECKPOINTS,
+    HF,
     PROMPTS,
     STEPS,
     G,
     by_step,
+    check_rollout_logprobs,
+    check_vllm_syncs,
     core_survivors,
     export_tiny_model,
     full_group_advantages,
+    needs_vllm,
     run_verl,
 )
 
@@ -41,8 +48,9 @@ needs_mbridge = pytest.mark.skipif(importlib.util.find_spec("mbridge") is None,
 RECIPE = "tiny_cpu_megatron_cppo.yaml"
 P = 0.75
 DP = 2  # 4 ranks / TP 2
-# the hf rollout's fp32 probabilities vs the bf16 Megatron actor's, same weights (veRL's
-# training/rollout_probs_diff_max; measured 3-4e-4 here)
+VLLM_WORKERS = 4  # the recipe's rollout: one replica of vLLM tensor parallel 4
+# the rollout's probabilities vs the bf16 Megatron actor's, same weights (veRL's
+# training/rollout_probs_diff_max; measured 3-4e-4 with the fp32 hf rollout)
 PROBS_DIFF_MAX = 0.01
 
 
@@ -120,8 +128,17 @@ def check_dp_loads(run):
         assert m["cppo/balance_used_core"] in (0.0, 1.0)
 
 
+def start_model_sums(model_dir) -> dict[str, float]:
+    """sum |w| of each tensor of the start model's safetensors, in the engine's bf16."""
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(model_dir / "model.safetensors")
+    return {k: float(v.to(torch.bfloat16).double().abs().sum()) for k, v in weights.items()}
+
+
 def check_syncs(run, model_dir):
-    """The rollout server holds exactly the actor's exported tensors after each sync; the first
+    """The ``hf`` rollout server holds exactly the actor's exported tensors after each sync; the first
     sync sends the start model's safetensors exactly (in the engine's bf16); each update moves them."""
     import torch
     from safetensors.torch import load_file
@@ -130,8 +147,7 @@ def check_syncs(run, model_dir):
     assert [s["global_steps"] for s in syncs] == list(range(STEPS + 1)), syncs
     for s in syncs:
         assert s["missing"] == [] and s["max_abs_diff"] == 0.0, s
-    weights = load_file(model_dir / "model.safetensors")
-    safe = {k: float(v.to(torch.bfloat16).double().abs().sum()) for k, v in weights.items()}
+    safe = start_model_sums(model_dir)
     first = syncs[0]["sums"]
     assert set(safe) <= set(first) and set(first) - set(safe) <= {"lm_head.weight"}, (sorted(first), sorted(safe))
     assert {k: first[k] for k in safe} == safe
@@ -142,20 +158,25 @@ def check_syncs(run, model_dir):
 
 
 @needs_mbridge
-def test_v1_cppo_megatron_tp2_dp2_trains_the_core_survivors(v1_cppo, tiny_model):
+@needs_vllm
+def test_v1_cppo_megatron_tp2_dp2_on_vllm_tp4_trains_the_core_survivors(v1_cppo, tiny_model):
     check_rows_and_advantages(v1_cppo, pruning_rate=P, loop="v1")
     check_dp_loads(v1_cppo)
-    check_syncs(v1_cppo, tiny_model)
+    # the start model's tensors first, then each update's: every TP rank of vLLM serves its shard of them
+    check_vllm_syncs(v1_cppo["audit"], workers=VLLM_WORKERS, start_sums=start_model_sums(tiny_model))
+    assert check_rollout_logprobs(v1_cppo, tolerance=PROBS_DIFF_MAX) == [1, 2]
 
 
 # CI time: the legacy loop's plain GRPO on Megatron (padded attention, also checked at engine level in
 # test_cpu_megatron_engine.py) runs with E2E_TESTS=all
 @needs_mbridge
+@needs_vllm
 @pytest.mark.skipif(os.environ.get("E2E_TESTS", "") != "all", reason="the legacy Megatron GRPO run runs with E2E_TESTS=all")
 def test_legacy_grpo_megatron_tp2_dp2_padded_keeps_every_row(legacy_grpo, tiny_model):
     check_rows_and_advantages(legacy_grpo, pruning_rate=0.0, loop="legacy")
     check_dp_loads(legacy_grpo)
-    check_syncs(legacy_grpo, tiny_model)
+    check_vllm_syncs(legacy_grpo["audit"], workers=VLLM_WORKERS, start_sums=start_model_sums(tiny_model))
+    assert check_rollout_logprobs(legacy_grpo, tolerance=PROBS_DIFF_MAX) == [1, 2]
 
 
 # ------------------------------------------------------------------------------ a dead worker, resume
@@ -167,7 +188,7 @@ FULL_CHAIN = os.environ.get("RESUME_TESTS", "") == "all"
 
 @pytest.fixture(scope="module")
 def chain(tiny_model, tmp_path_factory):
-    """The run of ``v1_cppo`` again in one run dir: (with RESUME_TESTS=all: worker rank 1, TP peer of
+    """The run of ``v1_cppo``, generating with the ``hf`` stand-in (CI time), again in one run dir: (with RESUME_TESTS=all: worker rank 1, TP peer of
     rank 0 on DP rank 0, SIGKILLed during step 2, after step 1's checkpoint;) the same command, its
     driver SIGKILLed during step 2; the same command, to the end."""
     from . import resume
@@ -175,11 +196,11 @@ def chain(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mchain")
     attempts = []
     if FULL_CHAIN:
-        attempts.append(run_verl(RECIPE, tmp, tiny_model, *V1_CPPO, attempt="1",
+        attempts.append(run_verl(RECIPE, tmp, tiny_model, *V1_CPPO, *HF, attempt="1",
                                  when=resume.strike_during(2, "worker", rank=1), expect_ok=False))
-    attempts.append(run_verl(RECIPE, tmp, tiny_model, *V1_CPPO, attempt="2", when=resume.strike_during(2, "driver"),
-                             expect_ok=False))
-    return [*attempts, run_verl(RECIPE, tmp, tiny_model, *V1_CPPO, attempt="3")]
+    attempts.append(run_verl(RECIPE, tmp, tiny_model, *V1_CPPO, *HF, attempt="2",
+                             when=resume.strike_during(2, "driver"), expect_ok=False))
+    return [*attempts, run_verl(RECIPE, tmp, tiny_model, *V1_CPPO, *HF, attempt="3")]
 
 
 @needs_mbridge

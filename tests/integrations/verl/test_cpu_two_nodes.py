@@ -56,6 +56,8 @@ def two_node_run(cluster, tiny_model, tmp_path_factory):  # noqa: F811 (the impo
     audit_dir, keys_dir, run_dir = tmp / "audit", tmp / "keys", tmp / "run"
     args = [sys.executable, "-m", "cppo_megatron.integrations.verl.main", str(RECIPE), "--cpu", str(OVERRIDES),
             "trainer.nnodes=2", "trainer.n_gpus_per_node=2", f"+ray_kwargs.ray_init.address={cluster.address}",
+            # the recipe's vLLM replica (TP 4) would span both nodes: not run on CPU (cpu_toy.yaml says why)
+            "actor_rollout_ref.rollout.name=hf",
             f"cppo_cpu.model_dir={tiny_model}", f"cppo_cpu.data_dir={tmp / 'data'}", f"cppo_cpu.run_dir={run_dir}",
             "cppo_cpu.eval_problems=16"]
     env = {**os.environ, "CPPO_VERL_AUDIT": str(audit_dir), "CPPO_VERL_KEYS": str(keys_dir), "PYTHONHASHSEED": "0"}
@@ -115,4 +117,4 @@ def test_14b_recipe_on_two_nodes_trains_the_core_survivors_with_the_pipeline_acr
 
 
 def test_every_key_the_override_set_leaves_alone_is_read_on_two_nodes(two_node_run):
-    check_keys_read(two_node_run["keys"])
+    check_keys_read(two_node_run["keys"], rollout="hf")

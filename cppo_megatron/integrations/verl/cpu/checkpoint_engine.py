@@ -44,6 +44,7 @@ __all__ = ["BACKEND", "CpuCheckpointEngine"]
 BACKEND = "cpu"
 _READY, _ACK = b"ready", b"ack"
 _POLL_S = 0.002
+_ALIGN = 16  # bytes: every tensor starts at a multiple (mixed dtypes share a bucket)
 
 
 def _node_ip() -> str:
@@ -62,7 +63,7 @@ async def _recv(sock, deadline: float, what: str) -> list[bytes]:
 
     while not sock.poll(0, zmq.POLLIN):
         if time.monotonic() > deadline:
-            raise WeightSyncError(f"cpu checkpoint engine: no {what} within {sync_timeout_s():.0f} s "
+            raise WeightSyncError(f"cpu checkpoint engine: no {what} within {sync_timeout_s():g} s "
                                   "(CPPO_VLLM_SYNC_TIMEOUT_S); the other side most likely failed, see its log")
         await asyncio.sleep(_POLL_S)
     return sock.recv_multipart()
@@ -187,18 +188,20 @@ class CpuCheckpointEngine(CheckpointEngine):
                 yield name, full
 
         async for tensor_meta, chunk in split_weight_chunks(tee(weights), self.bucket_size):
+            offset = -(-offset // _ALIGN) * _ALIGN  # the receiver views the bytes as the tensor's dtype
             if offset + tensor_meta.chunk_size > self.bucket_size:
                 await flush(False)
-                sent_bytes += offset
+                sent_bytes += sum(m.chunk_size for m in meta.values())
                 meta, offset = {}, 0
             tensor_meta.offset = offset
             meta[f"{tensor_meta.name}@{tensor_meta.chunk_offset}"] = tensor_meta
             buf[offset:offset + tensor_meta.chunk_size].copy_(cast(torch.Tensor, chunk))  # None only with meta_only
             offset += tensor_meta.chunk_size
         await flush(True)
-        sent_bytes += offset
+        sent_bytes += sum(m.chunk_size for m in meta.values())
         if recording:
-            audit.record("sync", role="cpu-engine", global_steps=global_steps, rank=int(os.environ.get("RANK", -1)),
+            audit.record("sync", role="cpu-engine", source="cpu-engine", global_steps=global_steps,
+                         rank=int(os.environ.get("RANK", -1)),
                          receivers=len(receivers), num_tensors=len(hashes), hashes=hashes, bytes=sent_bytes)
         return {}
 
