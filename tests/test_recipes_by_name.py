@@ -67,7 +67,7 @@ def test_catalogue_describes_each_recipe():
     r = rows["verl", "qwen2.5-1.5b-gsm8k-cppo"]
     assert (r.layout, r.cluster) == ("FSDP DP2, vllm rollout", "1 node x 2 GPUs")
     r = rows["verl", "tiny_cpu_megatron_cppo"]  # merged over the recipe it builds on (tiny_cpu_megatron_grpo)
-    assert (r.model, r.layout, r.cluster) == ("tiny Qwen2 (warm-up export)", "Megatron TP2 x PP1 x DP2, hf rollout",
+    assert (r.model, r.layout, r.cluster) == ("tiny Qwen2 (warm-up export)", "Megatron TP2 x PP1 x DP2, vllm rollout",
                                               "CPU, 4 worker processes")
     r = rows["verl", "cpu_toy"]
     assert r.kind == "override" and r.layout.startswith("--cpu override: Megatron TP2 x PP1 x DP2")

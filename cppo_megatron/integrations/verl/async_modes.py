@@ -39,7 +39,7 @@ import logging
 from typing import Any
 
 from ..importhook import after_import
-from ..wrap import wrap
+from ..wrap import replace, wrap
 from .runconfig import cppo_config_from, is_cppo
 
 __all__ = ["SEPARATE_ASYNC", "FlushTolerantLogger", "install", "separate_async_rule"]
@@ -79,21 +79,20 @@ def _sized_init(original):
     def __init__(self, config, *args, **kwargs):
         if not is_cppo(config):
             return original(self, config, *args, **kwargs)
-        from omegaconf import open_dict
+        from omegaconf import OmegaConf, open_dict
 
         why = separate_async_rule(config)
         if why:
             raise ValueError(f"cppo with trainer.v1.trainer_mode=separate_async: {why}")
-        actor = config.actor_rollout_ref.actor
-        kept_mini = actor.ppo_mini_batch_size
+        key = "actor_rollout_ref.actor.ppo_mini_batch_size"
+        kept_mini = OmegaConf.select(config, key)
+        prompts = int(config.data.train_batch_size) // int(config.trainer.v1.separate_async.parameter_sync_step)
         with open_dict(config):
-            # veRL's assert counts one local update's prompts as the mini-batch (module doc)
-            actor.ppo_mini_batch_size = int(config.data.train_batch_size) // int(
-                config.trainer.v1.separate_async.parameter_sync_step)
+            OmegaConf.update(config, key, prompts, merge=False)  # veRL's assert counts prompts (module doc)
             try:
                 return original(self, config, *args, **kwargs)
             finally:
-                actor.ppo_mini_batch_size = kept_mini
+                OmegaConf.update(config, key, kept_mini, merge=False)
 
     return __init__
 
@@ -110,7 +109,7 @@ class FlushTolerantLogger(logging.LoggerAdapter):
 def _patch(module) -> None:
     logger = getattr(module, "logger", None)
     if isinstance(logger, logging.Logger):
-        module.logger = FlushTolerantLogger(logger, {})
+        replace(module, "logger", FlushTolerantLogger(logger, {}), tag=WRAP_TAG)
     cls = getattr(module, SEPARATE_ASYNC[1], None)
     if cls is None or "__init__" not in cls.__dict__:
         raise RuntimeError(f"cppo: {SEPARATE_ASYNC[0]}.{SEPARATE_ASYNC[1]}.__init__ is gone; "

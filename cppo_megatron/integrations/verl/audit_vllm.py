@@ -254,7 +254,9 @@ def _extension_update_from_ipc(original):
         tp = int(getattr(config, "tensor_parallel_size", 1))
         fields: dict[str, Any] = {"num_tensors": len(received), "tensor_parallel_size": tp, "pid": os.getpid(),
                                   "hashes": {k: tensor_hash(v) for k, v in received.items()}}
-        if kwargs.get("peft_config") is not None:
+        if not received:  # recorded, not raised: the audit must not end the run it watches
+            fields.update(compared=False, reason="the sync delivered no tensor")
+        elif kwargs.get("peft_config") is not None:
             fields.update(compared=False, reason="a LoRA adapter sync: the base weights are not served anew")
         elif tp != 1:
             fields.update(compared=True, method="weight_loader", tp_rank=_tp_rank(),

@@ -181,3 +181,26 @@ def test_a_shard_served_from_the_other_ranks_rows_is_found():
     assert sharded_difference(model, sent)["max_abs_diff"] == pytest.approx(0.5)
     sent["model.extra.weight"] = torch.zeros(2)
     assert sharded_difference(model, sent)["missing"] == ["model.extra.weight"]
+
+
+def test_teed_weights_pass_through_sync_and_async_iterators_and_keep_copies():
+    """The adapter's recorder sits on a plain generator (colocated sync) and on a checkpoint
+    engine's async generator (separate_async's standalone replica)."""
+    import asyncio
+
+    from cppo_megatron.integrations.verl.audit_vllm import _teed
+
+    sent = _sent()
+    kept: dict = {}
+    assert [n for n, _ in _teed(iter(sent.items()), kept)] == list(sent)
+    assert all(torch.equal(kept[k], v) and kept[k].data_ptr() != v.data_ptr() for k, v in sent.items())
+
+    async def agen():
+        for item in sent.items():
+            yield item
+
+    async def drain():
+        return [n async for n, _ in _teed(agen(), kept_async)]
+
+    kept_async: dict = {}
+    assert asyncio.run(drain()) == list(sent) and set(kept_async) == set(sent)

@@ -20,6 +20,7 @@ NAMES = sorted(p.stem for p in RECIPES.glob("*.yaml")
 MEGATRON = [n for n in NAMES if "megatron" in n]
 PAIRS = sorted({re.sub(r"-(grpo|cppo)$", "", n) for n in NAMES})
 CPU = ["tiny_cpu_grpo", "tiny_cpu_cppo"]  # veRL's CPU mode (test_cpu_e2e.py runs them)
+CPU_ASYNC = ["tiny_cpu_cppo_separate_async"]  # V1 separate_async (test_cpu_e2e.py runs it)
 # veRL's CPU mode with the Megatron engine (test_cpu_megatron_e2e.py runs them)
 CPU_MEGATRON = ["tiny_cpu_megatron_grpo", "tiny_cpu_megatron_cppo"]
 
@@ -91,17 +92,40 @@ def test_cpu_recipes_compose_and_allocate(bases, plugin, monkeypatch):
 
     from cppo_megatron.integrations.verl.main import SEARCHPATH
 
-    assert sorted(p.stem for p in RECIPES.glob("tiny_cpu*.yaml")) == sorted(CPU + CPU_MEGATRON)
+    assert sorted(p.stem for p in RECIPES.glob("tiny_cpu*.yaml")) == sorted(CPU + CPU_ASYNC + CPU_MEGATRON)
     raw = OmegaConf.load(RECIPES / "tiny_cpu_grpo.yaml")
     assert overlay_mismatches(raw, bases[raw.defaults[0]]) == []
     grpo, cppo = (compose(RECIPES, n, [SEARCHPATH]) for n in CPU)
     assert grpo.trainer.device == cppo.trainer.device == "cpu"
-    assert grpo.actor_rollout_ref.rollout.name == "hf" and cppo.algorithm.adv_estimator == "cppo"
+    assert grpo.actor_rollout_ref.rollout.name == "vllm" and cppo.algorithm.adv_estimator == "cppo"
     assert prepare(grpo) is None
     plan = prepare(cppo)
     assert (plan.train_batch_size_before, plan.train_batch_size, plan.kept_per_step) == (16, 128, 256)
     assert plan.kept_per_step == grpo.data.train_batch_size * grpo.actor_rollout_ref.rollout.n
     validate_config(cppo, use_reference_policy=need_reference_policy(cppo), use_critic=need_critic(cppo))
+
+
+def test_cpu_separate_async_recipe_composes_validates_and_allocates_per_local_update(bases, plugin):
+    """tiny_cpu_cppo plus veRL's separate_async: a standalone vLLM pool, 2 local updates a step, the
+    CPU checkpoint engine chosen by the CPU preparation."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from cppo_megatron.integrations.verl.async_modes import separate_async_rule
+    from cppo_megatron.integrations.verl.cpu.prepare import prepare_disaggregated_sync
+    from cppo_megatron.integrations.verl.main import SEARCHPATH
+
+    (config,) = (compose(RECIPES, n, [SEARCHPATH]) for n in CPU_ASYNC)
+    assert config.trainer.v1.trainer_mode == "separate_async" and config.trainer.use_v1
+    assert not config.actor_rollout_ref.hybrid_engine and config.actor_rollout_ref.rollout.name == "vllm"
+    assert config.ray_kwargs.ray_init.num_gpus == config.trainer.n_gpus_per_node + config.actor_rollout_ref.rollout.n_gpus_per_node
+    plan = prepare(config)
+    # 16 prompts = 2 local updates x a mini-batch of 8, before allocation; 128 drawn, 64 per local update
+    assert (plan.train_batch_size_before, plan.train_batch_size, plan.actor_mini_batch) == (16, 128, 8)
+    assert separate_async_rule(config) == ""
+    assert prepare_disaggregated_sync(config) and config.actor_rollout_ref.rollout.checkpoint_engine.backend == "cpu"
+    assert prepare_disaggregated_sync(config) == []  # said once
+    validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
 
 
 def test_cpu_megatron_recipes_compose_validate_and_allocate(bases, plugin, monkeypatch):
@@ -116,7 +140,7 @@ def test_cpu_megatron_recipes_compose_validate_and_allocate(bases, plugin, monke
     assert overlay_mismatches(raw, bases[raw.defaults[0]]) == []
     grpo, cppo = (compose(RECIPES, n, [SEARCHPATH]) for n in CPU_MEGATRON)
     for c in (grpo, cppo):
-        assert c.trainer.device == "cpu" and c.actor_rollout_ref.rollout.name == "hf"
+        assert c.trainer.device == "cpu" and c.actor_rollout_ref.rollout.name == "vllm"
         actor, ref = c.actor_rollout_ref.actor, c.actor_rollout_ref.ref
         assert actor.strategy == ref.strategy == "megatron"
         assert actor.megatron.tensor_model_parallel_size == ref.megatron.tensor_model_parallel_size == 2
@@ -174,12 +198,12 @@ def test_cpu_toy_override_set_applies_to_every_megatron_cluster_recipe(name, bas
     world = config.trainer.n_gpus_per_node * config.trainer.nnodes
     assert world == 4 and world % (tp * pp) == 0 and config.ray_kwargs.ray_init.num_gpus == world
     assert pp == (2 if "14b" in name else 1)  # the recipe's pipeline size runs as written
-    assert rollout.tensor_model_parallel_size == world  # one hf replica over the ranks
+    assert rollout.tensor_model_parallel_size == world  # one vLLM replica (TP 4) over the ranks
     model = load_recipe(ROOT / "recipes" / config.cppo_cpu.warmup_recipe).model
     assert model.num_heads % tp == 0 and model.num_kv_heads % tp == 0 and model.num_layers % pp == 0
     assert config.cppo_cpu.vocab_multiple % tp == 0
     assert config.data.max_prompt_length + config.data.max_response_length <= model.max_position
-    assert config.trainer.device == "cpu" and rollout.name == "hf" and actor.megatron.vanilla_mbridge
+    assert config.trainer.device == "cpu" and rollout.name == "vllm" and actor.megatron.vanilla_mbridge
     assert ref.megatron.vanilla_mbridge  # inherited from the actor's
     plan = prepare(config)
     if name.endswith("-cppo"):
