@@ -72,6 +72,14 @@ PY
   touch "$BASE/.cppo-complete"
   echo "setup_bridge: base environment built in ${SECONDS} s"
 fi
+# byte-compile the base once (torch included): with PYTHONDONTWRITEBYTECODE=1 (set on our CI
+# machines) no import writes a .pyc, and every Ray worker would compile torch, megatron-core, veRL
+# and transformers anew
+if [[ ! -f "$BASE/.cppo-compiled" ]]; then
+  "$BASE/bin/python" -m compileall -q -j 0 "$BASE/lib" >>"$log" 2>&1 || true  # a module that does not compile stays source
+  touch "$BASE/.cppo-compiled"
+  echo "setup_bridge: base environment byte-compiled (${SECONDS} s so far)"
+fi
 
 site_base=$("$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 stamp="$VENV/.cppo-setup"

@@ -7,6 +7,8 @@ CheckpointEngineManager is the separate_async e2e run (test_cpu_e2e.py)."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -81,6 +83,8 @@ def test_two_syncs_deliver_every_tensor_bit_for_bit_to_every_rollout_worker(tmp_
                 assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
         for e in actors + receivers:
             e.finalize()
+    for e in actors + receivers:
+        e.close()
     (first, second) = [r for r in audit.read(tmp_path) if r["kind"] == "sync"]
     assert first["source"] == "cpu-engine" and first["receivers"] == 2 and first["global_steps"] == 3
     assert second["hashes"] == {k: tensor_hash(v) for k, v in _weights(1).items()}
@@ -99,6 +103,29 @@ def test_a_receiver_that_stops_answering_ends_the_sync_with_a_message(monkeypatc
 
     with pytest.raises(WeightSyncError, match="no bucket acknowledgement within 0.5 s"):
         asyncio.run(only_one_receives())
+    for e in actors + receivers:
+        e.close()
+
+
+# engines dropped unclosed inside a reference cycle, then collected: with a ZeroMQ context per engine,
+# the context's __del__ blocked in Context.term forever (its sockets, garbage in the same cycle, were
+# never closed); it hung a CI run at the next test's garbage collection
+COLLECT = """
+import gc
+from cppo_megatron.integrations.verl.cpu.checkpoint_engine import CpuCheckpointEngine
+master, receiver = CpuCheckpointEngine(64, is_master=True), CpuCheckpointEngine(64)
+receiver.init_process_group(rank=1, world_size=2, address=master.address)
+cycle = [master, receiver]
+cycle.append(cycle)
+del master, receiver, cycle
+gc.collect()
+print("collected")
+"""
+
+
+def test_engines_collected_unclosed_do_not_block_the_process():
+    out = subprocess.run([sys.executable, "-c", COLLECT], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "collected", out.stderr[-2000:]
 
 
 def test_the_topology_needs_the_senders_address():

@@ -69,11 +69,21 @@ def tiny_model(tmp_path_factory):
     return export_tiny_model(tmp_path_factory.mktemp("model"))
 
 
+def verl_python(overrides) -> str:
+    """The interpreter of a run: a run on veRL's vLLM rollout starts in ``.venv-verl-vllm`` directly
+    (from ``.venv`` the command would import veRL and compose its config once more only to re-run
+    itself there; test_cpu_vllm_seams.py checks that re-run), an ``hf`` run in this one."""
+    vllm_venv = ROOT / ".venv-verl-vllm" / "bin" / "python"
+    if "actor_rollout_ref.rollout.name=hf" in overrides or not vllm_venv.is_file():
+        return sys.executable
+    return str(vllm_venv)
+
+
 def verl_command(recipe: str, tmp, model_dir, *overrides: str) -> list[str]:
     """The `cppo-megatron verl` command of a CI run: the recipe at test size, run dir ``tmp/run``."""
     run_dir = tmp / "run"
     return [
-        sys.executable, "-m", "cppo_megatron.integrations.verl.main", str(ROOT / "recipes" / "verl" / recipe),
+        verl_python(overrides), "-m", "cppo_megatron.integrations.verl.main", str(ROOT / "recipes" / "verl" / recipe),
         f"cppo_cpu.model_dir={model_dir}", f"cppo_cpu.data_dir={tmp / 'data'}", f"cppo_cpu.run_dir={run_dir}",
         "cppo_cpu.eval_problems=16",
         f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=false", "trainer.test_freq=-1",

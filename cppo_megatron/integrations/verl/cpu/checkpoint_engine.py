@@ -47,6 +47,15 @@ _POLL_S = 0.002
 _ALIGN = 16  # bytes: every tensor starts at a multiple (mixed dtypes share a bucket)
 
 
+def _context() -> Any:
+    """The process's one ZeroMQ context, never terminated: a context of our own, collected with an
+    engine whose sockets were garbage in the same cycle, would block in ``Context.term`` forever
+    from ``__del__`` (term waits for sockets that no finalizer closes any more)."""
+    import zmq
+
+    return zmq.Context.instance()
+
+
 def _node_ip() -> str:
     try:
         import ray
@@ -87,12 +96,10 @@ class CpuCheckpointEngine(CheckpointEngine):
         self.world_size: int | None = None
         self.address: str | None = None
         self._sock: Any = None
-        self._ctx: Any = None
         if is_master:
             import zmq
 
-            self._ctx = zmq.Context()
-            self._sock = self._ctx.socket(zmq.ROUTER)
+            self._sock = _context().socket(zmq.ROUTER)
             self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a receiver that reconnects keeps its identity
             self._sock.setsockopt(zmq.LINGER, 0)
             ip = _node_ip()
@@ -123,9 +130,8 @@ class CpuCheckpointEngine(CheckpointEngine):
         import zmq
 
         if self._sock is None or self.address != address:
-            self._close()
-            self._ctx = zmq.Context()
-            self._sock = self._ctx.socket(zmq.DEALER)
+            self.close()
+            self._sock = _context().socket(zmq.DEALER)
             self._sock.setsockopt(zmq.IDENTITY, f"r{rank}".encode())
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.connect(address)
@@ -135,12 +141,11 @@ class CpuCheckpointEngine(CheckpointEngine):
     def finalize(self) -> None:
         """Nothing to free between syncs: the sockets are kept (one bucket lives only while sent)."""
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """Close this engine's socket (nothing pending is kept: linger 0)."""
         if self._sock is not None:
             self._sock.close(0)
-        if self._ctx is not None:
-            self._ctx.term()
-        self._sock = self._ctx = None
+        self._sock = None
 
     # --- the transfer
     @torch.no_grad()
