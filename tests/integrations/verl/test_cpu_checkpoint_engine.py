@@ -19,6 +19,17 @@ pytest.importorskip("zmq")
 BUCKET = 64  # bytes: the 40-float tensor (160 bytes) travels in 3 chunks
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_zmq_threads_left():
+    """The engines share the process's ZeroMQ context (its I/O threads live as long as it does): end
+    it after this module, every socket closed by the tests, so that later tests fork a pytest
+    process without ZeroMQ's threads in it."""
+    yield
+    import zmq
+
+    zmq.Context.instance().term()
+
+
 def _weights(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"model.embed_tokens.weight": torch.randn(8, 5, generator=g),
