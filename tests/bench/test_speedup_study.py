@@ -49,7 +49,7 @@ def test_speedup_bench_interleaves_runs_and_reports_the_bound(tmp_path):
 def test_study_writes_csv_rows_for_every_run_and_a_control(tmp_path):
     out = tmp_path / "st"
     assert main(["study", recipe_path("tiny_cpu"), *FAST, "--rates", "0,0.5", "--metrics", "smallest,largest",
-                 "--seeds", "2", "--budget", "0.5", "--evals", "2", "--out", str(out)]) == 0
+                 "--seeds", "2", "--budget", "0.5", "--clock", "cpu", "--evals", "2", "--out", str(out)]) == 0
     with (out / "study.csv").open() as fh:
         rows = list(csv.DictReader(fh))
     # per seed: GRPO once, P=0.5 x 2 metrics, one supervised control
@@ -77,7 +77,7 @@ def test_bad_rates_are_errors():
 def test_study_runs_importance_and_keep_mass_and_reads_equal_prompts(tmp_path):
     out = tmp_path / "st2"
     assert main(["study", "recipes/tiny_cpu.yaml", *FAST, "--rates", "0,0.5", "--metrics", "smallest,importance,keep_mass",
-                 "--keep-mass", "0.8", "--seeds", "1", "--budget", "0.5", "--evals", "1", "--no-control",
+                 "--keep-mass", "0.8", "--seeds", "1", "--budget", "0.5", "--clock", "cpu", "--evals", "1", "--no-control",
                  "--out", str(out)]) == 0
     with (out / "study.csv").open() as fh:
         rows = list(csv.DictReader(fh))
