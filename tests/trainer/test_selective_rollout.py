@@ -209,3 +209,26 @@ def test_bad_selective_keys_are_named(override, message):
     with pytest.raises(ValueError) as err:
         load_recipe(None, [override])
     assert str(err.value).endswith(message)
+
+
+def test_an_abandoned_step_puts_the_recorded_history_back(tmp_path):
+    """Ctrl-C in the reference pass: the step's groups were already recorded, and abandoning
+    the step (its prompts go back to the sampler) must take them out of the history too."""
+    t = Trainer(_recipe(tmp_path / "run", "train.steps=3", "train.beta=0.04"))
+    real_logprobs = t.backend.logprobs
+    after_first: dict = {}
+
+    def interrupted_in_step_two(rows, **kw):
+        if t.step == 1:
+            assert t.selective.history.num_events == 16  # step 2's groups are in by now
+            raise KeyboardInterrupt
+        out = real_logprobs(rows, **kw)
+        after_first.update(t.selective.state_dict())
+        return out
+
+    t.backend.logprobs = interrupted_in_step_two
+    assert t.run()["interrupted"]
+    now = t.selective.state_dict()
+    assert now["history"]["prompt_ids"].tolist() == after_first["history"]["prompt_ids"].tolist()
+    assert now["history"]["prompt_ids"].numel() == 8 and now["totals"] == after_first["totals"]
+    assert t.sampler.total_drawn == now["totals"]["prompts_drawn"]
