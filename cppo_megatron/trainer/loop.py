@@ -374,6 +374,8 @@ class Trainer:
         with timer.phase("cppo"):
             selective = {} if self.selective is None else self.selective.end_step(
                 batch.prompt_ids, batch.rewards, batch.correct, batch.completion_lengths)
+            if self.selective is not None and self.rollout.world > 1:
+                self._check_selective_agrees()
             surv = select_survivors(batch, r.cppo, self.planner, step=self.step)
             rows = self.backend.place(batch, surv.kept, surv.advantages)
             if surv.full_denominators is not None:  # importance: the weights travel with the placed rows
@@ -396,6 +398,15 @@ class Trainer:
                           timer.seconds, t_step)
         rec.update(selective)
         return rec
+
+    def _check_selective_agrees(self) -> None:
+        """Every rank must hold the same history (same draws, same global rewards): a
+        divergence would make ranks generate different prompts, so stop at once."""
+        assert self.selective is not None
+        digests = self.rollout.gather(self.selective.fingerprint())
+        if len(set(digests)) > 1:
+            raise RuntimeError(f"step {self.step + 1}: the selective-rollout history differs between ranks "
+                               f"(digests by rank: {digests}); the ranks drew or recorded different prompts")
 
     def _selective_draw(self, n: int) -> list[int]:
         assert self.selective is not None  # only passed to collect_groups with selective rollout on

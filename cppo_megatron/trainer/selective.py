@@ -18,6 +18,7 @@ every rank), so the history and the decisions are identical on every rank.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any
 
 import torch
@@ -152,6 +153,16 @@ class SelectiveRollout:
         }
         out.update({f"selective/total_{k}": v for k, v in self.totals.items()})
         return out
+
+    def fingerprint(self) -> str:
+        """A short digest of the history, the rates and the counters: equal on every rank of a
+        run whose ranks decided alike (the trainer compares them after each step)."""
+        h = hashlib.sha1()
+        state = self.history.state_dict()
+        for key in ("prompt_ids", "steps", "outcomes"):
+            h.update(state[key].numpy().tobytes())
+        h.update(repr((self.rates, sorted(self.totals.items()))).encode())
+        return h.hexdigest()[:16]
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
