@@ -24,7 +24,8 @@ back (sampler, planner and RNG as at the step's start) and the checkpoint is wri
 during the update no checkpoint is written (resume continues from the previous one).
 
 Elsewhere: the step record (``record.step_record``), checkpoints and resume
-(``checkpoint``), the phases before the passes (``step``), the backends (``backends/``).
+(``checkpoint``), the phases before the passes (``step``), the backends (``backends/``),
+selective rollout (``selective``: ``cppo.selective_rollout`` skips prompts before the rollout).
 """
 
 from __future__ import annotations

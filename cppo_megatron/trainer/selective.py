@@ -202,8 +202,12 @@ def record_outcomes(history: SelectiveHistory, prompt_ids: torch.Tensor, rewards
     Returns:
         (zero_variance [P] bool, easy [P] bool), aligned with ``prompt_ids``.
     """
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
     G = group_size
     ids = torch.as_tensor(prompt_ids, dtype=torch.int64)
+    if ids.dim() != 1:
+        raise ValueError(f"prompt_ids must be 1-D [P] (one dataset index per group), got shape {tuple(ids.shape)}")
     p = ids.numel()
     if rewards.numel() != p * G or correct.numel() != p * G:
         raise ValueError(f"{rewards.numel()} rewards and {correct.numel()} correctness flags for {p} groups x G={G}: "
