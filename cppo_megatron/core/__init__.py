@@ -10,6 +10,8 @@ library; ``tests/core/test_layering.py`` keeps it so).
 - ``balance``: sequences -> data-parallel ranks and micro-batches
 - ``loss``: clipped surrogate, KL estimators, loss aggregation over the kept set
 - ``pipeline``: ``prune`` = advantages + selection in one call
+- ``selective``: selective rollout (GRESO): per-prompt history, pre-rollout skip decisions,
+  adaptive exploration rates, batch filling
 """
 
 from .advantage import ADV_NORMS, GroupStats, advantages_from_stats, group_advantages
@@ -38,6 +40,18 @@ from .selection import (
     seeded_generator,
     select_completions,
 )
+from .selective import (
+    ExplorationRates,
+    FilledBatch,
+    GroupOutcomes,
+    SelectiveHistory,
+    SkipDecision,
+    adapt_exploration,
+    decide_skips,
+    fill_batch,
+    group_outcomes,
+    selective_metrics,
+)
 from .settings import DEFAULT_PRUNING_RATE, METRICS, SCOPES, CPPOConfig, keep_count
 
 __all__ = [
@@ -46,6 +60,9 @@ __all__ = [
     "AllocationTotals",
     "CPPOConfig",
     "DEFAULT_PRUNING_RATE",
+    "ExplorationRates",
+    "FilledBatch",
+    "GroupOutcomes",
     "GroupStats",
     "KL_KINDS",
     "LOSS_AGG_MODES",
@@ -55,10 +72,16 @@ __all__ = [
     "PruneResult",
     "SCOPES",
     "Selection",
+    "SelectiveHistory",
+    "SkipDecision",
+    "adapt_exploration",
     "advantages_from_stats",
     "aggregate_loss",
     "balance_partitions",
     "clipped_surrogate",
+    "decide_skips",
+    "fill_batch",
+    "group_outcomes",
     "group_advantages",
     "inclusion_probabilities",
     "mass_keep_counts",
@@ -72,6 +95,7 @@ __all__ = [
     "prune",
     "seeded_generator",
     "select_completions",
+    "selective_metrics",
     "sequence_workload",
     "token_logprobs",
 ]

@@ -36,6 +36,7 @@ __all__ = [
     "MAGNITUDE_METRICS",
     "METRICS",
     "SCOPES",
+    "SELECTIVE_PARAMETERS",
     "check_config",
     "document_fields",
     "field_help",
@@ -159,6 +160,27 @@ class CPPOConfig:
     workload_quadratic: float = setting(1.0, "b in that workload model.")
     seed: int = setting(0, """decides every random choice: tie-breaks between equal scores and the random metric.
         Combined with the step number, so choices differ between steps but are identical on every rank.""")
+    selective_rollout: bool = setting(False, """selective rollout (GRESO, arXiv 2506.02177; beyond CPPO): before
+        generation, skip each drawn prompt with probability 1 - p_e ** z, z = its consecutive zero-variance groups
+        in earlier steps, and draw replacements so the step still generates as many prompts (docs/selective_rollout.md).
+        Embedded trainer only: veRL and OpenRLHF runs refuse it.""")
+    selective_target_zero_variance: float = setting(0.25, """alpha in [0, 1], the wanted share of zero-variance groups
+        among those generated per step: alpha / 3 for all-correct, 2 alpha / 3 for all-wrong groups (the authors'
+        target_zero_variance). Read only with selective_rollout.""")
+    selective_p_easy: float = setting(0.5, """initial exploration probability p_e in (0, 1] for prompts whose last
+        group was all correct (within [selective_p_min, selective_p_max]). Read only with selective_rollout.""")
+    selective_p_hard: float = setting(0.5, """initial exploration probability p_e in (0, 1] for prompts whose last
+        group was zero-variance and not all correct. Read only with selective_rollout.""")
+    selective_step_size: float = setting(0.01, """>= 0, how far p_easy and p_hard move after each step toward the
+        target share (0 keeps them fixed). Read only with selective_rollout.""")
+    selective_p_min: float = setting(0.05, """lower bound in (0, 1] of p_easy and p_hard: every prompt keeps at least
+        this chance per zero-variance generation of being explored. Read only with selective_rollout.""")
+    selective_p_max: float = setting(0.95, """upper bound in (0, 1] of p_easy and p_hard. Read only with
+        selective_rollout.""")
+    selective_adapt_after_first_epoch: bool = setting(True, """true: p_easy and p_hard stay at their initial values
+        until the first pass over the training prompts is complete, and adapt after every step that starts after it
+        (the authors' trainer adapts from the second epoch); false: adapt after every step. Read only with
+        selective_rollout.""")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -222,7 +244,44 @@ class CPPOConfig:
             raise ValueError("CPPOConfig: workload_linear and workload_quadratic are both 0")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"CPPOConfig.seed must be an integer, got {self.seed!r}")
+        self._validate_selective()
         return self
+
+    def _validate_selective(self) -> None:
+        for name in ("selective_rollout", "selective_adapt_after_first_epoch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CPPOConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        alpha = self.selective_target_zero_variance
+        if not _finite(alpha) or not 0.0 <= alpha <= 1.0:
+            raise ValueError(
+                f"CPPOConfig.selective_target_zero_variance must be a share in [0, 1], got {alpha!r}; "
+                "the authors use 0.25"
+            )
+        step = self.selective_step_size
+        if not _finite(step) or step < 0:
+            raise ValueError(
+                f"CPPOConfig.selective_step_size must be a finite number >= 0, got {step!r}; 0 keeps "
+                "p_easy / p_hard fixed, the authors use 0.01"
+            )
+        for name in ("selective_p_min", "selective_p_max", "selective_p_easy", "selective_p_hard"):
+            v = getattr(self, name)
+            if not _finite(v) or not 0.0 < v <= 1.0:
+                raise ValueError(
+                    f"CPPOConfig.{name} must be a probability in (0, 1], got {v!r}: 0 would never explore a "
+                    "zero-variance prompt again"
+                )
+        lo, hi = self.selective_p_min, self.selective_p_max
+        if lo > hi:
+            raise ValueError(
+                f"CPPOConfig.selective_p_min ({lo!r}) is larger than selective_p_max ({hi!r}); swap them"
+            )
+        for name in ("selective_p_easy", "selective_p_hard"):
+            v = getattr(self, name)
+            if not lo <= v <= hi:
+                raise ValueError(
+                    f"CPPOConfig.{name} = {v!r} is outside [selective_p_min, selective_p_max] = [{lo!r}, {hi!r}]; "
+                    "set it inside the bounds (or widen them)"
+                )
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -306,7 +365,12 @@ class CPPOConfig:
             f"CPPO {what} metric={self.metric} use_abs={self.use_abs} scope={self.scope} "
             f"adv_norm={self.adv_norm} eps={self.eps:g} allocation={self.allocation} "
             f"dynamic_sampling={self.dynamic_sampling} seed={self.seed}"
+            + (" selective_rollout=True" if self.selective_rollout else "")
         )
+
+
+def _finite(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
 def _check_choice(name: str, value: Any, choices: tuple) -> None:
@@ -315,6 +379,8 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
 
 
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(CPPOConfig))
+# the fields read only with selective_rollout (a host that refuses it warns when one is changed)
+SELECTIVE_PARAMETERS = tuple(n for n in FIELD_NAMES if n.startswith("selective_") and n != "selective_rollout")
 
 
 def check_config(cfg: object) -> CPPOConfig:

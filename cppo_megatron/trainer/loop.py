@@ -24,7 +24,8 @@ back (sampler, planner and RNG as at the step's start) and the checkpoint is wri
 during the update no checkpoint is written (resume continues from the previous one).
 
 Elsewhere: the step record (``record.step_record``), checkpoints and resume
-(``checkpoint``), the phases before the passes (``step``), the backends (``backends/``).
+(``checkpoint``), the phases before the passes (``step``), the backends (``backends/``),
+selective rollout (``selective``: ``cppo.selective_rollout`` skips prompts before the rollout).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ from .logger import MetricsLogger
 from .models import build_model, resolve_device
 from .record import step_record
 from .report import write_report
+from .selective import STATE_KEY as SELECTIVE_STATE_KEY
+from .selective import SelectiveRollout
 from .sft import sft_warmup
 from .step import PhaseTimer, collect_groups, select_survivors
 
@@ -123,6 +126,9 @@ class Trainer:
         G = recipe.rollout.group_size
         self.planner = AllocationPlanner.from_config(recipe.cppo, capacity=recipe.train.capacity, group_size=G)
         self.sampler = PromptSampler(len(self.task.train), seed=recipe.seed)
+        # cppo.selective_rollout: skip prompts before generation (GRESO; trainer/selective.py)
+        self.selective = SelectiveRollout(recipe.cppo, group_size=G, num_prompts=len(self.task.train)) \
+            if recipe.cppo.selective_rollout else None
         # megatron shards are built in prepare(), from the warmed-up weights
         self.policy: PolicyBackend | None = None if self.distributed else HFBackend(
             self.model, device=self.device, pad_id=self.tok.pad_id, recipe=recipe)
@@ -131,7 +137,7 @@ class Trainer:
         self.phase = "setup"  # the step phase running now (interrupts, failure messages)
         self._last_acc = 0.0
         self._rl_started = False
-        self._open_step: tuple | None = None  # (sampler, planner, rng) as the running step began
+        self._open_step: tuple | None = None  # (sampler, planner, rng, selective) as the running step began
         self.resumed_from: Path | None = None
         self._fs_peers: list[int] | None = None  # ranks sharing this rank's out_dir (first checkpoint)
         self._resume_policy: dict | None = None
@@ -246,7 +252,8 @@ class Trainer:
 
     def step_once(self) -> dict:
         """One RL step with its bookkeeping; returns the step's metrics record."""
-        self._open_step = (self.sampler.state_dict(), self.planner.state_dict(), rng_state())
+        self._open_step = (self.sampler.state_dict(), self.planner.state_dict(), rng_state(),
+                           None if self.selective is None else self.selective.state_dict())
         t0 = time.perf_counter()
         rec = self._rl_step()
         self.elapsed += time.perf_counter() - t0
@@ -337,10 +344,12 @@ class Trainer:
             return True
         if self.distributed or self.phase in ("update", "sync", "metrics"):
             return False  # weights moved (or peers are inside a collective): keep the last checkpoint
-        sampler, planner, rng = self._open_step
+        sampler, planner, rng, selective = self._open_step
         self.sampler.load_state_dict(sampler)
         self.planner.load_state_dict(planner)
         set_rng_state(rng)
+        if self.selective is not None:  # the step may have recorded its groups already
+            self.selective.load_state_dict(selective)
         self._open_step = None
         return True
 
@@ -356,10 +365,18 @@ class Trainer:
         r = self.r
         timer = PhaseTimer(self.device, on_enter=self._enter_phase)
         t_step = time.perf_counter()
+        draw = None
+        if self.selective is not None:
+            self.selective.begin_step(self.step, self.sampler)
+            draw = self._selective_draw
         batch = collect_groups(self.rollout, self.planner, self.sampler, group_size=r.rollout.group_size,
                                dynamic_sampling=r.cppo.dynamic_sampling, step=self.step, timer=timer,
-                               cppo_cfg=r.cppo)
+                               cppo_cfg=r.cppo, draw=draw)
         with timer.phase("cppo"):
+            selective = {} if self.selective is None else self.selective.end_step(
+                batch.prompt_ids, batch.rewards, batch.correct, batch.completion_lengths)
+            if self.selective is not None and self.rollout.world > 1:
+                self._check_selective_agrees()
             surv = select_survivors(batch, r.cppo, self.planner, step=self.step)
             rows = self.backend.place(batch, surv.kept, surv.advantages)
             if surv.full_denominators is not None:  # importance: the weights travel with the placed rows
@@ -378,8 +395,23 @@ class Trainer:
         with timer.phase("sync"):
             self._sync_engine()
         self.phase = "metrics"
-        return step_record(r, self.rollout, self.planner, self.sampler, batch, surv, rows, old, ref, upd,
-                           timer.seconds, t_step)
+        rec = step_record(r, self.rollout, self.planner, self.sampler, batch, surv, rows, old, ref, upd,
+                          timer.seconds, t_step)
+        rec.update(selective)
+        return rec
+
+    def _check_selective_agrees(self) -> None:
+        """Every rank must hold the same history (same draws, same global rewards): a
+        divergence would make ranks generate different prompts, so stop at once."""
+        assert self.selective is not None
+        digests = self.rollout.gather(self.selective.fingerprint())
+        if len(set(digests)) > 1:
+            raise RuntimeError(f"step {self.step + 1}: the selective-rollout history differs between ranks "
+                               f"(digests by rank: {digests}); the ranks drew or recorded different prompts")
+
+    def _selective_draw(self, n: int) -> list[int]:
+        assert self.selective is not None  # only passed to collect_groups with selective rollout on
+        return self.selective.draw(self.sampler, n)
 
     # ------------------------------------------------------------------ eval, sync, checkpoints
     def _sync_engine(self) -> None:
@@ -416,6 +448,8 @@ class Trainer:
         if self.is_main:
             state = {"sampler": self.sampler.state_dict(), "planner": self.planner.state_dict(),
                      "elapsed": self.elapsed, "last_acc": self._last_acc, "recipe": recipe_to_dict(self.r)}
+            if self.selective is not None:
+                state[SELECTIVE_STATE_KEY] = self.selective.state_dict()
         # the slow group: writing a large shard may take longer than a collective may wait
         barrier = lambda: self.rollout.barrier(slow=True)  # noqa: E731
         if self._fs_peers is None:  # which ranks write into the same directory (local disks per node)
@@ -443,6 +477,14 @@ class Trainer:
         self.elapsed = state["elapsed"]
         self._last_acc = state.get("last_acc", 0.0)
         self.resumed_from = path
+        if self.selective is not None:
+            if SELECTIVE_STATE_KEY in state:
+                self.selective.load_state_dict(state[SELECTIVE_STATE_KEY])
+            elif self.is_main:
+                r = self.selective.rates
+                log(f"--resume: checkpoint {path.name} has no selective-rollout state (written without "
+                    f"cppo.selective_rollout): starting with an empty prompt history and p_easy={r.p_easy:g}, "
+                    f"p_hard={r.p_hard:g}")
         if self.policy is not None:  # hf: now; megatron: once prepare() built the shards
             self.policy.load_state_dict(policy)
             set_rng_state(policy["rng"])

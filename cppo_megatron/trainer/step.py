@@ -57,7 +57,9 @@ class RolloutBatch:
     ``rewards`` / ``correct`` / ``formatted`` [N] float32, ``prompt_lengths`` /
     ``completion_lengths`` [N] int64, ``truncated`` [N] bool, ``owner`` [N] int64 (the
     data-parallel rank holding the row), ``valid_groups`` [V] int64 ascending (groups that
-    go to selection), ``dropped_prompts`` (zero-variance groups dynamic sampling removed).
+    go to selection), ``dropped_prompts`` (zero-variance groups dynamic sampling removed),
+    ``prompt_ids`` [P] int64 the dataset index of every generated group (P = N / G, draw
+    order, dropped groups included).
     Local: ``local_rows`` [n] int64 ascending global row of each row this rank holds, with
     its ``prompts`` / ``completions`` token ids and ``sampler_logprobs`` (vLLM only).
     """
@@ -72,6 +74,7 @@ class RolloutBatch:
     owner: torch.Tensor
     valid_groups: torch.Tensor
     dropped_prompts: int
+    prompt_ids: torch.Tensor
     local_rows: torch.Tensor
     prompts: list
     completions: list
@@ -145,10 +148,14 @@ class PhaseTimer:
 
 
 def collect_groups(rollout: Any, planner: AllocationPlanner, sampler: PromptSampler, *, group_size: int,
-                   dynamic_sampling: bool, step: int, timer: PhaseTimer, cppo_cfg: Any = None) -> RolloutBatch:
+                   dynamic_sampling: bool, step: int, timer: PhaseTimer, cppo_cfg: Any = None,
+                   draw: Callable[[int], Sequence[int]] | None = None) -> RolloutBatch:
     """Draw the step's prompts, generate and score G completions each (``rollout.round``),
     and with dynamic sampling drop zero-variance groups and draw replacements until the
     planner is satisfied. Opens the planner's step (``select_survivors`` closes it).
+
+    ``draw(n)`` gives each round's prompt ids (default ``sampler.draw``); selective rollout
+    passes one that skips prompts before generation and may return fewer than n.
 
     With ``cppo.keep_mass`` and allocation (``planner.adaptive``; ``cppo_cfg`` given) the
     survivors per prompt vary: fill rounds draw more prompts until the selection over the
@@ -160,8 +167,13 @@ def collect_groups(rollout: Any, planner: AllocationPlanner, sampler: PromptSamp
     drawn = 0
     rounds = 0
     to_draw = planner.begin_step()
+    draw_ids = sampler.draw if draw is None else draw
+    prompt_ids: list[int] = []
     while to_draw > 0:
-        ids = sampler.draw(to_draw)
+        ids = list(draw_ids(to_draw))
+        if not ids:
+            raise RuntimeError(f"round {rounds} of step {step}: no prompt to generate (asked for {to_draw})")
+        prompt_ids.extend(ids)
         part = rollout.round(ids, step=step, round_=rounds, timer=timer)
         if len(part.rewards) != len(ids) * G:
             raise RuntimeError(f"rollout round {rounds}: {len(part.rewards)} rewards for {len(ids)} prompts x G={G}")
@@ -181,10 +193,11 @@ def collect_groups(rollout: Any, planner: AllocationPlanner, sampler: PromptSamp
             rows = (torch.tensor(valid, dtype=torch.int64)[:, None] * G + torch.arange(G)).reshape(-1)
             kept = prune(rewards[rows], rows // G, cppo_cfg, step=step).selection.num_kept
             to_draw = planner.next_fill(kept)
-    return _assemble(parts, G, valid, dropped, rounds)
+    return _assemble(parts, G, valid, dropped, rounds, prompt_ids)
 
 
-def _assemble(parts: list[RoundRows], G: int, valid: list[int], dropped: int, rounds: int) -> RolloutBatch:
+def _assemble(parts: list[RoundRows], G: int, valid: list[int], dropped: int, rounds: int,
+              prompt_ids: list[int]) -> RolloutBatch:
     def cat(name, dtype):
         return torch.tensor([x for p in parts for x in getattr(p, name)], dtype=dtype)
 
@@ -212,6 +225,7 @@ def _assemble(parts: list[RoundRows], G: int, valid: list[int], dropped: int, ro
         owner=cat("owner", torch.int64),
         valid_groups=torch.tensor(valid, dtype=torch.int64),
         dropped_prompts=dropped,
+        prompt_ids=torch.tensor(prompt_ids, dtype=torch.int64),
         local_rows=torch.tensor(local, dtype=torch.int64),
         prompts=prompts,
         completions=completions,

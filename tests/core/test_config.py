@@ -20,6 +20,13 @@ import torch
         ({"eps": -1.0}, "eps"),
         ({"use_abs": "yes"}, "use_abs"),
         ({"seed": 1.5}, "seed"),
+        ({"selective_rollout": "yes"}, "selective_rollout must be true or false, got 'yes'"),
+        ({"selective_adapt_after_first_epoch": 1}, "selective_adapt_after_first_epoch must be true or false, got 1"),
+        ({"selective_p_max": 1.5}, r"selective_p_max must be a probability in \(0, 1\], got 1.5"),
+        ({"selective_p_min": 0.6, "selective_p_max": 0.4}, r"selective_p_min \(0.6\) is larger than selective_p_max "
+                                                           r"\(0.4\); swap them"),
+        ({"selective_step_size": float("nan")}, "selective_step_size must be a finite number >= 0, got nan"),
+        ({"selective_target_zero_variance": -0.1}, r"selective_target_zero_variance must be a share in \[0, 1\]"),
     ],
 )
 def test_invalid_fields_name_field_and_value(kwargs, match):
@@ -72,3 +79,15 @@ def test_p0_reproduces_grpo_exactly():
         m = g == gid
         adv_grpo[m] = (r[m] - r[m].mean()) / (r[m].std() + 1e-6)
     assert torch.allclose(res.advantages, adv_grpo, atol=1e-6)
+
+
+def test_selective_defaults_are_the_core_constants():
+    """The recipe defaults and the core's (the authors' values) cannot drift apart."""
+    from cppo_megatron.core import selective
+
+    c = CPPOConfig()
+    assert c.selective_rollout is False and c.selective_adapt_after_first_epoch is True
+    assert (c.selective_p_easy, c.selective_p_hard) == (selective.DEFAULT_EXPLORATION,) * 2
+    assert c.selective_target_zero_variance == selective.DEFAULT_TARGET_ZERO_VARIANCE
+    assert c.selective_step_size == selective.DEFAULT_STEP_SIZE
+    assert (c.selective_p_min, c.selective_p_max) == (selective.DEFAULT_P_MIN, selective.DEFAULT_P_MAX)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ...config import CPPOConfig
+from ...config import SELECTIVE_PARAMETERS, CPPOConfig
 from ...core import (
     advantages_from_stats,
     balance_partitions,
@@ -164,6 +164,12 @@ def check_settings(values: dict[str, Any], estimator: str) -> list[str]:
             "and cannot draw replacement prompts; remove it and use OpenRLHF's own "
             "--algo.dynamic_filtering_enable, which replaces filtered prompts before the hook sees the rollout"
         )
+    if values.get("selective_rollout"):
+        raise ValueError(
+            "cppo.selective_rollout=true is not supported under OpenRLHF: selective rollout (GRESO) is built only "
+            "in the embedded trainer so far (cppo-megatron train); OpenRLHF would generate every prompt anyway. "
+            "Remove it"
+        )
     if values.get("equal_size") is False:
         raise ValueError(
             "cppo.equal_size=false cannot be honoured under OpenRLHF: each actor gets an equal consecutive "
@@ -182,6 +188,9 @@ def check_settings(values: dict[str, Any], estimator: str) -> list[str]:
     if "max_refill_rounds" in values and not values.get("dynamic_sampling"):
         notes.append(f"cppo.max_refill_rounds={values['max_refill_rounds']} has no effect under OpenRLHF: refill "
                      "rounds belong to cppo.dynamic_sampling, which OpenRLHF runs do not support; remove it")
+    notes += [f"cppo.{name}={values[name]} has no effect under OpenRLHF: it belongs to cppo.selective_rollout, "
+              "which is built only in the embedded trainer; remove it"
+              for name in SELECTIVE_PARAMETERS if name in values]
     return notes
 
 

@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, cast
 
-from ...config import ESTIMATOR_NAME, FIELD_NAMES, CPPOConfig
+from ...config import ESTIMATOR_NAME, FIELD_NAMES, SELECTIVE_PARAMETERS, CPPOConfig
 
 __all__ = [
     "ESTIMATOR",
@@ -160,6 +160,12 @@ def check_compatible(config: Any) -> None:
             "cppo.dynamic_sampling=false (groups with equal rewards have zero advantage and are pruned "
             "first with cppo.metric=smallest), or use the embedded trainer (cppo-megatron train)"
         )
+    if cfg.selective_rollout:
+        raise ValueError(
+            "cppo.selective_rollout=true is not supported under veRL: selective rollout (GRESO) is built only in "
+            "the embedded trainer so far (cppo-megatron train); veRL's data loader would generate every prompt "
+            "anyway. Set cppo.selective_rollout=false"
+        )
     node = config.get("cppo", None)
     if node is not None and node.get("equal_size", None) is False:
         raise ValueError(
@@ -172,14 +178,25 @@ def check_compatible(config: Any) -> None:
 def host_warnings(config: Any) -> list[str]:
     """CPPO settings that are valid but have no effect in a veRL run (one line each)."""
     cfg = cppo_config_from(config)
-    default = {f.name: f.default for f in dataclasses.fields(CPPOConfig)}["max_refill_rounds"]
+    default = {f.name: f.default for f in dataclasses.fields(CPPOConfig)}
     out = []
-    if not cfg.dynamic_sampling and cfg.max_refill_rounds != default:
+    if not cfg.dynamic_sampling and cfg.max_refill_rounds != default["max_refill_rounds"]:
         out.append(
             f"cppo.max_refill_rounds={cfg.max_refill_rounds} has no effect under veRL: refill rounds belong to "
             "cppo.dynamic_sampling, which veRL runs do not support; remove it"
         )
+    out += _inert_selective_keys(cfg, default_of=lambda name: default[name], host="veRL")
     return out
+
+
+def _inert_selective_keys(cfg: CPPOConfig, *, default_of: Any, host: str) -> list[str]:
+    """One warning per cppo.selective_* parameter changed from its default: without
+    selective_rollout (refused under this host) none of them is read."""
+    return [
+        f"cppo.{name}={getattr(cfg, name)} has no effect under {host}: it belongs to cppo.selective_rollout, "
+        "which is built only in the embedded trainer; remove it"
+        for name in SELECTIVE_PARAMETERS if getattr(cfg, name) != default_of(name)
+    ]
 
 
 def unprepared_message(config: Any) -> str:

@@ -176,6 +176,9 @@ def test_launch_runs_openrlhfs_own_main_with_the_forwarded_arguments(monkeypatch
      "error: cppo.dynamic_sampling=true is not supported under OpenRLHF: the hook prunes a finished rollout and "
      "cannot draw replacement prompts; remove it and use OpenRLHF's own --algo.dynamic_filtering_enable, which "
      "replaces filtered prompts before the hook sees the rollout"),
+    (["--cppo.selective_rollout", "true"],
+     "error: cppo.selective_rollout=true is not supported under OpenRLHF: selective rollout (GRESO) is built only "
+     "in the embedded trainer so far (cppo-megatron train); OpenRLHF would generate every prompt anyway. Remove it"),
     (["--cppo.equal_size", "false"],
      "error: cppo.equal_size=false cannot be honoured under OpenRLHF: each actor gets an equal consecutive chunk "
      "of the survivors, so they are always balanced into equal-size parts; remove it"),
@@ -195,4 +198,8 @@ def test_settings_openrlhf_cannot_honour_are_refused(flags, message, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "warning: cppo.max_refill_rounds=5 has no effect under OpenRLHF: refill rounds belong to "
         "cppo.dynamic_sampling, which OpenRLHF runs do not support; remove it")
+    assert main(["--cppo.selective_p_easy", "0.2", "--dry-run", *recipe]) == 0
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "warning: cppo.selective_p_easy=0.2 has no effect under OpenRLHF: it belongs to cppo.selective_rollout, "
+        "which is built only in the embedded trainer; remove it")
     assert main(["--cppo.equal_size", "true", "--cppo.adv_norm", "std", "--dry-run", *recipe]) == 0  # honoured

@@ -1,0 +1,914 @@
+"""Selective rollout: skip prompts before generation when their recent groups taught nothing.
+
+GRESO (Zheng et al., "Act Only When It Pays: Efficient Reinforcement Learning for LLM
+Reasoning via Selective Rollouts", arXiv 2506.02177). A prompt whose group of G completions
+had zero reward variance (all rewards equal: every GRPO advantage is 0) in its last
+generation(s) is likely to be zero-variance again. Before rollout, each candidate prompt i
+is skipped with probability
+
+    p_skip(i) = 1 - p_e ** z_i
+
+where ``z_i`` counts its most recent *consecutive* zero-variance groups and ``p_e`` is the
+exploration probability of the kind of its last group: ``p_easy`` when every completion was
+right (all rewards at the top), ``p_hard`` otherwise (all wrong). A prompt never generated,
+or whose last group had reward variance, has z = 0 and is never skipped. After each training
+step the two exploration probabilities move by a fixed step toward a target share of
+zero-variance groups among those generated (``adapt_exploration``). Sources, and what was
+and was not checked against the paper's text: ``docs/selective_rollout.md``.
+
+The pieces, each pure and CPU-only (identical on every rank from identical inputs):
+
+- ``group_outcomes``: per-prompt outcome of one generation round (zero variance, easy, hard)
+- ``SelectiveHistory``: per-prompt trace keyed by the dataset's stable prompt index
+  (never by batch position), with ``state_dict`` / ``load_state_dict``
+- ``decide_skips``: the skip decision for a set of candidates (``SkipDecision``)
+- ``adapt_exploration``: the next ``ExplorationRates``
+- ``fill_batch``: draw candidates in order until ``wanted`` are kept (``FilledBatch``)
+- ``selective_metrics``: plain floats with ``selective/`` keys
+
+Parameters (defaults): ``p_easy = p_hard = 0.5`` initially, target zero-variance share
+``alpha = 0.25`` split as ``alpha / 3`` for easy and ``2 alpha / 3`` for hard groups, step
+``0.01``, bounds ``[0.05, 0.95]``. These are the values of the authors' released trainer and
+training scripts (github.com/Infini-AI-Lab/GRESO: ``p_easy``, ``p_hard``,
+``target_zero_variance``, ``min_p``, ``max_p``); nothing of that code is reused here.
+
+Choices where the description leaves room (each one is a documented behaviour, pinned by
+``tests/core/test_selective.py``):
+
+1. ``z_i`` counts consecutive zero-variance *generations*, easy and hard alike, ending with
+   the latest one; a skipped step records nothing (it neither extends nor breaks the
+   streak). ``p_e`` is chosen by the kind of the latest group only.
+2. Easy means every reward of the group is ``>= easy_threshold`` (1.0: a correct answer);
+   every other zero-variance group is hard (all wrong, or all equally partly right: not
+   solved). A group of one completion is never zero-variance (as ``GroupStats``).
+3. The exploration update runs once per training step over every group generated in that
+   step (all refill rounds): share ``>=`` target lowers ``p`` by the step (skip more),
+   otherwise raises it; the result is clamped to the bounds and rounded to 12 decimals so
+   that repeated steps do not accumulate binary drift. No groups generated: no change. The
+   released trainer starts adapting only after the first epoch; the function has no notion
+   of epochs, so a host that wants that simply does not call it in epoch 0.
+4. Randomness: one uniform per candidate, ``u = H(key(seed, step), prompt_id)`` where the
+   key comes from a ``torch.Generator`` seeded by (seed, step) alone and H is SplitMix64 in
+   wrapping int64 arithmetic. The decision for a prompt therefore depends on (seed, step,
+   its id, its history, the rates) only: not on its batch position, the other candidates,
+   the rank or a kernel. A prompt drawn twice in one step gets the same answer twice.
+   ``skip = u < p_skip``, so p_skip = 0 never skips.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._checks import as_1d_float, check_float, check_int
+from .selection import seeded_generator
+
+__all__ = [
+    "DEFAULT_EXPLORATION",
+    "DEFAULT_P_MAX",
+    "DEFAULT_P_MIN",
+    "DEFAULT_STEP_SIZE",
+    "DEFAULT_TARGET_EASY",
+    "DEFAULT_TARGET_HARD",
+    "DEFAULT_TARGET_ZERO_VARIANCE",
+    "EASY",
+    "HARD",
+    "INFORMATIVE",
+    "UNSEEN",
+    "ExplorationRates",
+    "FilledBatch",
+    "GroupOutcomes",
+    "HistoryView",
+    "SelectiveHistory",
+    "SkipDecision",
+    "adapt_exploration",
+    "decide_skips",
+    "fill_batch",
+    "group_outcomes",
+    "prompt_uniforms",
+    "selective_metrics",
+]
+
+# ---------------------------------------------------------------------- constants
+# outcome codes of one generation (int8 in the history)
+INFORMATIVE = 0  # the group had reward variance
+EASY = 1  # zero variance, every reward at the top (all correct)
+HARD = 2  # zero variance otherwise (all wrong)
+UNSEEN = -1  # ``last_outcome`` of a prompt never generated
+OUTCOME_NAMES = {INFORMATIVE: "informative", EASY: "easy", HARD: "hard"}
+
+DEFAULT_EXPLORATION = 0.5  # initial p_easy and p_hard
+DEFAULT_TARGET_ZERO_VARIANCE = 0.25  # alpha: wanted share of zero-variance groups among those generated
+DEFAULT_TARGET_EASY = DEFAULT_TARGET_ZERO_VARIANCE / 3  # alpha / 3
+DEFAULT_TARGET_HARD = DEFAULT_TARGET_ZERO_VARIANCE * 2 / 3  # 2 alpha / 3: hard prompts change more often
+DEFAULT_STEP_SIZE = 0.01  # delta p per training step
+DEFAULT_P_MIN = 0.05
+DEFAULT_P_MAX = 0.95
+
+# stream of seeded_generator for the per-prompt draws (0: tie-breaks, 1: importance, 7: prompt sampler)
+SELECTIVE_STREAM = 11
+STATE_FORMAT = "cppo_megatron.selective.history/1"
+
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(v: int) -> int:
+    """The signed int64 with the bits of the unsigned 64-bit ``v``."""
+    v &= _MASK64
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+# (ids ascending, streak, last outcome, count, last step), each [P]
+_Summary = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+_GOLDEN = _i64(0x9E3779B97F4A7C15)
+_MIX1 = _i64(0xBF58476D1CE4E5B9)
+_MIX2 = _i64(0x94D049BB133111EB)
+
+
+# ---------------------------------------------------------------------- input checks
+def _as_prompt_ids(name: str, x: Any, *, unique: bool = False) -> torch.Tensor:
+    """A 1-D int64 CPU tensor of non-negative prompt ids (may be empty), or a ValueError
+    naming the bad entry."""
+    if not isinstance(x, torch.Tensor):
+        try:
+            x = torch.as_tensor(x, dtype=torch.int64) if len(x) == 0 else torch.as_tensor(x)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the name
+            raise ValueError(
+                f"{name} must be a 1-D tensor of int64 prompt ids (the dataset's stable prompt index), "
+                f"got {type(x).__name__}"
+            ) from exc
+    if x.dim() != 1:
+        raise ValueError(f"{name} must be 1-D [n] prompt ids, got shape {tuple(x.shape)}")
+    if x.is_floating_point() or x.dtype == torch.bool or x.is_complex():
+        raise ValueError(
+            f"{name} must be an integer tensor of prompt ids (the dataset's stable index, int64), "
+            f"got dtype {x.dtype}; pass the index column, not positions or scores"
+        )
+    x = x.detach().to("cpu", torch.int64)
+    if x.numel() and bool((x < 0).any()):
+        i = int((x < 0).nonzero()[0])
+        raise ValueError(f"{name}[{i}] = {int(x[i])} is negative; prompt ids are dataset indices >= 0")
+    if unique and x.numel() > 1:
+        s = torch.sort(x).values
+        dup = s[1:] == s[:-1]
+        if bool(dup.any()):
+            v = int(s[1:][dup][0])
+            where = (x == v).nonzero().squeeze(1).tolist()
+            raise ValueError(
+                f"{name} holds prompt id {v} more than once (positions {where}); one update records "
+                "one group per prompt: record each generation round with its own update call"
+            )
+    return x
+
+
+def _as_bool(name: str, x: Any, n: int) -> torch.Tensor:
+    """A 1-D bool CPU tensor of length n."""
+    if not isinstance(x, torch.Tensor):
+        try:
+            x = torch.as_tensor(x, dtype=torch.bool) if len(x) == 0 else torch.as_tensor(x)
+        except Exception as exc:  # noqa: BLE001
+            raise ValueError(f"{name} must be a 1-D bool tensor, got {type(x).__name__}") from exc
+    if x.dim() != 1:
+        raise ValueError(f"{name} must be 1-D [M] bool, got shape {tuple(x.shape)}")
+    if x.dtype != torch.bool:
+        raise ValueError(f"{name} must have dtype torch.bool, got {x.dtype}; compare explicitly (x != 0)")
+    if x.numel() != n:
+        raise ValueError(f"{name} has {x.numel()} entries but prompt_ids has {n}: lengths must match")
+    return x.detach().cpu()
+
+
+def _check_probability(name: str, v: Any) -> float:
+    """A number in (0, 1]."""
+    v = check_float(name, v)
+    if not 0.0 < v <= 1.0:
+        raise ValueError(
+            f"{name} = {v!r} must be in (0, 1]: it is the chance a zero-variance prompt is explored; "
+            "0 would never revisit it, 1 never skips"
+        )
+    return v
+
+
+def _check_seed(seed: Any) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    return seed
+
+
+# ---------------------------------------------------------------------- outcomes of a round
+@dataclass(frozen=True)
+class GroupOutcomes:
+    """What one generation round showed about each of its prompts.
+
+    Attributes:
+        prompt_ids: [M] int64 distinct prompt ids (dataset index), ascending.
+        size: [M] int64 completions per prompt.
+        mean: [M] float64 mean reward per prompt.
+        zero_variance: [M] bool, two or more completions, all rewards equal.
+        easy: [M] bool, zero variance with every reward ``>= easy_threshold`` (all correct).
+        hard: [M] bool, zero variance and not easy (all wrong).
+    """
+
+    prompt_ids: torch.Tensor
+    size: torch.Tensor
+    mean: torch.Tensor
+    zero_variance: torch.Tensor
+    easy: torch.Tensor
+    hard: torch.Tensor
+
+    @property
+    def num_groups(self) -> int:
+        """M."""
+        return int(self.prompt_ids.numel())
+
+    @property
+    def num_zero_variance(self) -> int:
+        return int(self.zero_variance.sum())
+
+    @property
+    def num_easy(self) -> int:
+        return int(self.easy.sum())
+
+    @property
+    def num_hard(self) -> int:
+        return int(self.hard.sum())
+
+
+def group_outcomes(rewards: torch.Tensor, prompt_ids: torch.Tensor, *, easy_threshold: float = 1.0) -> GroupOutcomes:
+    """Per-prompt outcome of one generation round.
+
+    Args:
+        rewards: [N] float finite scalar rewards, one per completion.
+        prompt_ids: [N] int64 the dataset's stable prompt index of each completion's prompt
+            (not its position in the batch); completions of one prompt share it.
+        easy_threshold: float; a zero-variance group whose reward is ``>= easy_threshold``
+            is easy (all correct), any other zero-variance group is hard.
+
+    Returns:
+        a ``GroupOutcomes`` over the M distinct prompt ids, ascending. Rewards are compared
+        exactly (max == min), as the released trainer does.
+    """
+    r = as_1d_float("rewards", rewards)
+    g = _as_prompt_ids("prompt_ids", prompt_ids)
+    if g.numel() != r.numel():
+        raise ValueError(
+            f"prompt_ids has {g.numel()} entries but rewards has {r.numel()}: give one prompt id per completion"
+        )
+    thr = check_float("easy_threshold", easy_threshold)
+    r64 = r.detach().to("cpu", torch.float64)
+    uniq, inverse, size = torch.unique(g, sorted=True, return_inverse=True, return_counts=True)
+    m = uniq.numel()
+    hi = torch.full((m,), -math.inf, dtype=torch.float64).scatter_reduce(0, inverse, r64, "amax")
+    lo = torch.full((m,), math.inf, dtype=torch.float64).scatter_reduce(0, inverse, r64, "amin")
+    mean = torch.zeros(m, dtype=torch.float64).index_add_(0, inverse, r64) / size
+    zv = (size > 1) & (hi == lo)
+    easy = zv & (lo >= thr)
+    return GroupOutcomes(prompt_ids=uniq, size=size, mean=mean, zero_variance=zv, easy=easy, hard=zv & ~easy)
+
+
+# ---------------------------------------------------------------------- history
+@dataclass(frozen=True)
+class HistoryView:
+    """What the history knows about n queried prompts, aligned with the query.
+
+    Attributes:
+        prompt_ids: [n] int64 the query.
+        seen: [n] bool, generated at least once.
+        streak: [n] int64 z, consecutive zero-variance generations ending with the last (0 if unseen).
+        last_outcome: [n] int8 ``INFORMATIVE`` / ``EASY`` / ``HARD`` of the last generation,
+            ``UNSEEN`` (-1) if never generated.
+        generations: [n] int64 times generated.
+        last_step: [n] int64 step of the last generation, -1 if unseen.
+    """
+
+    prompt_ids: torch.Tensor
+    seen: torch.Tensor
+    streak: torch.Tensor
+    last_outcome: torch.Tensor
+    generations: torch.Tensor
+    last_step: torch.Tensor
+
+
+class SelectiveHistory:
+    """Per-prompt record of every generation: (step, outcome), keyed by prompt id.
+
+    The key is the dataset's stable prompt index, so a prompt keeps its history wherever
+    it lands in later batches. The record is append-only in time: ``update`` takes a step
+    no earlier than the last one recorded (several updates per step are fine: refill
+    rounds). Besides the event log it keeps a per-prompt summary (streak, last outcome,
+    count, last step) in ascending id order, so lookups are one ``searchsorted``.
+
+    Use per step::
+
+        decision = decide_skips(history, candidates, seed=seed, step=step, rates=rates)
+        ...generate the kept prompts, reward them...
+        o = group_outcomes(rewards, prompt_ids_per_completion)
+        history.update(o.prompt_ids, o.zero_variance, o.easy, step=step)
+    """
+
+    def __init__(self) -> None:
+        self._log_ids: list[torch.Tensor] = []
+        self._log_steps: list[torch.Tensor] = []
+        self._log_outcomes: list[torch.Tensor] = []
+        self._num_events = 0
+        self._latest_step = -1
+        self._set_summary(*_empty_summary())
+
+    def _set_summary(self, ids: torch.Tensor, streak: torch.Tensor, last: torch.Tensor, count: torch.Tensor,
+                     last_step: torch.Tensor) -> None:
+        # ids ascending; the others aligned with them
+        self._ids, self._streak, self._last, self._count, self._last_step = ids, streak, last, count, last_step
+
+    # ------------------------------------------------------------------ recording
+    def update(self, prompt_ids: torch.Tensor, zero_variance: torch.Tensor, easy: torch.Tensor, *, step: int) -> None:
+        """Record one generation round.
+
+        Args:
+            prompt_ids: [M] int64 distinct prompt ids (dataset index) generated in the round.
+            zero_variance: [M] bool, the prompt's group had zero reward variance.
+            easy: [M] bool, zero variance with all rewards at the top; must imply
+                ``zero_variance``.
+            step: int >= 0, the training step; not earlier than the last recorded step.
+        """
+        ids = _as_prompt_ids("prompt_ids", prompt_ids, unique=True)
+        m = ids.numel()
+        zv = _as_bool("zero_variance", zero_variance, m)
+        ez = _as_bool("easy", easy, m)
+        bad = ez & ~zv
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(
+                f"easy[{i}] is True for prompt id {int(ids[i])} but zero_variance[{i}] is False: an easy group "
+                "is a zero-variance group (all rewards at the top); take both from group_outcomes"
+            )
+        check_int("step", step, minimum=0)
+        if step < self._latest_step:
+            raise ValueError(
+                f"step={step} is before the last recorded step {self._latest_step}: the history is "
+                "append-only in time; record rounds in the order they were generated"
+            )
+        if m == 0:
+            self._latest_step = max(self._latest_step, step)
+            return
+        outcome = torch.where(
+            zv, torch.where(ez, torch.tensor(EASY, dtype=torch.int8), torch.tensor(HARD, dtype=torch.int8)),
+            torch.tensor(INFORMATIVE, dtype=torch.int8),
+        )
+        steps = torch.full((m,), step, dtype=torch.int64)
+        self._log_ids.append(ids)
+        self._log_steps.append(steps)
+        self._log_outcomes.append(outcome)
+        self._num_events += m
+        self._latest_step = step
+
+        # merge the round into the summary (ids are distinct within the round)
+        p = self._ids.numel()
+        uniq, inverse = torch.unique(torch.cat([self._ids, ids]), sorted=True, return_inverse=True)
+        u = uniq.numel()
+        old, new = inverse[:p], inverse[p:]
+        streak = torch.zeros(u, dtype=torch.int64)
+        last = torch.full((u,), UNSEEN, dtype=torch.int8)
+        count = torch.zeros(u, dtype=torch.int64)
+        last_step = torch.full((u,), -1, dtype=torch.int64)
+        streak[old], last[old], count[old], last_step[old] = self._streak, self._last, self._count, self._last_step
+        streak[new] = torch.where(zv, streak[new] + 1, torch.zeros_like(streak[new]))
+        last[new] = outcome
+        count[new] += 1
+        last_step[new] = step
+        self._set_summary(uniq, streak, last, count, last_step)
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def num_prompts(self) -> int:
+        """Distinct prompts generated at least once."""
+        return int(self._ids.numel())
+
+    @property
+    def num_events(self) -> int:
+        """Generations recorded (one per prompt per round)."""
+        return self._num_events
+
+    @property
+    def latest_step(self) -> int:
+        """The last step recorded, -1 before any."""
+        return self._latest_step
+
+    def lookup(self, prompt_ids: torch.Tensor) -> HistoryView:
+        """The summary of each queried prompt.
+
+        Args:
+            prompt_ids: [n] int64 prompt ids (dataset index); repeats allowed.
+
+        Returns:
+            a ``HistoryView`` aligned with ``prompt_ids``.
+        """
+        q = _as_prompt_ids("prompt_ids", prompt_ids)
+        n = q.numel()
+        if self._ids.numel() == 0 or n == 0:
+            return HistoryView(
+                prompt_ids=q, seen=torch.zeros(n, dtype=torch.bool), streak=torch.zeros(n, dtype=torch.int64),
+                last_outcome=torch.full((n,), UNSEEN, dtype=torch.int8), generations=torch.zeros(n, dtype=torch.int64),
+                last_step=torch.full((n,), -1, dtype=torch.int64),
+            )
+        pos = torch.searchsorted(self._ids, q).clamp_max(self._ids.numel() - 1)
+        seen = self._ids[pos] == q
+        zero64 = torch.zeros(n, dtype=torch.int64)
+        return HistoryView(
+            prompt_ids=q,
+            seen=seen,
+            streak=torch.where(seen, self._streak[pos], zero64),
+            last_outcome=torch.where(seen, self._last[pos], torch.full((n,), UNSEEN, dtype=torch.int8)),
+            generations=torch.where(seen, self._count[pos], zero64),
+            last_step=torch.where(seen, self._last_step[pos], zero64 - 1),
+        )
+
+    def trace(self, prompt_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(steps [E_i] int64, outcomes [E_i] int8) of every generation of one prompt, in order."""
+        check_int("prompt_id", prompt_id, minimum=0)
+        ids, steps, outcomes = self._log()
+        hit = ids == prompt_id
+        return steps[hit], outcomes[hit]
+
+    def _log(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self._log_ids:
+            return (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                    torch.zeros(0, dtype=torch.int8))
+        if len(self._log_ids) > 1:  # compact the chunks once
+            self._log_ids = [torch.cat(self._log_ids)]
+            self._log_steps = [torch.cat(self._log_steps)]
+            self._log_outcomes = [torch.cat(self._log_outcomes)]
+        return self._log_ids[0], self._log_steps[0], self._log_outcomes[0]
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict[str, Any]:
+        """The event log in recording order: plain tensors and ints, no per-prompt dicts.
+
+        ``{"format": str, "latest_step": int, "prompt_ids": [E] int64, "steps": [E] int64,
+        "outcomes": [E] int8}``; the summary is rebuilt from the log on load.
+        """
+        ids, steps, outcomes = self._log()
+        return {
+            "format": STATE_FORMAT,
+            "latest_step": self._latest_step,
+            "prompt_ids": ids.clone(),
+            "steps": steps.clone(),
+            "outcomes": outcomes.clone(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``; a malformed log is an error naming the bad entry."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            got = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(
+                f"selective history state has format {got!r}, expected {STATE_FORMAT!r}: "
+                "pass what SelectiveHistory.state_dict() returned"
+            )
+        ids = _as_prompt_ids("state['prompt_ids']", state["prompt_ids"])
+        steps = torch.as_tensor(state["steps"]).to("cpu", torch.int64)
+        outcomes = torch.as_tensor(state["outcomes"]).to("cpu", torch.int8)
+        if not (steps.dim() == outcomes.dim() == 1 and steps.numel() == outcomes.numel() == ids.numel()):
+            raise ValueError(
+                f"state['prompt_ids'] ({ids.numel()}), state['steps'] ({steps.numel()}) and state['outcomes'] "
+                f"({outcomes.numel()}) must be 1-D of one length"
+            )
+        bad = (outcomes < INFORMATIVE) | (outcomes > HARD)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"state['outcomes'][{i}] = {int(outcomes[i])} is not one of {sorted(OUTCOME_NAMES)}")
+        if steps.numel() and bool((steps < 0).any() or (steps[1:] < steps[:-1]).any()):
+            i = int(((steps < 0) | torch.cat([torch.tensor([False]), steps[1:] < steps[:-1]])).nonzero()[0])
+            raise ValueError(
+                f"state['steps'][{i}] = {int(steps[i])} is negative or earlier than the entry before it: "
+                "the log is recorded in time order"
+            )
+        latest = state.get("latest_step", int(steps[-1]) if steps.numel() else -1)
+        check_int("state['latest_step']", latest, minimum=-1)
+        self._log_ids, self._log_steps, self._log_outcomes = [ids], [steps], [outcomes]
+        self._num_events = int(ids.numel())
+        self._latest_step = max(latest, int(steps[-1]) if steps.numel() else -1)
+        self._set_summary(*_summarise(ids, steps, outcomes))
+
+
+def _empty_summary() -> _Summary:
+    return (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int8),
+            torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+
+
+def _summarise(ids: torch.Tensor, steps: torch.Tensor, outcomes: torch.Tensor) -> _Summary:
+    """The per-prompt summary (ids ascending, streak, last outcome, count, last step) of an
+    event log [E] in recording order."""
+    e = ids.numel()
+    if e == 0:
+        return _empty_summary()
+    order = torch.sort(ids, stable=True).indices  # by prompt, recording order within each
+    s_ids, s_steps, s_out = ids[order], steps[order], outcomes[order]
+    uniq, inverse, count = torch.unique_consecutive(s_ids, return_inverse=True, return_counts=True)
+    start = torch.cumsum(count, 0) - count
+    rank = torch.arange(e) - start[inverse]
+    informative_rank = torch.where(s_out == INFORMATIVE, rank, torch.full_like(rank, -1))
+    last_informative = torch.full((uniq.numel(),), -1, dtype=torch.int64).scatter_reduce(
+        0, inverse, informative_rank, "amax")
+    last_idx = start + count - 1
+    return uniq, count - (last_informative + 1), s_out[last_idx], count, s_steps[last_idx]
+
+
+# ---------------------------------------------------------------------- exploration rates
+@dataclass(frozen=True)
+class ExplorationRates:
+    """The base exploration probabilities p_e, each in (0, 1].
+
+    Attributes:
+        p_easy: float, for prompts whose last group was all correct.
+        p_hard: float, for prompts whose last group was zero-variance and not all correct.
+    """
+
+    p_easy: float = DEFAULT_EXPLORATION
+    p_hard: float = DEFAULT_EXPLORATION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "p_easy", _check_probability("p_easy", self.p_easy))
+        object.__setattr__(self, "p_hard", _check_probability("p_hard", self.p_hard))
+
+
+def adapt_exploration(
+    rates: ExplorationRates,
+    *,
+    num_generated: int,
+    num_easy: int,
+    num_hard: int,
+    target_easy: float = DEFAULT_TARGET_EASY,
+    target_hard: float = DEFAULT_TARGET_HARD,
+    step_size: float = DEFAULT_STEP_SIZE,
+    p_min: float = DEFAULT_P_MIN,
+    p_max: float = DEFAULT_P_MAX,
+) -> ExplorationRates:
+    """The next exploration probabilities, easy and hard separately.
+
+    For each kind k with share s_k = num_k / num_generated of the groups generated this
+    step: ``p_k - step_size`` if ``s_k >= target_k`` (too many zero-variance groups: skip
+    more), else ``p_k + step_size``; then clamped to ``[p_min, p_max]`` and rounded to 12
+    decimals.
+
+    Args:
+        rates: the current ``ExplorationRates``.
+        num_generated: int >= 0, groups (prompts) generated this step, every round.
+        num_easy: int >= 0, of them zero-variance and all correct.
+        num_hard: int >= 0, of them zero-variance and not all correct.
+        target_easy, target_hard: the wanted shares in [0, 1] (alpha / 3 and 2 alpha / 3,
+            alpha = 0.25).
+        step_size: delta p >= 0 (0.01).
+        p_min, p_max: bounds with 0 < p_min <= p_max <= 1 (0.05, 0.95).
+
+    Returns:
+        new ``ExplorationRates``; ``rates`` unchanged when ``num_generated`` is 0.
+    """
+    if not isinstance(rates, ExplorationRates):
+        raise ValueError(f"rates must be an ExplorationRates, got {type(rates).__name__}")
+    check_int("num_generated", num_generated, minimum=0)
+    check_int("num_easy", num_easy, minimum=0)
+    check_int("num_hard", num_hard, minimum=0)
+    if num_easy + num_hard > num_generated:
+        raise ValueError(
+            f"num_easy ({num_easy}) + num_hard ({num_hard}) exceeds num_generated ({num_generated}): "
+            "count the zero-variance groups among the generated ones (GroupOutcomes.num_easy / num_hard)"
+        )
+    for name, v in (("target_easy", target_easy), ("target_hard", target_hard)):
+        if not 0.0 <= check_float(name, v) <= 1.0:
+            raise ValueError(f"{name} = {v!r} must be a share in [0, 1]")
+    step_size = check_float("step_size", step_size, minimum=0.0)
+    p_min = _check_probability("p_min", p_min)
+    p_max = _check_probability("p_max", p_max)
+    if p_min > p_max:
+        raise ValueError(f"p_min = {p_min} is larger than p_max = {p_max}: swap them")
+    if num_generated == 0:
+        return rates
+
+    def move(p: float, count: int, target: float) -> float:
+        p = p - step_size if count / num_generated >= target else p + step_size
+        return round(min(max(p, p_min), p_max), 12)
+
+    return ExplorationRates(
+        p_easy=move(rates.p_easy, num_easy, float(target_easy)),
+        p_hard=move(rates.p_hard, num_hard, float(target_hard)),
+    )
+
+
+# ---------------------------------------------------------------------- the decision
+def _lshr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser over int64 bit patterns (multiplications wrap mod 2^64)."""
+    x = (x ^ _lshr(x, 30)) * _MIX1
+    x = (x ^ _lshr(x, 27)) * _MIX2
+    return x ^ _lshr(x, 31)
+
+
+def prompt_uniforms(prompt_ids: torch.Tensor, *, seed: int, step: int) -> torch.Tensor:
+    """One uniform in [0, 1) per prompt, a function of (seed, step, prompt id) only.
+
+    A ``torch.Generator`` seeded by (seed, step) draws a 64-bit key; prompt i's value is
+    ``splitmix64(key + (i + 1) * 0x9E3779B97F4A7C15) >> 11`` times 2^-53 (all mod 2^64).
+
+    Args:
+        prompt_ids: [n] int64 prompt ids (dataset index).
+        seed: int; step: int >= 0.
+
+    Returns:
+        [n] float64, aligned with ``prompt_ids``; equal ids get equal values.
+    """
+    ids = _as_prompt_ids("prompt_ids", prompt_ids)
+    seed = _check_seed(seed)
+    check_int("step", step, minimum=0)
+    halves = torch.randint(0, 1 << 32, (2,), generator=seeded_generator(seed, step, stream=SELECTIVE_STREAM))
+    key = _i64((int(halves[0]) << 32) | int(halves[1]))
+    h = _splitmix64(key + (ids + 1) * _GOLDEN)
+    return _lshr(h, 11).to(torch.float64) * 2.0**-53
+
+
+@dataclass(frozen=True)
+class SkipDecision:
+    """Which candidates to skip before rollout, and why.
+
+    Attributes:
+        prompt_ids: [n] int64 the candidates, in the order given.
+        skip: [n] bool, True = do not generate this prompt now.
+        skip_prob: [n] float64, 1 - p_e ** streak (0 for unseen and last-informative prompts).
+        draws: [n] float64 uniforms in [0, 1); ``skip = draws < skip_prob``.
+        streak: [n] int64 z, consecutive zero-variance generations.
+        last_outcome: [n] int8 ``INFORMATIVE`` / ``EASY`` / ``HARD``, ``UNSEEN`` (-1).
+        rates: the ``ExplorationRates`` used.
+        seed, step: what the draws were derived from.
+    """
+
+    prompt_ids: torch.Tensor
+    skip: torch.Tensor
+    skip_prob: torch.Tensor
+    draws: torch.Tensor
+    streak: torch.Tensor
+    last_outcome: torch.Tensor
+    rates: ExplorationRates
+    seed: int
+    step: int
+
+    @property
+    def num_candidates(self) -> int:
+        return int(self.prompt_ids.numel())
+
+    @property
+    def num_skipped(self) -> int:
+        return int(self.skip.sum())
+
+    @property
+    def num_kept(self) -> int:
+        return self.num_candidates - self.num_skipped
+
+    @property
+    def num_skipped_easy(self) -> int:
+        return int((self.skip & (self.last_outcome == EASY)).sum())
+
+    @property
+    def num_skipped_hard(self) -> int:
+        return int((self.skip & (self.last_outcome == HARD)).sum())
+
+    @property
+    def num_unseen(self) -> int:
+        return int((self.last_outcome == UNSEEN).sum())
+
+    def kept_ids(self) -> torch.Tensor:
+        """[n - s] int64 ids to generate, in candidate order."""
+        return self.prompt_ids[~self.skip]
+
+    def skipped_ids(self) -> torch.Tensor:
+        """[s] int64 ids skipped, in candidate order."""
+        return self.prompt_ids[self.skip]
+
+
+def decide_skips(
+    history: SelectiveHistory,
+    candidate_ids: torch.Tensor,
+    *,
+    seed: int,
+    step: int,
+    rates: ExplorationRates,
+) -> SkipDecision:
+    """Skip each candidate with probability 1 - p_e ** z (module docstring).
+
+    Args:
+        history: the ``SelectiveHistory`` up to the previous round.
+        candidate_ids: [n] int64 prompt ids (dataset index); any order, repeats allowed.
+        seed: int, the run's seed.
+        step: int >= 0, the training step (mixed into the draws).
+        rates: the current ``ExplorationRates``.
+
+    Returns:
+        a ``SkipDecision`` aligned with ``candidate_ids``. A candidate's entry depends on
+        its id, its history, (seed, step) and ``rates`` only.
+    """
+    if not isinstance(history, SelectiveHistory):
+        raise ValueError(f"history must be a SelectiveHistory, got {type(history).__name__}")
+    if not isinstance(rates, ExplorationRates):
+        raise ValueError(
+            f"rates must be an ExplorationRates (p_easy, p_hard), got {type(rates).__name__}; "
+            "build one with ExplorationRates(p_easy=0.5, p_hard=0.5)"
+        )
+    view = history.lookup(candidate_ids)
+    draws = prompt_uniforms(view.prompt_ids, seed=seed, step=step)
+    p_e = torch.where(view.last_outcome == EASY, torch.tensor(rates.p_easy, dtype=torch.float64),
+                      torch.tensor(rates.p_hard, dtype=torch.float64))
+    skip_prob = 1.0 - torch.pow(p_e, view.streak.to(torch.float64))  # streak 0: exactly 0
+    return SkipDecision(
+        prompt_ids=view.prompt_ids,
+        skip=draws < skip_prob,
+        skip_prob=skip_prob,
+        draws=draws,
+        streak=view.streak,
+        last_outcome=view.last_outcome,
+        rates=rates,
+        seed=seed,
+        step=step,
+    )
+
+
+# ---------------------------------------------------------------------- filling a batch
+@dataclass(frozen=True)
+class FilledBatch:
+    """The outcome of ``fill_batch``: every drawn candidate is kept or skipped, none lost.
+
+    Attributes:
+        decision: the ``SkipDecision`` over every drawn candidate, in draw order.
+        wanted: int, the prompts asked for.
+        exhausted: bool, the stream ended (or ``max_draws`` was reached) before ``wanted``
+            were kept.
+    """
+
+    decision: SkipDecision
+    wanted: int
+    exhausted: bool
+
+    @property
+    def drawn(self) -> torch.Tensor:
+        """[d] int64 every candidate taken from the stream, in order."""
+        return self.decision.prompt_ids
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """[k] int64 ids to generate, in draw order; k = wanted unless exhausted."""
+        return self.decision.kept_ids()
+
+    @property
+    def skipped(self) -> torch.Tensor:
+        """[d - k] int64 ids skipped, in draw order."""
+        return self.decision.skipped_ids()
+
+
+CandidateSource = Iterable[int] | Callable[[int], Sequence[int]]
+
+
+def _as_id(v: Any, index: int) -> int:
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_floating_point() and v.dtype != torch.bool:
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(
+            f"candidate #{index} from the stream is {v!r}: candidates must be prompt ids, ints >= 0 "
+            "(the dataset's stable index)"
+        )
+    return v
+
+
+def fill_batch(
+    candidates: CandidateSource,
+    wanted: int,
+    history: SelectiveHistory,
+    *,
+    seed: int,
+    step: int,
+    rates: ExplorationRates,
+    max_draws: int | None = None,
+) -> FilledBatch:
+    """Take candidates in order, skip per ``decide_skips``, until ``wanted`` are kept.
+
+    Each pass takes exactly as many candidates as are still missing, so a pass can never
+    overshoot: every candidate taken from the stream is decided and ends up kept or
+    skipped, and no candidate is taken that is not. The result equals deciding the drawn
+    candidates one by one (decisions are per prompt id).
+
+    Args:
+        candidates: an iterable of prompt ids (pass an iterator to continue where the last
+            call stopped; a list restarts from its head), or a callable ``draw(n)``
+            returning up to n ids (``PromptSampler.draw``; fewer than n means the end).
+        wanted: int >= 0, prompts to keep.
+        history, seed, step, rates: as for ``decide_skips``.
+        max_draws: int >= 0 or None; at most this many candidates are taken (set it for
+            an endless stream: prompts whose skip probability is near 1 could otherwise
+            be drawn for a long time).
+
+    Returns:
+        a ``FilledBatch``: ``kept`` [k], ``skipped`` [d - k], ``drawn`` [d], in draw order.
+    """
+    check_int("wanted", wanted, minimum=0)
+    if max_draws is not None:
+        check_int("max_draws", max_draws, minimum=0)
+    if not isinstance(history, SelectiveHistory):
+        raise ValueError(f"history must be a SelectiveHistory, got {type(history).__name__}")
+    if not isinstance(rates, ExplorationRates):
+        raise ValueError(f"rates must be an ExplorationRates, got {type(rates).__name__}")
+    _check_seed(seed)
+    check_int("step", step, minimum=0)
+
+    if callable(candidates) and not isinstance(candidates, Iterable):
+        draw_fn = candidates
+
+        def take(n: int) -> list[Any]:
+            got = list(draw_fn(n))
+            if len(got) > n:
+                raise ValueError(f"the candidate source returned {len(got)} ids when asked for {n}")
+            return got
+    else:
+        if isinstance(candidates, torch.Tensor):
+            candidates = _as_prompt_ids("candidates", candidates).tolist()
+        it = iter(candidates)
+
+        def take(n: int) -> list[Any]:
+            return list(itertools.islice(it, n))
+
+    drawn: list[int] = []
+    kept = 0
+    exhausted = False
+    while kept < wanted:
+        need = wanted - kept
+        if max_draws is not None:
+            need = min(need, max_draws - len(drawn))
+            if need == 0:
+                exhausted = True
+                break
+        chunk = [_as_id(v, len(drawn) + j) for j, v in enumerate(take(need))]
+        if chunk:
+            d = decide_skips(history, torch.tensor(chunk, dtype=torch.int64), seed=seed, step=step, rates=rates)
+            kept += d.num_kept
+            drawn.extend(chunk)
+        if len(chunk) < need:  # the stream ended: kept < wanted (a short chunk cannot fill it)
+            exhausted = True
+            break
+    decision = decide_skips(history, torch.tensor(drawn, dtype=torch.int64), seed=seed, step=step, rates=rates)
+    return FilledBatch(decision=decision, wanted=wanted, exhausted=exhausted)
+
+
+# ---------------------------------------------------------------------- metrics
+def selective_metrics(
+    decision: SkipDecision | FilledBatch,
+    rates: ExplorationRates,
+    outcomes: GroupOutcomes | None = None,
+    *,
+    prefix: str = "selective/",
+) -> dict[str, float]:
+    """Plain floats a user would plot.
+
+    Args:
+        decision: the step's ``SkipDecision`` or ``FilledBatch`` (every candidate drawn).
+        rates: the exploration rates to report (after ``adapt_exploration``, if it ran).
+        outcomes: the ``GroupOutcomes`` of the groups generated this step (their shares
+            are reported when given).
+        prefix: key prefix.
+
+    Returns:
+        ``prompts_drawn``, ``prompts_skipped``, ``prompts_kept``, ``skip_ratio``,
+        ``skipped_easy``, ``skipped_hard``, ``prompts_unseen``, ``p_easy``, ``p_hard``;
+        with ``outcomes``: ``groups_generated``, ``zero_variance_share``, ``easy_share``,
+        ``hard_share`` (shares of the generated groups).
+    """
+    d = decision.decision if isinstance(decision, FilledBatch) else decision
+    if not isinstance(d, SkipDecision):
+        raise ValueError(f"decision must be a SkipDecision or FilledBatch, got {type(decision).__name__}")
+    if not isinstance(rates, ExplorationRates):
+        raise ValueError(f"rates must be an ExplorationRates, got {type(rates).__name__}")
+    n = d.num_candidates
+    out = {
+        f"{prefix}prompts_drawn": float(n),
+        f"{prefix}prompts_skipped": float(d.num_skipped),
+        f"{prefix}prompts_kept": float(d.num_kept),
+        f"{prefix}skip_ratio": d.num_skipped / n if n else 0.0,
+        f"{prefix}skipped_easy": float(d.num_skipped_easy),
+        f"{prefix}skipped_hard": float(d.num_skipped_hard),
+        f"{prefix}prompts_unseen": float(d.num_unseen),
+        f"{prefix}p_easy": float(rates.p_easy),
+        f"{prefix}p_hard": float(rates.p_hard),
+    }
+    if outcomes is not None:
+        if not isinstance(outcomes, GroupOutcomes):
+            raise ValueError(f"outcomes must be a GroupOutcomes, got {type(outcomes).__name__}")
+        m = outcomes.num_groups
+        out.update({
+            f"{prefix}groups_generated": float(m),
+            f"{prefix}zero_variance_share": outcomes.num_zero_variance / m if m else 0.0,
+            f"{prefix}easy_share": outcomes.num_easy / m if m else 0.0,
+            f"{prefix}hard_share": outcomes.num_hard / m if m else 0.0,
+        })
+    return out

@@ -1,0 +1,231 @@
+"""Selective rollout (GRESO) in the embedded trainer: skip prompts before generation.
+
+``SelectiveRollout`` holds what persists across steps (the per-prompt ``SelectiveHistory``,
+the ``ExplorationRates`` and running counters) and does three small things a step needs:
+
+    draw(n)         fill_batch over the prompt sampler: skipped prompts are replaced, so a
+                    round still generates n prompts (fewer only when ``max_draws`` runs out)
+    end_step(batch) record the outcome of every generated group (dynamic sampling's dropped
+                    groups too) keyed by the dataset's prompt index, adapt the rates, and
+                    return the step's ``selective/*`` metrics
+
+The decisions come from the core (``core.selective``) and depend on (cppo.seed, step,
+prompt id, history, rates) only. Every rank draws the same ids from the same sampler and
+records the same global rewards (``RolloutBatch.rewards`` / ``correct`` cover all rows on
+every rank), so the history and the decisions are identical on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any
+
+import torch
+
+from ..core import (
+    ExplorationRates,
+    FilledBatch,
+    PromptSampler,
+    SelectiveHistory,
+    adapt_exploration,
+    fill_batch,
+    group_outcomes,
+)
+from ..core.settings import CPPOConfig
+
+__all__ = ["STATE_KEY", "SelectiveRollout", "record_outcomes"]
+
+STATE_KEY = "selective"  # its entry in trainer.pt
+_TOTALS = ("prompts_drawn", "prompts_skipped", "prompts_generated", "tokens_saved_estimate")
+
+
+class SelectiveRollout:
+    """History, exploration rates and counters of one run (``cppo.selective_rollout``).
+
+    Args:
+        cfg: the run's ``CPPOConfig`` (``selective_*`` fields; ``seed`` seeds the draws).
+        group_size: G, completions per prompt.
+        num_prompts: prompts in the training set (bounds the draws of one round).
+    """
+
+    def __init__(self, cfg: CPPOConfig, *, group_size: int, num_prompts: int) -> None:
+        if not isinstance(cfg, CPPOConfig):
+            raise ValueError(f"cfg must be a CPPOConfig, got {type(cfg).__name__}")
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+        if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
+            raise ValueError(f"num_prompts must be an int >= 1, got {num_prompts!r}")
+        self.cfg = cfg
+        self.group_size = group_size
+        self.num_prompts = num_prompts
+        self.history = SelectiveHistory()
+        self.rates = ExplorationRates(p_easy=cfg.selective_p_easy, p_hard=cfg.selective_p_hard)
+        self.totals = dict.fromkeys(_TOTALS, 0.0)
+        self.rounds: list[FilledBatch] = []  # this step's draws, one per generation round
+        self._step = -1
+        self._adapt = False
+
+    # ------------------------------------------------------------------ a step
+    def begin_step(self, step: int, sampler: PromptSampler) -> None:
+        """Start step ``step``; whether this step's groups move the rates is decided now (a
+        step that starts before the first pass over the prompts has ended does not adapt,
+        unless ``selective_adapt_after_first_epoch`` is false)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        self._step = step
+        self.rounds = []
+        self._adapt = (not self.cfg.selective_adapt_after_first_epoch
+                       or sampler.total_drawn >= sampler.num_prompts)
+
+    def draw(self, sampler: PromptSampler, n: int) -> list[int]:
+        """Up to ``n`` prompt ids to generate: candidates come from ``sampler.draw`` in order
+        and skipped ones are replaced. At most ``n + num_prompts`` are taken in one round (a
+        whole extra pass over the data set), so a set of prompts that are nearly always
+        skipped cannot stall the step; the round then generates fewer."""
+        if self._step < 0:
+            raise RuntimeError("SelectiveRollout.draw before begin_step(step, sampler)")
+        fb = fill_batch(sampler.draw, n, self.history, seed=self.cfg.seed, step=self._step, rates=self.rates,
+                        max_draws=n + self.num_prompts)
+        self.rounds.append(fb)
+        if fb.kept.numel() == 0 and n > 0:
+            raise RuntimeError(
+                f"selective rollout skipped all {fb.drawn.numel()} prompts drawn in step {self._step}: raise "
+                f"cppo.selective_p_min (now {self.cfg.selective_p_min}) or disable cppo.selective_rollout"
+            )
+        return fb.kept.tolist()
+
+    def end_step(self, prompt_ids: torch.Tensor, rewards: torch.Tensor, correct: torch.Tensor,
+                 completion_lengths: torch.Tensor) -> dict[str, float]:
+        """Record the step's generated groups, adapt the rates, count; ``selective/*`` metrics.
+
+        Args:
+            prompt_ids: [P] int64 dataset index of each generated group, draw order
+                (``RolloutBatch.prompt_ids``; every rank holds all of them).
+            rewards, correct: [P * G] float per completion, prompt-major (global).
+            completion_lengths: [P * G] int64 tokens generated per completion.
+        """
+        if self._step < 0:
+            raise RuntimeError("SelectiveRollout.end_step before begin_step(step, sampler)")
+        generated = sum(int(fb.kept.numel()) for fb in self.rounds)
+        if prompt_ids.numel() != generated:
+            raise ValueError(
+                f"step {self._step}: {prompt_ids.numel()} groups were generated but the selective draws kept "
+                f"{generated}: every round must draw through SelectiveRollout.draw"
+            )
+        zv, easy = record_outcomes(self.history, prompt_ids, rewards, correct, group_size=self.group_size,
+                                   step=self._step)
+        if self._adapt:
+            c = self.cfg
+            alpha = c.selective_target_zero_variance
+            self.rates = adapt_exploration(
+                self.rates, num_generated=generated, num_easy=int(easy.sum()), num_hard=int((zv & ~easy).sum()),
+                target_easy=alpha / 3, target_hard=2 * alpha / 3, step_size=c.selective_step_size,
+                p_min=c.selective_p_min, p_max=c.selective_p_max)
+        return self._metrics(generated, zv, easy, completion_lengths)
+
+    def _metrics(self, generated: int, zv: torch.Tensor, easy: torch.Tensor,
+                 completion_lengths: torch.Tensor) -> dict[str, float]:
+        drawn = sum(fb.decision.num_candidates for fb in self.rounds)
+        skipped = sum(fb.decision.num_skipped for fb in self.rounds)
+        n = int(completion_lengths.numel())
+        mean_length = float(completion_lengths.double().sum()) / n if n else 0.0
+        # an estimate: the skipped prompts' completions would not have had this step's mean length
+        saved = skipped * self.group_size * mean_length
+        for key, v in zip(_TOTALS, (drawn, skipped, generated, saved), strict=True):
+            self.totals[key] += float(v)
+        m = max(generated, 1)
+        out = {
+            "selective/prompts_drawn": float(drawn),
+            "selective/prompts_skipped": float(skipped),
+            "selective/prompts_generated": float(generated),
+            "selective/skipped_easy": float(sum(fb.decision.num_skipped_easy for fb in self.rounds)),
+            "selective/skipped_hard": float(sum(fb.decision.num_skipped_hard for fb in self.rounds)),
+            "selective/skip_ratio": skipped / drawn if drawn else 0.0,
+            "selective/zero_variance_share": float(zv.sum()) / m,
+            "selective/easy_share": float(easy.sum()) / m,
+            "selective/hard_share": float((zv & ~easy).sum()) / m,
+            "selective/tokens_saved_estimate": saved,
+            "selective/p_easy": self.rates.p_easy,
+            "selective/p_hard": self.rates.p_hard,
+            "selective/adapted": float(self._adapt),
+            "selective/history_prompts": float(self.history.num_prompts),
+        }
+        out.update({f"selective/total_{k}": v for k, v in self.totals.items()})
+        return out
+
+    def fingerprint(self) -> str:
+        """A short digest of the history, the rates and the counters: equal on every rank of a
+        run whose ranks decided alike (the trainer compares them after each step)."""
+        h = hashlib.sha1()
+        state = self.history.state_dict()
+        for key in ("prompt_ids", "steps", "outcomes"):
+            h.update(state[key].numpy().tobytes())
+        h.update(repr((self.rates, sorted(self.totals.items()))).encode())
+        return h.hexdigest()[:16]
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict[str, Any]:
+        """History (its event log), rates and running counters: plain tensors and numbers."""
+        return {"history": self.history.state_dict(), "rates": dataclasses.asdict(self.rates),
+                "totals": dict(self.totals)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``; a malformed entry is an error naming it."""
+        if not isinstance(state, dict) or not {"history", "rates", "totals"} <= set(state):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"selective rollout state must have history, rates and totals, got {got}")
+        history = SelectiveHistory()
+        history.load_state_dict(state["history"])
+        rates = ExplorationRates(**state["rates"])
+        unknown = sorted(set(state["totals"]) - set(_TOTALS))
+        if unknown:
+            raise ValueError(f"selective rollout state: unknown counter(s) {unknown}; known: {list(_TOTALS)}")
+        self.history, self.rates = history, rates
+        self.totals = {k: float(state["totals"].get(k, 0.0)) for k in _TOTALS}
+
+
+def record_outcomes(history: SelectiveHistory, prompt_ids: torch.Tensor, rewards: torch.Tensor,
+                    correct: torch.Tensor, *, group_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Record one step's generated groups in ``history`` under their dataset prompt index.
+
+    A group has zero variance when its G rewards are all equal, and is easy when, besides,
+    every completion is correct (the task's correctness, whatever the reward weights).
+    A prompt generated twice in the step (a small data set crossing an epoch) gets two
+    records, in draw order.
+
+    Args:
+        prompt_ids: [P] int64 dataset index per group, draw order.
+        rewards, correct: [P * G] float per completion, prompt-major.
+        group_size: G; step: the training step.
+
+    Returns:
+        (zero_variance [P] bool, easy [P] bool), aligned with ``prompt_ids``.
+    """
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+    G = group_size
+    ids = torch.as_tensor(prompt_ids, dtype=torch.int64)
+    if ids.dim() != 1:
+        raise ValueError(f"prompt_ids must be 1-D [P] (one dataset index per group), got shape {tuple(ids.shape)}")
+    p = ids.numel()
+    if rewards.numel() != p * G or correct.numel() != p * G:
+        raise ValueError(f"{rewards.numel()} rewards and {correct.numel()} correctness flags for {p} groups x G={G}: "
+                         "give one per completion, prompt-major")
+    # a per-group key (its position) keeps repeated prompts apart while classifying
+    pos = torch.arange(p).repeat_interleave(G)
+    by_reward = group_outcomes(rewards, pos)
+    by_correct = group_outcomes(correct, pos, easy_threshold=1.0)
+    zv = by_reward.zero_variance
+    easy = zv & by_correct.easy  # all correct: correctness is 0/1, zero-variance at the top
+    # history.update takes distinct ids: cut the draw order where an id repeats
+    start = 0
+    seen: set[int] = set()
+    for i, pid in enumerate(ids.tolist() + [None]):
+        if pid is None or pid in seen:
+            if i > start:
+                history.update(ids[start:i], zv[start:i], easy[start:i], step=step)
+            start, seen = i, set()
+        if pid is not None:
+            seen.add(pid)
+    return zv, easy
