@@ -6,11 +6,12 @@ had zero reward variance (all rewards equal: every GRPO advantage is 0) in its l
 generation(s) is likely to be zero-variance again. Before rollout, each candidate prompt i
 is skipped with probability
 
-    p_skip(i) = 1 - p_e ** z_i
+    p_skip(i) = 1 - max(p_e ** z_i, 0.01)
 
-where ``z_i`` counts its most recent *consecutive* zero-variance groups and ``p_e`` is the
-exploration probability of the kind of its last group: ``p_easy`` when every completion was
-right (all rewards at the top), ``p_hard`` otherwise (all wrong). A prompt never generated,
+where ``z_i`` counts its most recent *consecutive* zero-variance groups of the kind of its
+last group and ``p_e`` is the exploration probability of that kind: ``p_easy`` when every
+completion was right (all rewards at the top), ``p_hard`` otherwise (all wrong); a prompt is
+always generated with at least a 1% chance (``MIN_KEEP_PROB``). A prompt never generated,
 or whose last group had reward variance, has z = 0 and is never skipped. After each training
 step the two exploration probabilities move by a fixed step toward a target share of
 zero-variance groups among those generated (``adapt_exploration``). Sources, and what was
@@ -35,9 +36,11 @@ training scripts (github.com/Infini-AI-Lab/GRESO: ``p_easy``, ``p_hard``,
 Choices where the description leaves room (each one is a documented behaviour, pinned by
 ``tests/core/test_selective.py``):
 
-1. ``z_i`` counts consecutive zero-variance *generations*, easy and hard alike, ending with
-   the latest one; a skipped step records nothing (it neither extends nor breaks the
-   streak). ``p_e`` is chosen by the kind of the latest group only.
+1. ``z_i`` counts the consecutive zero-variance *generations* of the latest one's kind
+   (easy after hard starts a new streak at 1), as the authors' trainer counts trailing
+   all-correct and trailing all-wrong groups apart; a skipped step records nothing (it
+   neither extends nor breaks the streak). ``p_e`` is chosen by that kind. The 1% floor on
+   the keep probability is the authors' trainer's too.
 2. Easy means every reward of the group is ``>= easy_threshold`` (1.0: a correct answer);
    every other zero-variance group is hard (all wrong, or all equally partly right: not
    solved). A group of one completion is never zero-variance (as ``GroupStats``).
@@ -76,6 +79,7 @@ __all__ = [
     "DEFAULT_TARGET_EASY",
     "DEFAULT_TARGET_HARD",
     "DEFAULT_TARGET_ZERO_VARIANCE",
+    "MIN_KEEP_PROB",
     "EASY",
     "HARD",
     "INFORMATIVE",
@@ -109,6 +113,7 @@ DEFAULT_TARGET_HARD = DEFAULT_TARGET_ZERO_VARIANCE * 2 / 3  # 2 alpha / 3: hard 
 DEFAULT_STEP_SIZE = 0.01  # delta p per training step
 DEFAULT_P_MIN = 0.05
 DEFAULT_P_MAX = 0.95
+MIN_KEEP_PROB = 0.01  # a prompt is generated with at least this chance, however long its streak
 
 # stream of seeded_generator for the per-prompt draws (0: tie-breaks, 1: importance, 7: prompt sampler)
 SELECTIVE_STREAM = 11
@@ -279,7 +284,8 @@ class HistoryView:
     Attributes:
         prompt_ids: [n] int64 the query.
         seen: [n] bool, generated at least once.
-        streak: [n] int64 z, consecutive zero-variance generations ending with the last (0 if unseen).
+        streak: [n] int64 z, consecutive zero-variance generations of the last one's kind, ending
+            with the last (0 if unseen or the last had variance).
         last_outcome: [n] int8 ``INFORMATIVE`` / ``EASY`` / ``HARD`` of the last generation,
             ``UNSEEN`` (-1) if never generated.
         generations: [n] int64 times generated.
@@ -376,7 +382,10 @@ class SelectiveHistory:
         count = torch.zeros(u, dtype=torch.int64)
         last_step = torch.full((u,), -1, dtype=torch.int64)
         streak[old], last[old], count[old], last_step[old] = self._streak, self._last, self._count, self._last_step
-        streak[new] = torch.where(zv, streak[new] + 1, torch.zeros_like(streak[new]))
+        # a run of the same kind extends the streak; the other kind starts a new one (the
+        # authors' trainer counts trailing all-correct and trailing all-wrong groups apart)
+        same_kind = zv & (outcome == last[new])
+        streak[new] = torch.where(same_kind, streak[new] + 1, zv.to(torch.int64))
         last[new] = outcome
         count[new] += 1
         last_step[new] = step
@@ -510,11 +519,13 @@ def _summarise(ids: torch.Tensor, steps: torch.Tensor, outcomes: torch.Tensor) -
     uniq, inverse, count = torch.unique_consecutive(s_ids, return_inverse=True, return_counts=True)
     start = torch.cumsum(count, 0) - count
     rank = torch.arange(e) - start[inverse]
-    informative_rank = torch.where(s_out == INFORMATIVE, rank, torch.full_like(rank, -1))
-    last_informative = torch.full((uniq.numel(),), -1, dtype=torch.int64).scatter_reduce(
-        0, inverse, informative_rank, "amax")
     last_idx = start + count - 1
-    return uniq, count - (last_informative + 1), s_out[last_idx], count, s_steps[last_idx]
+    last_out = s_out[last_idx]
+    # the streak: the trailing run of the last outcome's kind (0 when the last had variance)
+    other_rank = torch.where(s_out != last_out[inverse], rank, torch.full_like(rank, -1))
+    last_other = torch.full((uniq.numel(),), -1, dtype=torch.int64).scatter_reduce(0, inverse, other_rank, "amax")
+    streak = torch.where(last_out == INFORMATIVE, torch.zeros_like(count), count - (last_other + 1))
+    return uniq, streak, last_out, count, s_steps[last_idx]
 
 
 # ---------------------------------------------------------------------- exploration rates
@@ -640,9 +651,10 @@ class SkipDecision:
     Attributes:
         prompt_ids: [n] int64 the candidates, in the order given.
         skip: [n] bool, True = do not generate this prompt now.
-        skip_prob: [n] float64, 1 - p_e ** streak (0 for unseen and last-informative prompts).
+        skip_prob: [n] float64, 1 - max(p_e ** streak, MIN_KEEP_PROB) (0 for unseen and
+            last-informative prompts).
         draws: [n] float64 uniforms in [0, 1); ``skip = draws < skip_prob``.
-        streak: [n] int64 z, consecutive zero-variance generations.
+        streak: [n] int64 z, consecutive zero-variance generations of the last one's kind.
         last_outcome: [n] int8 ``INFORMATIVE`` / ``EASY`` / ``HARD``, ``UNSEEN`` (-1).
         rates: the ``ExplorationRates`` used.
         seed, step: what the draws were derived from.
@@ -699,7 +711,7 @@ def decide_skips(
     step: int,
     rates: ExplorationRates,
 ) -> SkipDecision:
-    """Skip each candidate with probability 1 - p_e ** z (module docstring).
+    """Skip each candidate with probability 1 - max(p_e ** z, MIN_KEEP_PROB) (module docstring).
 
     Args:
         history: the ``SelectiveHistory`` up to the previous round.
@@ -723,7 +735,9 @@ def decide_skips(
     draws = prompt_uniforms(view.prompt_ids, seed=seed, step=step)
     p_e = torch.where(view.last_outcome == EASY, torch.tensor(rates.p_easy, dtype=torch.float64),
                       torch.tensor(rates.p_hard, dtype=torch.float64))
-    skip_prob = 1.0 - torch.pow(p_e, view.streak.to(torch.float64))  # streak 0: exactly 0
+    # keep with p_e ** z, never below MIN_KEEP_PROB (the authors' floor); streak 0: exactly 0
+    keep_prob = torch.pow(p_e, view.streak.to(torch.float64)).clamp_min(MIN_KEEP_PROB)
+    skip_prob = 1.0 - keep_prob
     return SkipDecision(
         prompt_ids=view.prompt_ids,
         skip=draws < skip_prob,

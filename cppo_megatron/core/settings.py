@@ -161,8 +161,9 @@ class CPPOConfig:
     seed: int = setting(0, """decides every random choice: tie-breaks between equal scores and the random metric.
         Combined with the step number, so choices differ between steps but are identical on every rank.""")
     selective_rollout: bool = setting(False, """selective rollout (GRESO, arXiv 2506.02177; beyond CPPO): before
-        generation, skip each drawn prompt with probability 1 - p_e ** z, z = its consecutive zero-variance groups
-        in earlier steps, and draw replacements so the step still generates as many prompts (docs/selective_rollout.md).
+        generation, skip each drawn prompt with probability 1 - max(p_e ** z, 0.01), z = its consecutive zero-variance
+        groups of one kind (all correct / all wrong) in earlier steps, and draw replacements so the step still
+        generates as many prompts (docs/selective_rollout.md).
         Embedded trainer only: veRL and OpenRLHF runs refuse it.""")
     selective_target_zero_variance: float = setting(0.25, """alpha in [0, 1], the wanted share of zero-variance groups
         among those generated per step: alpha / 3 for all-correct, 2 alpha / 3 for all-wrong groups (the authors'

@@ -14,6 +14,7 @@ from cppo_megatron.core.selective import (
     EASY,
     HARD,
     INFORMATIVE,
+    MIN_KEEP_PROB,
     SELECTIVE_STREAM,
     UNSEEN,
     ExplorationRates,
@@ -101,19 +102,24 @@ def test_history_is_keyed_by_prompt_id_not_batch_position():
     assert steps.tolist() == [0, 1] and outcomes.tolist() == [INFORMATIVE, HARD]
 
 
-def test_streak_counts_consecutive_zero_variance_and_resets_on_variance():
+def test_streak_counts_consecutive_zero_variance_of_one_kind_and_resets_on_variance():
     h = SelectiveHistory()
-    seq = [(True, False), (True, True), (False, False), (True, False), (True, True)]  # (zero_var, easy)
+    # (zero_var, easy): hard, hard, easy, informative, easy, easy, hard
+    seq = [(True, False), (True, False), (True, True), (False, False), (True, True), (True, True), (True, False)]
     streaks = []
     for step, (zv, ez) in enumerate(seq):
         h.update(t([3]), b([zv]), b([ez]), step=2 * step)
         h.update(t([8]), b([False]), b([False]), step=2 * step)  # a second round of the same step
         streaks.append(int(h.lookup(t([3])).streak[0]))
-    assert streaks == [1, 2, 0, 1, 2]  # easy and hard both extend the streak
-    assert int(h.lookup(t([3])).last_outcome[0]) == EASY
+    assert streaks == [1, 2, 1, 0, 1, 2, 1]  # a change of kind starts a new streak (the authors' count)
+    assert int(h.lookup(t([3])).last_outcome[0]) == HARD
     assert int(h.lookup(t([8])).streak[0]) == 0
     # steps in which the prompt was not generated record nothing
-    assert h.trace(3)[0].tolist() == [0, 2, 4, 6, 8]
+    assert h.trace(3)[0].tolist() == [0, 2, 4, 6, 8, 10, 12]
+    # the summary rebuilt from the log (load_state_dict) counts the same way
+    h2 = SelectiveHistory()
+    h2.load_state_dict(h.state_dict())
+    assert h2.lookup(t([3, 8])).streak.tolist() == [1, 0]
 
 
 # ---------------------------------------------------------------------- the decision
@@ -122,12 +128,17 @@ def test_skip_probabilities_match_hand_computation():
     h.update(t([1, 2, 3, 4]), b([True, True, True, False]), b([True, False, True, False]), step=0)
     h.update(t([1, 2, 4]), b([True, True, False]), b([True, False, False]), step=1)
     h.update(t([2]), b([True]), b([False]), step=2)
-    # 1: easy x2 -> 1 - 0.3^2; 2: hard x3 -> 1 - 0.6^3; 3: easy x1 -> 1 - 0.3; 4: informative; 99: unseen
-    d = decide_skips(h, t([1, 2, 3, 4, 99]), seed=0, step=3, rates=ExplorationRates(p_easy=0.3, p_hard=0.6))
+    for step in range(3, 8):  # 5: hard x5, 0.3^5 = 0.00243 below the floor
+        h.update(t([5]), b([True]), b([False]), step=step)
+    # 1: easy x2 -> 1 - 0.3^2; 2: hard x3 -> 1 - 0.6^3; 3: easy x1 -> 1 - 0.3; 4: informative; 99: unseen;
+    # 5: hard x5 at p_hard 0.3 -> kept with the floor's 0.01
+    d = decide_skips(h, t([1, 2, 3, 4, 99]), seed=0, step=8, rates=ExplorationRates(p_easy=0.3, p_hard=0.6))
     assert d.streak.tolist() == [2, 3, 1, 0, 0]
     assert d.last_outcome.tolist() == [EASY, HARD, EASY, INFORMATIVE, UNSEEN]
     assert d.skip_prob.tolist() == pytest.approx([1 - 0.09, 1 - 0.216, 0.7, 0.0, 0.0], abs=1e-15)
     assert d.skip_prob[3] == 0.0 and d.skip_prob[4] == 0.0  # exactly
+    d5 = decide_skips(h, t([5]), seed=0, step=8, rates=ExplorationRates(p_easy=0.3, p_hard=0.3))
+    assert d5.streak.tolist() == [5] and d5.skip_prob.tolist() == pytest.approx([1 - MIN_KEEP_PROB], abs=1e-15)
     assert d.skip.tolist() == (d.draws < d.skip_prob).tolist()
 
 

@@ -116,7 +116,7 @@ def test_rates_adapt_only_after_the_first_pass_over_the_prompts(run):
 
 def test_skipped_prompts_follow_the_planted_history(tmp_path):
     """The step's skipped prompt ids are exactly those decide_skips picks from the planted
-    history, and match the rule 1 - p_e ** z computed here from the planted streaks."""
+    history, and match the rule 1 - max(p_e ** z, 0.01) computed here from the planted streaks."""
     recipe = _recipe(tmp_path / "run", "train.steps=1", "cppo.selective_p_easy=0.9", "cppo.selective_p_hard=0.2")
     t = Trainer(recipe)
     order = PromptSampler(12, seed=recipe.seed).draw(24)  # what the run's sampler will hand out
@@ -141,7 +141,7 @@ def test_skipped_prompts_follow_the_planted_history(tmp_path):
     u = prompt_uniforms(drawn, seed=recipe.cppo.seed, step=0)
     p_e = {EASY: 0.9, HARD: 0.2}
     rule = [pid for pid, x in zip(drawn.tolist(), u.tolist(), strict=True)
-            if z.get(pid, 0) > 0 and x < 1 - p_e[kind[pid]] ** z[pid]]
+            if z.get(pid, 0) > 0 and x < 1 - max(p_e[kind[pid]] ** z[pid], 0.01)]  # 0.2^3 < 0.01: the floor
     assert fb.skipped.tolist() == rule
     # a prompt drawn again in the step (the draws cross into the next epoch) gets the same answer
     assert 0 < len(set(rule)) < 8, f"the planted history should skip some of the 8 zero-variance prompts: {rule}"
