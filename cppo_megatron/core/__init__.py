@@ -14,6 +14,7 @@ library; ``tests/core/test_layering.py`` keeps it so).
   adaptive exploration rates, batch filling
 """
 
+from ._checks import check_int  # public: the int check adapters share with the core
 from .advantage import ADV_NORMS, GroupStats, advantages_from_stats, group_advantages
 from .allocation import AllocationPlanner, AllocationTotals, PromptSampler
 from .balance import (
@@ -51,6 +52,7 @@ from .selective import (
     fill_batch,
     group_outcomes,
     selective_metrics,
+    target_shares,
 )
 from .settings import DEFAULT_PRUNING_RATE, METRICS, SCOPES, CPPOConfig, keep_count
 
@@ -78,6 +80,7 @@ __all__ = [
     "advantages_from_stats",
     "aggregate_loss",
     "balance_partitions",
+    "check_int",
     "clipped_surrogate",
     "decide_skips",
     "fill_batch",
@@ -96,6 +99,7 @@ __all__ = [
     "seeded_generator",
     "select_completions",
     "selective_metrics",
+    "target_shares",
     "sequence_workload",
     "token_logprobs",
 ]

@@ -96,6 +96,7 @@ __all__ = [
     "group_outcomes",
     "prompt_uniforms",
     "selective_metrics",
+    "target_shares",
 ]
 
 # ---------------------------------------------------------------------- constants
@@ -108,7 +109,7 @@ OUTCOME_NAMES = {INFORMATIVE: "informative", EASY: "easy", HARD: "hard"}
 
 DEFAULT_EXPLORATION = 0.5  # initial p_easy and p_hard
 DEFAULT_TARGET_ZERO_VARIANCE = 0.25  # alpha: wanted share of zero-variance groups among those generated
-DEFAULT_TARGET_EASY = DEFAULT_TARGET_ZERO_VARIANCE / 3  # alpha / 3
+DEFAULT_TARGET_EASY = DEFAULT_TARGET_ZERO_VARIANCE / 3  # alpha / 3 (target_shares)
 DEFAULT_TARGET_HARD = DEFAULT_TARGET_ZERO_VARIANCE * 2 / 3  # 2 alpha / 3: hard prompts change more often
 DEFAULT_STEP_SIZE = 0.01  # delta p per training step
 DEFAULT_P_MIN = 0.05
@@ -137,7 +138,7 @@ _MIX2 = _i64(0x94D049BB133111EB)
 
 
 # ---------------------------------------------------------------------- input checks
-def _as_prompt_ids(name: str, x: Any, *, unique: bool = False) -> torch.Tensor:
+def _as_prompt_ids(name: str, x: Any) -> torch.Tensor:
     """A 1-D int64 CPU tensor of non-negative prompt ids (may be empty), or a ValueError
     naming the bad entry."""
     if not isinstance(x, torch.Tensor):
@@ -159,16 +160,6 @@ def _as_prompt_ids(name: str, x: Any, *, unique: bool = False) -> torch.Tensor:
     if x.numel() and bool((x < 0).any()):
         i = int((x < 0).nonzero()[0])
         raise ValueError(f"{name}[{i}] = {int(x[i])} is negative; prompt ids are dataset indices >= 0")
-    if unique and x.numel() > 1:
-        s = torch.sort(x).values
-        dup = s[1:] == s[:-1]
-        if bool(dup.any()):
-            v = int(s[1:][dup][0])
-            where = (x == v).nonzero().squeeze(1).tolist()
-            raise ValueError(
-                f"{name} holds prompt id {v} more than once (positions {where}); one update records "
-                "one group per prompt: record each generation round with its own update call"
-            )
     return x
 
 
@@ -277,6 +268,18 @@ def group_outcomes(rewards: torch.Tensor, prompt_ids: torch.Tensor, *, easy_thre
 
 
 # ---------------------------------------------------------------------- history
+def _distinct_runs(ids: list[int]) -> list[int]:
+    """Cut points splitting the draw order into runs of distinct ids: [0, c1, ..., len(ids)],
+    a cut wherever an id repeats one since the last cut."""
+    cuts, seen = [0], set[int]()
+    for i, pid in enumerate(ids):
+        if pid in seen:
+            cuts.append(i)
+            seen = set()
+        seen.add(pid)
+    return cuts + [len(ids)]
+
+
 @dataclass(frozen=True)
 class HistoryView:
     """What the history knows about n queried prompts, aligned with the query.
@@ -335,13 +338,15 @@ class SelectiveHistory:
         """Record one generation round.
 
         Args:
-            prompt_ids: [M] int64 distinct prompt ids (dataset index) generated in the round.
+            prompt_ids: [M] int64 prompt ids (dataset index) generated in the round, in draw
+                order; a prompt generated twice (a small data set crossing an epoch) is recorded
+                twice, in that order.
             zero_variance: [M] bool, the prompt's group had zero reward variance.
             easy: [M] bool, zero variance with all rewards at the top; must imply
                 ``zero_variance``.
             step: int >= 0, the training step; not earlier than the last recorded step.
         """
-        ids = _as_prompt_ids("prompt_ids", prompt_ids, unique=True)
+        ids = _as_prompt_ids("prompt_ids", prompt_ids)
         m = ids.numel()
         zv = _as_bool("zero_variance", zero_variance, m)
         ez = _as_bool("easy", easy, m)
@@ -361,6 +366,13 @@ class SelectiveHistory:
         if m == 0:
             self._latest_step = max(self._latest_step, step)
             return
+        # the summary merge below takes distinct ids: cut the draw order where an id repeats
+        for a, b in itertools.pairwise(_distinct_runs(ids.tolist())):
+            self._merge(ids[a:b], zv[a:b], ez[a:b], step)
+
+    def _merge(self, ids: torch.Tensor, zv: torch.Tensor, ez: torch.Tensor, step: int) -> None:
+        """Append one run of distinct ids to the log and fold it into the summary."""
+        m = ids.numel()
         outcome = torch.where(
             zv, torch.where(ez, torch.tensor(EASY, dtype=torch.int8), torch.tensor(HARD, dtype=torch.int8)),
             torch.tensor(INFORMATIVE, dtype=torch.int8),
@@ -544,6 +556,16 @@ class ExplorationRates:
     def __post_init__(self) -> None:
         object.__setattr__(self, "p_easy", _check_probability("p_easy", self.p_easy))
         object.__setattr__(self, "p_hard", _check_probability("p_hard", self.p_hard))
+
+
+def target_shares(alpha: float) -> tuple[float, float]:
+    """(target_easy, target_hard) for ``adapt_exploration`` from alpha, the wanted share of
+    zero-variance groups among those generated: alpha / 3 easy and 2 alpha / 3 hard (a hard
+    prompt is more likely to turn informative as the policy improves, so more are kept)."""
+    a = check_float("alpha", alpha, minimum=0.0)
+    if a > 1.0:
+        raise ValueError(f"alpha = {alpha!r} must be a share in [0, 1] (the wanted share of zero-variance groups)")
+    return a / 3, 2 * a / 3
 
 
 def adapt_exploration(

@@ -29,8 +29,10 @@ from ..core import (
     PromptSampler,
     SelectiveHistory,
     adapt_exploration,
+    check_int,
     fill_batch,
     group_outcomes,
+    target_shares,
 )
 from ..core.settings import CPPOConfig
 
@@ -52,10 +54,8 @@ class SelectiveRollout:
     def __init__(self, cfg: CPPOConfig, *, group_size: int, num_prompts: int) -> None:
         if not isinstance(cfg, CPPOConfig):
             raise ValueError(f"cfg must be a CPPOConfig, got {type(cfg).__name__}")
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
-        if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
-            raise ValueError(f"num_prompts must be an int >= 1, got {num_prompts!r}")
+        check_int("group_size", group_size, minimum=1)
+        check_int("num_prompts", num_prompts, minimum=1)
         self.cfg = cfg
         self.group_size = group_size
         self.num_prompts = num_prompts
@@ -71,9 +71,7 @@ class SelectiveRollout:
         """Start step ``step``; whether this step's groups move the rates is decided now (a
         step that starts before the first pass over the prompts has ended does not adapt,
         unless ``selective_adapt_after_first_epoch`` is false)."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an int >= 0, got {step!r}")
-        self._step = step
+        self._step = check_int("step", step, minimum=0)
         self.rounds = []
         self._adapt = (not self.cfg.selective_adapt_after_first_epoch
                        or sampler.total_drawn >= sampler.num_prompts)
@@ -117,10 +115,10 @@ class SelectiveRollout:
                                    step=self._step)
         if self._adapt:
             c = self.cfg
-            alpha = c.selective_target_zero_variance
+            target_easy, target_hard = target_shares(c.selective_target_zero_variance)
             self.rates = adapt_exploration(
                 self.rates, num_generated=generated, num_easy=int(easy.sum()), num_hard=int((zv & ~easy).sum()),
-                target_easy=alpha / 3, target_hard=2 * alpha / 3, step_size=c.selective_step_size,
+                target_easy=target_easy, target_hard=target_hard, step_size=c.selective_step_size,
                 p_min=c.selective_p_min, p_max=c.selective_p_max)
         return self._metrics(generated, zv, easy, completion_lengths)
 
@@ -202,9 +200,7 @@ def record_outcomes(history: SelectiveHistory, prompt_ids: torch.Tensor, rewards
     Returns:
         (zero_variance [P] bool, easy [P] bool), aligned with ``prompt_ids``.
     """
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
-    G = group_size
+    G = check_int("group_size", group_size, minimum=1)
     ids = torch.as_tensor(prompt_ids, dtype=torch.int64)
     if ids.dim() != 1:
         raise ValueError(f"prompt_ids must be 1-D [P] (one dataset index per group), got shape {tuple(ids.shape)}")
@@ -218,14 +214,5 @@ def record_outcomes(history: SelectiveHistory, prompt_ids: torch.Tensor, rewards
     by_correct = group_outcomes(correct, pos, easy_threshold=1.0)
     zv = by_reward.zero_variance
     easy = zv & by_correct.easy  # all correct: correctness is 0/1, zero-variance at the top
-    # history.update takes distinct ids: cut the draw order where an id repeats
-    start = 0
-    seen: set[int] = set()
-    for i, pid in enumerate(ids.tolist() + [None]):
-        if pid is None or pid in seen:
-            if i > start:
-                history.update(ids[start:i], zv[start:i], easy[start:i], step=step)
-            start, seen = i, set()
-        if pid is not None:
-            seen.add(pid)
+    history.update(ids, zv, easy, step=step)  # a repeated prompt is recorded twice, in draw order
     return zv, easy

@@ -26,6 +26,7 @@ from cppo_megatron.core.selective import (
     group_outcomes,
     prompt_uniforms,
     selective_metrics,
+    target_shares,
 )
 
 M64 = (1 << 64) - 1
@@ -120,6 +121,22 @@ def test_streak_counts_consecutive_zero_variance_of_one_kind_and_resets_on_varia
     h2 = SelectiveHistory()
     h2.load_state_dict(h.state_dict())
     assert h2.lookup(t([3, 8])).streak.tolist() == [1, 0]
+
+
+def test_a_prompt_generated_twice_in_one_update_is_recorded_twice_in_draw_order():
+    # 5 hard, 8 informative, 5 hard again, 9 easy, 5 easy: as three updates (runs of distinct ids)
+    one, three = SelectiveHistory(), SelectiveHistory()
+    ids, zv, ez = t([5, 8, 5, 9, 5]), b([1, 0, 1, 1, 1]), b([0, 0, 0, 1, 1])
+    one.update(ids, zv, ez, step=4)
+    for a, z in ((0, 2), (2, 4), (4, 5)):
+        three.update(ids[a:z], zv[a:z], ez[a:z], step=4)
+    assert one.state_dict()["prompt_ids"].tolist() == [5, 8, 5, 9, 5]
+    assert one.trace(5)[1].tolist() == [HARD, HARD, EASY]
+    for key in ("prompt_ids", "steps", "outcomes"):
+        assert torch.equal(one.state_dict()[key], three.state_dict()[key])
+    view = one.lookup(t([5, 8, 9]))
+    assert view.streak.tolist() == [1, 0, 1] and view.generations.tolist() == [3, 1, 1]
+    assert view.last_outcome.tolist() == [EASY, INFORMATIVE, EASY]
 
 
 # ---------------------------------------------------------------------- the decision
@@ -368,6 +385,13 @@ def test_selective_metrics_values():
     assert set(selective_metrics(fb.decision, PINNED_RATES, prefix="x/")) >= {"x/prompts_skipped", "x/p_easy"}
 
 
+def test_target_shares_split_alpha_a_third_easy_two_thirds_hard():
+    assert target_shares(0.25) == (DEFAULT_TARGET_EASY, DEFAULT_TARGET_HARD)
+    assert target_shares(0.6) == pytest.approx((0.2, 0.4), abs=1e-15)
+    with pytest.raises(ValueError, match=r"alpha = 1.5 must be a share in \[0, 1\]"):
+        target_shares(1.5)
+
+
 # ---------------------------------------------------------------------- bad inputs
 def _raises(fn, match):
     with pytest.raises(ValueError, match=match):
@@ -381,8 +405,6 @@ def test_bad_inputs_raise_naming_the_value():
         (lambda: h.lookup(t([3, -4])), r"prompt_ids\[1\] = -4 is negative"),
         (lambda: h.lookup(torch.tensor([1.0, 2.0])), "integer tensor of prompt ids.*float32"),
         (lambda: h.lookup(t([[1, 2]])), r"1-D \[n\] prompt ids, got shape \(1, 2\)"),
-        (lambda: SelectiveHistory().update(t([5, 8, 5]), b([1, 1, 1]), b([0, 0, 0]), step=0),
-         r"prompt id 5 more than once \(positions \[0, 2\]\)"),
         (lambda: SelectiveHistory().update(t([5, 8]), b([0, 1]), b([1, 0]), step=0),
          r"easy\[0\] is True for prompt id 5 but zero_variance\[0\] is False"),
         (lambda: SelectiveHistory().update(t([5, 8]), b([1]), b([0, 0]), step=0),
