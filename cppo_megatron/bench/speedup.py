@@ -11,7 +11,16 @@ hits every run alike; per-step figures are medians. Per rate and allocation sett
   reward) and T_rest (old-policy + reference + update) per prompt from this run's GRPO
   steps, and the fraction of the bound achieved.
 
+With ``--selective`` each rate also runs with selective rollout (``cppo.selective_rollout``:
+prompts whose recent groups all had equal rewards are skipped before generation and
+replaced). Its time per prompt counts every prompt the run consumed from the data set,
+skipped ones included: S_max assumes each prompt consumed is generated, so a skipped
+prompt is where such a run can go beyond the bound. The history needs repeats: give a
+small ``task.train_size`` and ``--warmup-steps`` (unrecorded steps that build it).
+
   cppo-megatron bench speedup recipes/tiny_cpu.yaml --rates 0,0.5,0.75,0.875,0.9375
+  cppo-megatron bench speedup recipes/tiny_cpu.yaml task.train_size=256 --rates 0.875 --allocation on \
+      --selective --warmup-steps 8
 """
 
 from __future__ import annotations
@@ -38,6 +47,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allocation", choices=["on", "off", "both"], default="both")
     parser.add_argument("--steps", type=int, default=4, help="steps per run per round (default 4)")
     parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds (default 2)")
+    parser.add_argument("--selective", action="store_true",
+                        help="also run each rate with selective rollout (cppo.selective_rollout); its time per prompt "
+                             "counts skipped prompts as consumed (see --warmup-steps)")
+    parser.add_argument("--warmup-steps", type=int, default=0,
+                        help="unrecorded steps per run before the measured ones (default 0); with --selective they "
+                             "build the per-prompt history (use a small task.train_size so prompts repeat)")
     parser.add_argument("--warmup-checkpoint", default=None,
                         help="start weights; default: the recipe's init_checkpoint, else run its warm-up once")
 
@@ -74,13 +89,15 @@ def warm_start(recipe, out: Path, explicit: str | None) -> Path:
     return path
 
 
-def _bench_recipe(recipe, out: Path, warm: Path, rate: float, allocation: bool):
+def _bench_recipe(recipe, out: Path, warm: Path, rate: float, allocation: bool, selective: bool = False):
     return replace_recipe(
         recipe,
-        out_dir=str(out / "runs" / f"p{rate:g}_{'alloc' if allocation else 'noalloc'}"),
+        out_dir=str(out / "runs" / f"p{rate:g}_{'alloc' if allocation else 'noalloc'}"
+                    f"{'_selective' if selective else ''}"),
         init_checkpoint=str(warm),
         **{
             "cppo.pruning_rate": rate, "cppo.keep_per_group": None, "cppo.allocation": allocation,
+            "cppo.selective_rollout": selective,
             "warmup.enabled": False, "eval.every": 0, "log.progress": False, "log.tensorboard": False,
             "log.plots": False, "log.checkpoint_every": 0, "train.steps": 10**9, "train.max_time_s": 0.0,
         },
@@ -88,19 +105,23 @@ def _bench_recipe(recipe, out: Path, warm: Path, rate: float, allocation: bool):
 
 
 def measure(recipe, rates: list[float], allocations: list[bool], steps: int, repeats: int, warm: Path,
-            out: Path, progress: bool = True, warmup_steps: int = 0) -> dict[tuple[float, bool], list[dict]]:
-    """Interleave the runs' steps; return every step record per (rate, allocation).
+            out: Path, progress: bool = True, warmup_steps: int = 0,
+            selective: bool = False) -> dict[tuple, list[dict]]:
+    """Interleave the runs' steps; return every step record per (rate, allocation), and per
+    (rate, allocation, "selective") for the selective-rollout runs ``selective`` adds.
 
     ``warmup_steps`` unrecorded steps per run come first (on a GPU the first steps pay for
-    kernel selection and allocator growth at each run's batch shape)."""
+    kernel selection and allocator growth at each run's batch shape; with selective rollout
+    they build the history)."""
     from ..trainer import Trainer
 
-    keys = [(p, a) for a in allocations for p in rates if not (p == 0.0 and a != allocations[0])]
+    plain = [(p, a) for a in allocations for p in rates if not (p == 0.0 and a != allocations[0])]
+    keys: list[tuple] = plain + ([(p, a, "selective") for p, a in plain] if selective else [])
     trainers = {}
-    for p, a in keys:
-        t = Trainer(_bench_recipe(recipe, out, warm, p, a))
+    for key in keys:
+        t = Trainer(_bench_recipe(recipe, out, warm, key[0], key[1], selective=len(key) == 3))
         t.prepare(initial_eval=False)
-        trainers[(p, a)] = t
+        trainers[key] = t
     for k in keys:
         for _ in range(warmup_steps):
             trainers[k].step_once()
@@ -126,7 +147,9 @@ def measure(recipe, rates: list[float], allocations: list[bool], steps: int, rep
 
 
 def per_prompt(recs: list[dict], key: str) -> float:
-    return median(r[key] / r["alloc/prompts_drawn"] for r in recs)
+    """Median over steps of ``key`` per prompt consumed from the data set: every prompt drawn,
+    including those selective rollout skipped (``selective/prompts_drawn``)."""
+    return median(r[key] / r.get("selective/prompts_drawn", r["alloc/prompts_drawn"]) for r in recs)
 
 
 def analyse(records: dict, rates: list[float], allocations: list[bool]) -> tuple[list[dict], dict]:
@@ -135,26 +158,34 @@ def analyse(records: dict, rates: list[float], allocations: list[bool]) -> tuple
     t_rest = sum(per_prompt(base, f"time/{ph}") for ph in REST_PHASES)
     t_base = per_prompt(base, "time/step")
     rows = []
-    for a in allocations:
-        for p in rates:
-            recs = records[(p, allocations[0])] if p == 0.0 else records[(p, a)]
-            t = per_prompt(recs, "time/step")
-            s = speedup(t_base, t)
-            bound = speedup_bound(p, t_gen, t_rest)
-            row = {
-                "P": p,
-                "allocation": a,
-                "prompts/step": median(r["alloc/prompts_drawn"] for r in recs),
-                "trained/step": median(r["cppo/num_kept"] for r in recs),
-                "ms/prompt": 1e3 * t,
-                "speedup": s,
-                "bound": bound,
-                "of bound": fraction_of_bound(s, bound),
-            }
-            for ph in ALL_PHASES:
-                row[f"ms/prompt {ph}"] = 1e3 * per_prompt(recs, f"time/{ph}")
-            row["steps measured"] = len(recs)
-            rows.append(row)
+    for selective in (False, True):
+        for a in allocations:
+            for p in rates:
+                key: tuple = (p, allocations[0]) if p == 0.0 else (p, a)
+                if selective:
+                    key = (*key, "selective")
+                if key not in records:
+                    continue
+                recs = records[key]
+                t = per_prompt(recs, "time/step")
+                s = speedup(t_base, t)
+                bound = speedup_bound(p, t_gen, t_rest)
+                row = {
+                    "P": p,
+                    "allocation": a,
+                    "selective": selective,
+                    "prompts/step": median(r.get("selective/prompts_drawn", r["alloc/prompts_drawn"]) for r in recs),
+                    "generated/step": median(r["alloc/prompts_drawn"] for r in recs),
+                    "trained/step": median(r["cppo/num_kept"] for r in recs),
+                    "ms/prompt": 1e3 * t,
+                    "speedup": s,
+                    "bound": bound,
+                    "of bound": fraction_of_bound(s, bound),
+                }
+                for ph in ALL_PHASES:
+                    row[f"ms/prompt {ph}"] = 1e3 * per_prompt(recs, f"time/{ph}")
+                row["steps measured"] = len(recs)
+                rows.append(row)
     return rows, {"t_gen_per_prompt_s": t_gen, "t_rest_per_prompt_s": t_rest, "t_step_per_prompt_s": t_base}
 
 
@@ -163,28 +194,32 @@ def run(args: argparse.Namespace) -> Report:
     from ..trainer.config import load_recipe
 
     rates = _rates(args.rates)
-    if args.steps < 1 or args.repeats < 1:
-        raise ValueError(f"--steps and --repeats must be >= 1, got {args.steps}, {args.repeats}")
+    if args.steps < 1 or args.repeats < 1 or args.warmup_steps < 0:
+        raise ValueError(f"--steps and --repeats must be >= 1 and --warmup-steps >= 0, got {args.steps}, "
+                         f"{args.repeats}, {args.warmup_steps}")
     allocations = {"on": [True], "off": [False], "both": [True, False]}[args.allocation]
     recipe = load_recipe(args.recipe, args.overrides)
     out = Path(args.out)
     t0 = time.perf_counter()
     warm = warm_start(recipe, out, args.warmup_checkpoint)
-    records = measure(recipe, rates, allocations, args.steps, args.repeats, warm, out, recipe.log.progress)
+    records = measure(recipe, rates, allocations, args.steps, args.repeats, warm, out, recipe.log.progress,
+                      warmup_steps=args.warmup_steps, selective=args.selective)
     rows, split = analyse(records, rates, allocations)
     report = Report(
         name="speedup",
         title=f"CPPO speedup vs GRPO, {Path(args.recipe).name} "
               f"({args.steps} steps x {args.repeats} interleaved rounds)",
         params={"recipe": args.recipe, "overrides": args.overrides, "rates": rates, "allocation": args.allocation,
-                "steps": args.steps, "repeats": args.repeats, "warm_start": str(warm)},
-        columns=["P", "allocation", "prompts/step", "trained/step", "ms/prompt", "speedup", "bound", "of bound",
-                 "ms/prompt rollout", "ms/prompt update"],
+                "steps": args.steps, "repeats": args.repeats, "warm_start": str(warm),
+                "selective": args.selective, "warmup_steps": args.warmup_steps},
+        columns=["P", "allocation", "selective", "prompts/step", "generated/step", "trained/step", "ms/prompt",
+                 "speedup", "bound", "of bound", "ms/prompt rollout", "ms/prompt update"],
         rows=rows,
         notes=[
             f"GRPO phase split per prompt: T_gen (rollout + reward) {1e3 * split['t_gen_per_prompt_s']:.2f} ms, "
             f"T_rest (old + ref + update) {1e3 * split['t_rest_per_prompt_s']:.2f} ms",
             "bound S_max(P) = (T_gen + T_rest) / (T_gen + (1-P) T_rest); 'of bound' = speedup / S_max",
+            *_selective_notes(rows),
             f"total bench time {time.perf_counter() - t0:.0f} s",
         ],
         extras={"phase_split": split},
@@ -193,13 +228,28 @@ def run(args: argparse.Namespace) -> Report:
     return report
 
 
+def _selective_notes(rows: list[dict]) -> list[str]:
+    """Per selective-rollout row: prompts skipped per step, and whether it went beyond S_max."""
+    out = []
+    for r in rows:
+        if r["selective"]:
+            skipped = r["prompts/step"] - r["generated/step"]
+            beyond = "beyond" if r["speedup"] > r["bound"] else "within"
+            out.append(f"P={r['P']:g} {'with' if r['allocation'] else 'without'} allocation + selective rollout: "
+                       f"{skipped:g} of {r['prompts/step']:g} prompts per step skipped (median), speedup "
+                       f"{r['speedup']:.2f}x vs S_max {r['bound']:.2f}x: {beyond} the bound")
+    return out
+
+
 def _plot(fig, rows: list[dict], allocations: list[bool]) -> None:
     ax = fig.add_subplot(1, 1, 1)
-    for a in allocations:
-        sel = [r for r in rows if r["allocation"] == a]
-        ax.plot([r["P"] for r in sel], [r["speedup"] for r in sel], "o-",
-                label=f"measured, allocation {'on' if a else 'off'}")
-    sel = [r for r in rows if r["allocation"] == allocations[0]]
+    for selective in (False, True):
+        for a in allocations:
+            sel = [r for r in rows if r["allocation"] == a and r["selective"] == selective]
+            if sel:
+                ax.plot([r["P"] for r in sel], [r["speedup"] for r in sel], "s--" if selective else "o-",
+                        label=f"measured, allocation {'on' if a else 'off'}{' + selective' if selective else ''}")
+    sel = [r for r in rows if r["allocation"] == allocations[0] and not r["selective"]]
     ax.plot([r["P"] for r in sel], [r["bound"] for r in sel], "k--", label="bound S_max(P)")
     ax.set(xlabel="pruning rate P", ylabel="speedup vs GRPO (time per prompt)", title="CPPO speedup and its bound")
     ax.grid(alpha=0.3)

@@ -27,6 +27,7 @@ evaluated afterwards at fixed wall-clock points by one shared evaluator:
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 
@@ -34,7 +35,20 @@ from ..recipes import arg_type as recipe_arg
 from ..trainer.config import replace_recipe
 from .report import Report, publish
 from .speedup import warm_start
-from .study_table import DEFAULT, FULL, METRIC_SETTINGS, grid, plot_curves, run_id, sd_or_zero, summarize, write_csv
+from .study_table import (
+    DEFAULT,
+    FULL,
+    GENERATION,
+    METRIC_SETTINGS,
+    add_time_to_target,
+    default_target,
+    grid,
+    plot_curves,
+    run_id,
+    sd_or_zero,
+    summarize,
+    write_csv,
+)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +61,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-mass", type=float, default=0.9, help="f of the keep_mass runs (default 0.9)")
     parser.add_argument("--allocation", choices=["on", "off", "both"], default=None, help="default on")
     parser.add_argument("--full", action="store_true", help=f"the full grid: {FULL}")
+    parser.add_argument("--generation", default=None,
+                        help="comma-separated of " + ",".join(GENERATION) + " (default all): what each arm generates; "
+                             "selective = cppo.selective_rollout (GRESO: skip prompts whose recent groups all had "
+                             "equal rewards), dapo = cppo.dynamic_sampling (drop zero-variance groups, refill); "
+                             "crossed with every rate, metric and allocation (embedded trainer only)")
     parser.add_argument("--seeds", type=int, default=3,
                         help="seeds per configuration (default 3); a winner is named only with >= 2 seeds and a "
                              "difference beyond the combined seed spread")
@@ -62,8 +81,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "and seed, each for --budget seconds of wall time, arms interleaved (default arms: --rates 0,0.875 "
         "--allocation both; docs/benchmarks.md)")
     verl.add_argument("--target", type=float, default=None,
-                      help="held-out accuracy whose time to reach is reported per arm (default: the lowest arm's "
-                           "mean accuracy at the budget)")
+                      help="held-out accuracy whose time to reach is reported per arm, in both studies (default: "
+                           "halfway from the start to the lowest arm's mean accuracy at the budget)")
     verl.add_argument("--eval-problems", type=int, default=1000,
                       help="held-out problems of the shared evaluator (default 1000)")
     verl.add_argument("--reuse", action="store_true",
@@ -96,6 +115,7 @@ def run_rl(recipe, warm: Path, spec: dict, budget: float, clock_name: str, evals
             "cppo.use_abs": use_abs, "cppo.allocation": spec["allocation"], "cppo.seed": spec["seed"],
             "warmup.enabled": False, "eval.every": 0, "log.progress": False, "log.tensorboard": False,
             "log.plots": False, "log.checkpoint_every": 0, "train.steps": 10**9, "train.max_time_s": 0.0,
+            **GENERATION[spec.get("generation") or "all"][0],
         },
     )
     t = Trainer(r)
@@ -105,11 +125,13 @@ def run_rl(recipe, warm: Path, spec: dict, budget: float, clock_name: str, evals
     used, next_eval = 0.0, budget / evals
     last = {}
     at_prompts = None
+    tokens = 0.0  # generated, every round of every step
     while used < budget:
         c0 = clock()
         last = t.step_once()
         t.main_logger.log(last, t.step)
         used += clock() - c0
+        tokens += float(last.get("rollout/tokens", 0.0))
         drawn = float(last["alloc/total_prompts_drawn"])
         if at_prompts is None and eval_at_prompts is not None and drawn >= eval_at_prompts:
             at_prompts = (drawn, t._evaluate(r.eval.num_problems))
@@ -118,6 +140,8 @@ def run_rl(recipe, warm: Path, spec: dict, budget: float, clock_name: str, evals
             next_eval += budget / evals
     t.main_logger.close()
     row = _row(spec, curve, t.step, last)
+    row["gen_tokens_per_step"] = tokens / max(t.step, 1)
+    row["prompts_skipped"] = last.get("selective/total_prompts_skipped")
     if at_prompts is not None:
         row["prompts_at_grpo_prompts"] = at_prompts[0]
         row["accuracy_at_grpo_prompts"] = at_prompts[1]["eval/accuracy"]
@@ -161,6 +185,8 @@ def _row(spec: dict, curve: list, steps: int, last: dict) -> dict:
         "completions_trained": last.get("alloc/total_completions_kept"),
         "accuracy_at_grpo_prompts": None,
         "prompts_at_grpo_prompts": None,
+        "gen_tokens_per_step": None,
+        "prompts_skipped": None,
         # [time, accuracy, prompts drawn] per evaluation
         "curve": [[round(tm, 3), ev["eval/accuracy"], pr] for tm, ev, pr in curve],
     }
@@ -200,12 +226,23 @@ def run(args: argparse.Namespace) -> int:
               f"{row['accuracy_final']:.3f} "
               f"({row['steps']} steps, {time.perf_counter() - t0:.0f} s elapsed)", flush=True)
     table, findings = summarize(rows)
+    rl = [r for r in rows if r["kind"] == "rl"]
+    target = None
+    if rl:  # the start is the shared warm-up checkpoint: every run's first evaluation
+        start = statistics.mean(r["accuracy_start"] for r in rl)
+        target = args.target if args.target is not None else default_target(
+            start, [t for t in table if t["kind"] == "rl"])
+        add_time_to_target(table, rows, target)
+        findings.append(f"time to {target:.2f} held-out accuracy ({args.clock} seconds, seeds that reached it): "
+                        + ", ".join(f"{t['config']} {t['time to target (s)']:.1f} s ({t['reached']})"
+                                    if t["time to target (s)"] is not None else f"{t['config']} not reached"
+                                    for t in table if t["kind"] == "rl"))
     report = Report(
         name="study",
         title=f"study on {Path(args.recipe).name}: {args.budget:g} s ({args.clock}) per run, {args.seeds} seed(s)",
-        params={k: v for k, v in vars(args).items() if k != "func"},
+        params={**{k: v for k, v in vars(args).items() if k != "func"}, "target": target},
         columns=["config", "seeds", "final acc (mean)", "seed spread (sd)", "eval stderr", "acc @ GRPO's prompts",
-                 "steps", "prompts", "trained"],
+                 "time to target (s)", "reached", "steps", "prompts", "trained", "gen tokens/step"],
         rows=table,
         notes=findings + [f"total study time {time.perf_counter() - t0:.0f} s"],
         extras={"runs": rows},

@@ -12,8 +12,9 @@ import math
 import statistics
 from pathlib import Path
 
-__all__ = ["DEFAULT", "FULL", "METRIC_SETTINGS", "compare", "findings", "grid", "plot_curves", "run_id",
-           "sd_or_zero", "summarize", "verdict_line", "write_csv"]
+__all__ = ["DEFAULT", "FULL", "GENERATION", "METRIC_SETTINGS", "add_time_to_target", "compare", "config_key",
+           "default_target", "findings", "grid", "plot_curves", "run_id", "sd_or_zero", "summarize", "time_to_target",
+           "verdict_line", "write_csv"]
 
 DEFAULT = {"rates": "0,0.5,0.875", "metrics": "smallest,random,largest", "allocation": "on"}
 FULL = {"rates": "0,0.5,0.75,0.875,0.9375", "metrics": "smallest,random,largest,signed", "allocation": "both"}
@@ -25,12 +26,19 @@ METRIC_SETTINGS = {  # name -> (cppo.metric, cppo.use_abs)
     "importance": ("importance", True),  # 1/pi-weighted PPS sample (core.sampling)
     "keep_mass": ("smallest", True),  # adaptive k: one run per seed, --keep-mass f instead of P
 }
+# how a run chooses what to generate (--generation) -> (recipe overrides, label suffix)
+GENERATION = {
+    "all": ({}, ""),  # every prompt drawn is generated, every group trained on (CPPO prunes after rewards)
+    "selective": ({"cppo.selective_rollout": True}, " + selective rollout"),  # GRESO: skip before generation
+    "dapo": ({"cppo.dynamic_sampling": True}, " + DAPO filter"),  # drop zero-variance groups, refill
+}
 
 
 def grid(args) -> list[dict]:
-    """The runs (one dict per arm and seed: kind, P, metric, allocation, seed, keep_mass) that
-    ``args`` (--rates, --metrics, --allocation, --full, --seeds, --keep-mass, --no-control)
-    ask for; an unknown metric or a keep-mass outside (0, 1] is a ValueError."""
+    """The runs (one dict per arm and seed: kind, P, metric, allocation, seed, keep_mass,
+    generation) that ``args`` (--rates, --metrics, --allocation, --full, --seeds, --keep-mass,
+    --generation, --no-control) ask for; an unknown metric or generation mode, or a keep-mass
+    outside (0, 1], is a ValueError."""
     spec = dict(FULL if args.full else DEFAULT)
     for key in ("rates", "metrics", "allocation"):
         if getattr(args, key):
@@ -40,6 +48,10 @@ def grid(args) -> list[dict]:
     unknown = [m for m in metrics if m not in METRIC_SETTINGS]
     if unknown:
         raise ValueError(f"--metrics: unknown {unknown}; choose from {list(METRIC_SETTINGS)}")
+    gens = [g.strip() for g in (getattr(args, "generation", None) or "all").split(",")]
+    bad = [g for g in gens if g not in GENERATION]
+    if bad:
+        raise ValueError(f"--generation: unknown {bad}; choose from {list(GENERATION)}")
     allocs = {"on": [True], "off": [False], "both": [True, False]}[spec["allocation"]]
     f = getattr(args, "keep_mass", 0.9)
     if "keep_mass" in metrics and not (0 < f <= 1):
@@ -53,34 +65,37 @@ def grid(args) -> list[dict]:
                 for m in ([per_p[0]] if p == 0 else [m for m in metrics if m != "keep_mass"]):
                     if p == 0 and a != allocs[0]:
                         continue
-                    runs.append({"kind": "rl", "P": p, "metric": "grpo" if p == 0 else m, "allocation": a, "seed": seed,
-                                 "keep_mass": None})
+                    runs += [{"kind": "rl", "P": p, "metric": "grpo" if p == 0 else m, "allocation": a, "seed": seed,
+                              "keep_mass": None, "generation": g} for g in gens]
         if "keep_mass" in metrics:
             for a in allocs:
-                runs.append({"kind": "rl", "P": None, "metric": "keep_mass", "allocation": a, "seed": seed,
-                             "keep_mass": f})
+                runs += [{"kind": "rl", "P": None, "metric": "keep_mass", "allocation": a, "seed": seed,
+                          "keep_mass": f, "generation": g} for g in gens]
         if not args.no_control:
             runs.append({"kind": "control", "P": None, "metric": "sft", "allocation": None, "seed": seed,
-                         "keep_mass": None})
+                         "keep_mass": None, "generation": None})
     return runs
 
 
 def run_id(spec: dict) -> str:
-    """The run's name (``p0.875_smallest_alloc_s1``, ``control_s0``): its folder and CSV row."""
+    """The run's name (``p0.875_smallest_alloc_s1``, ``p0_grpo_alloc_dapo_s0``, ``control_s0``):
+    its folder and CSV row."""
     if spec["kind"] == "control":
         return f"control_s{spec['seed']}"
     what = f"keepmass{spec['keep_mass']:g}" if spec["metric"] == "keep_mass" else f"p{spec['P']:g}_{spec['metric']}"
-    return f"{what}_{'alloc' if spec['allocation'] else 'noalloc'}_s{spec['seed']}"
+    gen = spec.get("generation") or "all"
+    return f"{what}_{'alloc' if spec['allocation'] else 'noalloc'}{'' if gen == 'all' else '_' + gen}_s{spec['seed']}"
 
 
 def summarize(rows: list[dict]) -> tuple[list[dict], list[str]]:
-    """Per-run ``rows`` grouped by configuration (kind, P, metric, allocation): the summary
-    table (means over seeds, seed sd, eval stderr, steps, prompts) and its ``findings``."""
+    """Per-run ``rows`` grouped by configuration (kind, P, metric, allocation, generation): the
+    summary table (means over seeds, seed sd, eval stderr, steps, prompts, generation tokens
+    per step where the rows have them) and its ``findings``."""
     groups: dict = {}
     for r in rows:
-        groups.setdefault((r["kind"], r["P"], r["metric"], r["allocation"]), []).append(r)
+        groups.setdefault(config_key(r), []).append(r)
     table = []
-    for (kind, p, metric, alloc), rs in groups.items():
+    for (kind, p, metric, alloc, gen), rs in groups.items():
         accs = [r["accuracy_final"] for r in rs]
         at_prompts = [r["accuracy_at_grpo_prompts"] for r in rs if r.get("accuracy_at_grpo_prompts") is not None]
         if p == 0:
@@ -91,6 +106,8 @@ def summarize(rows: list[dict]) -> tuple[list[dict], list[str]]:
             label = f"keep_mass f={rs[0]['keep_mass']:g}{'' if alloc else ' no-alloc'}"
         else:
             label = f"P={p:g} {metric}{'' if alloc else ' no-alloc'}"
+        label += GENERATION[gen][1] if kind != "control" else ""
+        tokens = [r["gen_tokens_per_step"] for r in rs if r.get("gen_tokens_per_step") is not None]
         table.append({
             "config": label,
             "acc @ GRPO's prompts": statistics.mean(at_prompts) if at_prompts else None,
@@ -101,9 +118,29 @@ def summarize(rows: list[dict]) -> tuple[list[dict], list[str]]:
             "steps": statistics.mean(r["steps"] for r in rs),
             "prompts": statistics.mean(r["prompts_drawn"] or 0 for r in rs),
             "trained": statistics.mean(r["completions_trained"] or 0 for r in rs),
+            "kind": kind,
+            "generation": gen if kind != "control" else None,
+            "gen tokens/step": statistics.mean(tokens) if tokens else None,
         })
-    table.sort(key=lambda t: (t["P"] is None, t["P"] or 0, t["metric"]))
+    order = list(GENERATION)
+    table.sort(key=lambda t: (t["P"] is None, t["P"] or 0, t["metric"], order.index(t["generation"] or "all")))
     return table, findings(table)
+
+
+def config_key(r: dict) -> tuple:
+    """What makes runs one configuration of the table (a per-run row or a summary row)."""
+    kind = r.get("kind") or ("control" if r["metric"] == "sft" else "rl")
+    return (kind, r["P"], r["metric"], r["allocation"], r.get("generation") or "all" if kind != "control" else "all")
+
+
+def add_time_to_target(table: list[dict], rows: list[dict], target: float) -> None:
+    """Per summary row (in place): ``time to target (s)``, the mean over the seeds that reached
+    ``target`` of their first evaluation time at or above it, and ``reached`` ("k/n")."""
+    for t in table:
+        times = [time_to_target(r["curve"], target) for r in rows if config_key(r) == config_key(t)]
+        reached = [x for x in times if x is not None]
+        t["time to target (s)"] = statistics.mean(reached) if reached else None
+        t["reached"] = f"{len(reached)}/{len(times)}"
 
 
 def compare(a: dict, b: dict) -> tuple[str, float, float]:
@@ -137,6 +174,7 @@ def findings(table: list[dict]) -> list[str]:
     """The study's sentences from its summary ``table``: CPPO vs GRPO at equal time, the paper's
     ordering smallest > random > largest per P, the beyond-the-paper selections vs CPPO, the
     equal-prompts reading and the supervised control."""
+    arms, table = table, [t for t in table if (t.get("generation") or "all") == "all"]
     by = {(t["P"], t["metric"], t["allocation"]): t for t in table}
     out = []
     grpo = next((t for t in table if t["P"] == 0), None)
@@ -171,10 +209,52 @@ def findings(table: list[dict]) -> list[str]:
         eq = [f"{t['config']} {t[key]:.3f}" for t in table if t.get(key) is not None and t["metric"] != "sft"]
         if len(eq) > 1:  # GRPO and at least one pruned run were read at GRPO's prompts
             out.append("at equal prompts drawn (GRPO's final count, the paper's comparison): " + ", ".join(eq))
+    out += _generation_findings(arms, by)
     ctrl = next((t for t in table if t["metric"] == "sft"), None)
     if ctrl:
         out.append(f"supervised control for the same time: {ctrl['final acc (mean)']:.3f}")
     return out
+
+
+def _generation_findings(arms: list[dict], by: dict) -> list[str]:
+    """Each arm that changes what is generated (selective rollout, the DAPO filter) against the
+    same arm generating everything, and a pruned one against the filter alone (DAPO + CPPO vs
+    DAPO); with its generation tokens per step where the rows have them."""
+    out = []
+    dapo_alone = next((t for t in arms if t.get("generation") == "dapo" and t["P"] == 0), None)
+    for t in arms:
+        gen = t.get("generation") or "all"
+        base = by.get((t["P"], t["metric"], t["allocation"]))
+        if gen == "all" or base is None:
+            continue
+        line = verdict_line(t, base, name_a=t["config"], name_b=base["config"], where=" at equal time")
+        if t.get("gen tokens/step") and base.get("gen tokens/step"):
+            line += (f"; generation tokens per step {t['gen tokens/step']:.0f} vs {base['gen tokens/step']:.0f} "
+                     f"({t['gen tokens/step'] / base['gen tokens/step']:.2f}x)")
+        out.append(line)
+        if gen == "dapo" and t["P"] and dapo_alone is not None:
+            out.append(verdict_line(t, dapo_alone, name_a=t["config"], name_b=dapo_alone["config"],
+                                    where=" at equal time"))
+    return out
+
+
+def time_to_target(curve: list, target: float) -> float | None:
+    """The first evaluation time at which accuracy >= ``target`` (None if never). ``curve``:
+    [[seconds, accuracy, ...], ...] in time order. Resolution: the spacing of the points."""
+    for point in curve:
+        if point[1] >= target:
+            return float(point[0])
+    return None
+
+
+def default_target(start: float, table: list[dict]) -> float:
+    """Halfway from the start accuracy to the lowest arm's mean accuracy at the budget, if
+    every arm gained; else halfway to the best arm's (rounded down to 0.01): a level the
+    arms reach inside the budget, so their times to it can be compared."""
+    finals = [t["final acc (mean)"] for t in table]
+    low, high = min(finals), max(finals)
+    end = low if low > start else high
+    return math.floor(100 * (start + 0.5 * (end - start))) / 100 if end > start else round(start + 0.01, 2)
 
 
 def sd_or_zero(x: float) -> float:

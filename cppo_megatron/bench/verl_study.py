@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import statistics
@@ -52,7 +51,16 @@ from pathlib import Path
 from .heldout import Evaluator
 from .load import LoadSampler
 from .report import Report, median, publish
-from .study_table import grid, plot_curves, run_id, summarize, verdict_line, write_csv
+from .study_table import (
+    default_target,
+    grid,
+    plot_curves,
+    run_id,
+    summarize,
+    time_to_target,
+    verdict_line,
+    write_csv,
+)
 
 __all__ = ["arm_overrides", "default_target", "interleave", "is_verl_recipe", "phase_split", "run",
            "run_overrides", "time_to_target", "verdicts"]
@@ -111,25 +119,6 @@ def interleave(runs: list[dict]) -> list[dict]:
         k = i % len(arms)
         out += arms[k:] + arms[:k]
     return out
-
-
-def time_to_target(curve: list, target: float) -> float | None:
-    """The first evaluation time at which accuracy >= ``target`` (None if never). ``curve``:
-    [[seconds, accuracy, ...], ...] in time order. Resolution: the spacing of the points."""
-    for point in curve:
-        if point[1] >= target:
-            return float(point[0])
-    return None
-
-
-def default_target(start: float, table: list[dict]) -> float:
-    """Halfway from the start accuracy to the lowest arm's mean accuracy at the budget, if
-    every arm gained; else halfway to the best arm's (rounded down to 0.01): a level the
-    arms reach inside the budget, so their times to it can be compared."""
-    finals = [t["final acc (mean)"] for t in table]
-    low, high = min(finals), max(finals)
-    end = low if low > start else high
-    return math.floor(100 * (start + 0.5 * (end - start))) / 100 if end > start else round(start + 0.01, 2)
 
 
 # ------------------------------------------------------------------------------ one run
@@ -407,6 +396,10 @@ def run(args: argparse.Namespace) -> int:
     a = _verl_args(args)
     if a.seeds < 1 or a.budget <= 0 or a.evals < 1:
         raise ValueError(f"--seeds, --budget, --evals must be positive, got {a.seeds}, {a.budget}, {a.evals}")
+    if (getattr(a, "generation", None) or "all") != "all":
+        raise ValueError(f"--generation {a.generation}: the veRL study runs every arm generating all prompts drawn; "
+                         "selective rollout and the DAPO filter are compared in the embedded study "
+                         "(cppo-megatron study recipes/tiny_cpu.yaml --generation all,selective,dapo)")
     recipe = str(Path(a.recipe).resolve())
     overrides = list(a.overrides)
     config = compose(recipe, overrides)

@@ -46,6 +46,54 @@ def test_speedup_bench_interleaves_runs_and_reports_the_bound(tmp_path):
     assert "step_seconds" not in data  # the docs say it comes from train's summary.json instead
 
 
+def test_speedup_bench_with_selective_rollout_runs_each_rate_with_skipping(tmp_path):
+    out = tmp_path / "sps"
+    # 24 prompts, 8 drawn per step at P=0.5: the warm-up steps pass over the data twice, so prompts repeat
+    assert main(["bench", "speedup", recipe_path("tiny_cpu"), *FAST, "task.train_size=24", "--rates", "0.5",
+                 "--allocation", "on", "--selective", "--warmup-steps", "6", "--steps", "2", "--repeats", "1",
+                 "--out", str(out)]) == 0
+    data = json.loads((out / "speedup.json").read_text())
+    assert [(r["P"], r["selective"]) for r in data["rows"]] == [(0.0, False), (0.5, False), (0.0, True), (0.5, True)]
+    for r in data["rows"]:
+        assert r["steps measured"] == 2 and r["generated/step"] <= r["prompts/step"]
+        if not r["selective"]:
+            assert r["generated/step"] == r["prompts/step"]
+    assert (out / "runs" / "p0.5_alloc_selective" / "recipe.yaml").read_text().count("selective_rollout: true") == 1
+    assert any(n.startswith("P=0.5 with allocation + selective rollout:") and "the bound" in n for n in data["notes"])
+    assert missing_keys(data, "speedup.json") == []
+
+
+def _step_record(step_s: float, generated: int, kept: int, skipped: int | None = None) -> dict:
+    rec = {"time/step": step_s, "alloc/prompts_drawn": float(generated), "cppo/num_kept": float(kept)}
+    rec.update({f"time/{ph}": step_s / 10 for ph in ("rollout", "reward", "cppo", "old_logprob", "ref_logprob",
+                                                     "update", "sync")})
+    if skipped is not None:
+        rec["selective/prompts_drawn"] = float(generated + skipped)
+    return rec
+
+
+def test_speedup_analysis_counts_skipped_prompts_as_consumed():
+    records = {
+        (0.0, True): [_step_record(1.6, 16, 256), _step_record(1.6, 16, 256)],
+        (0.5, True): [_step_record(2.0, 32, 256), _step_record(2.4, 32, 256)],
+        (0.5, True, "selective"): [_step_record(2.0, 32, 256, skipped=8), _step_record(2.4, 32, 256, skipped=16)],
+    }
+    rows, split = speedup.analyse(records, [0.0, 0.5], [True])
+    by = {(r["P"], r["selective"]): r for r in rows}
+    assert set(by) == {(0.0, False), (0.5, False), (0.5, True)}  # GRPO ran without selective rollout here
+    assert by[(0.0, False)]["ms/prompt"] == pytest.approx(100.0)  # 1.6 s / 16 prompts
+    assert by[(0.5, False)]["ms/prompt"] == pytest.approx((62.5 + 75.0) / 2)  # 2.0/32, 2.4/32
+    sel = by[(0.5, True)]
+    # per prompt consumed, skipped ones included: 2.0 / 40 and 2.4 / 48 -> 50 ms both
+    assert sel["ms/prompt"] == pytest.approx(50.0) and sel["speedup"] == pytest.approx(2.0)
+    assert sel["prompts/step"] == pytest.approx(44.0) and sel["generated/step"] == pytest.approx(32.0)
+    # T_gen = rollout + reward = 0.2 x 100 ms, T_rest = 0.3 x 100 ms: S_max(0.5) = 50 / (20 + 15)
+    assert sel["bound"] == pytest.approx(50 / 35) and sel["of bound"] == pytest.approx(2.0 / (50 / 35))
+    note = speedup._selective_notes(rows)
+    assert note == ["P=0.5 with allocation + selective rollout: 12 of 44 prompts per step skipped (median), "
+                    "speedup 2.00x vs S_max 1.43x: beyond the bound"]
+
+
 def test_study_writes_csv_rows_for_every_run_and_a_control(tmp_path):
     out = tmp_path / "st"
     assert main(["study", recipe_path("tiny_cpu"), *FAST, "--rates", "0,0.5", "--metrics", "smallest,largest",
@@ -94,6 +142,43 @@ def test_study_runs_importance_and_keep_mass_and_reads_equal_prompts(tmp_path):
     assert any(n.startswith("P=0.5 importance vs CPPO P=0.5 smallest at equal time: no winner") for n in notes)
     assert any(n.startswith("keep_mass f=0.8") for n in notes)
     assert any("at equal prompts drawn" in n for n in notes)
+
+
+def test_study_crosses_generation_modes_and_reports_tokens_and_time_to_target(tmp_path):
+    out = tmp_path / "st3"
+    assert main(["study", "recipes/tiny_cpu.yaml", *FAST, "--rates", "0,0.5", "--metrics", "smallest",
+                 "--generation", "all,selective,dapo", "--seeds", "1", "--budget", "0.5", "--clock", "cpu",
+                 "--evals", "1", "--no-control", "--target", "0.0", "--out", str(out)]) == 0
+    with (out / "study.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["run"] for r in rows] == ["p0_grpo_alloc_s0", "p0_grpo_alloc_selective_s0", "p0_grpo_alloc_dapo_s0",
+                                        "p0.5_smallest_alloc_s0", "p0.5_smallest_alloc_selective_s0",
+                                        "p0.5_smallest_alloc_dapo_s0"]
+    for r in rows:
+        # the arm ran with its generation mode: only selective runs count skipped prompts
+        assert (r["prompts_skipped"] != "") == (r["generation"] == "selective")
+        assert float(r["gen_tokens_per_step"]) > 0
+        metrics = [json.loads(line) for line in (out / "runs" / r["run"] / "metrics.jsonl").open()]
+        logged = [m for m in metrics if "rollout/tokens" in m]
+        assert float(r["gen_tokens_per_step"]) == pytest.approx(
+            sum(m["rollout/tokens"] for m in logged) / int(r["steps"]))
+        assert any("selective/prompts_drawn" in m for m in metrics) == (r["generation"] == "selective")
+    summary = json.loads((out / "study.json").read_text())
+    configs = [t["config"] for t in summary["rows"]]
+    assert configs == ["P=0 grpo", "P=0 grpo + selective rollout", "P=0 grpo + DAPO filter", "P=0.5 smallest",
+                       "P=0.5 smallest + selective rollout", "P=0.5 smallest + DAPO filter"]
+    assert all(t["reached"] == "1/1" and t["time to target (s)"] == 0.0 for t in summary["rows"])  # target 0
+    notes = summary["notes"]
+    assert any(n.startswith("P=0.5 smallest + selective rollout vs P=0.5 smallest at equal time: no winner") and
+               "generation tokens per step" in n for n in notes)
+    assert any(n.startswith("P=0.5 smallest + DAPO filter vs P=0 grpo + DAPO filter at equal time") for n in notes)
+    assert any(n.startswith("time to 0.00 held-out accuracy") for n in notes)
+    assert missing_keys(summary, "study.json") == []
+
+
+def test_unknown_generation_mode_is_an_error():
+    with pytest.raises(ValueError, match=r"--generation: unknown \['greso'\]; choose from \['all', 'selective', 'dapo'\]"):
+        study_table.grid(_args(study, ["r.yaml", "--generation", "all,greso"]))
 
 
 def _summary_row(p, metric, mean, sd, seeds):
