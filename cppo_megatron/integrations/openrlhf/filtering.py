@@ -72,16 +72,17 @@ def _range(args: Any) -> tuple[float, float]:
 # ---------------------------------------------------------------------------- records
 @dataclasses.dataclass(frozen=True)
 class FilteredGroup:
-    """One prompt drawn by the filter loop: its G scores and rewards (floats, None where the
-    rollout gave none) and whether it passed."""
+    """One prompt drawn by the filter loop: its label, its G scores and rewards (floats, None
+    where the rollout gave none) and whether it passed."""
 
     prompt: str
+    label: Any
     scores: tuple[float | None, ...]
     rewards: tuple[float | None, ...]
     passed: bool
 
     def to_record(self) -> dict:
-        return {"prompt": self.prompt, "scores": list(self.scores), "rewards": list(self.rewards),
+        return {"prompt": self.prompt, "label": self.label, "scores": list(self.scores), "rewards": list(self.rewards),
                 "passed": self.passed}
 
 
@@ -152,7 +153,9 @@ def build_ledger(produced: Sequence[Any], accepted: Sequence[Any], *, drawn: int
         if len(prompts) != 1 or len(set(passed)) != 1:
             raise ValueError(f"build_ledger: completions {start}-{start + group_size - 1} are not one request's "
                              f"group (prompts {sorted(prompts)[:2]}, passed {passed})")
-        groups.append(FilteredGroup(prompt=members[0].prompts[0], scores=tuple(_value(e.scores) for e in members),
+        labels = getattr(members[0], "labels", None) or [None]
+        groups.append(FilteredGroup(prompt=members[0].prompts[0], label=labels[0],
+                                    scores=tuple(_value(e.scores) for e in members),
                                     rewards=tuple(_value(e.rewards) for e in members), passed=passed[0]))
     lo, hi = filter_range
     return FilterLedger(serial=serial or f"{os.getpid()}:{next(_SERIAL)}", drawn=drawn, group_size=group_size,
