@@ -347,7 +347,8 @@ def _wrap_generate(original):
             setattr(exp, FILTER_ATTR, ledger)
         from . import audit
 
-        audit.record("filter", "generator", **ledger.to_record())
+        if audit.enabled():
+            audit.record("filter", "generator", **ledger.to_record())
         logger.info("dynamic filtering: %d prompts drawn, %d groups filtered, %d passed", ledger.drawn,
                     ledger.num_filtered, ledger.num_passed)
         return accepted, consumed, exhausted

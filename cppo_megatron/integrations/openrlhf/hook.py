@@ -317,6 +317,8 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
         audit.record_prune(rollout_samples, rewards, group_ids, selection.kept, order_out.tolist(), step,
                            account=None if account is None else account.to_record(),
                            ledgers=[led.serial for led in filtering.ledgers_of(rollout_samples)])
+    for sample in rollout_samples:  # accounted: the ledger need not travel on to the model actors
+        sample.__dict__.pop(filtering.FILTER_ATTR, None)
     return survivors
 
 

@@ -343,7 +343,8 @@ def test_resume_after_a_dead_worker_continues_the_run(cppo_run, chain):
 # ------------------------------------------------------------------------------ DAPO's filter, then CPPO
 # A pass/fail reward (scores = rewards, OpenRLHF's default range 0 1): a problem whose answer has an
 # even digit sum is "never solved" (every completion 0: a zero-variance group the filter must drop);
-# the others score a completion 1 when it holds an odd number of digits (a random model's groups vary).
+# the others score a completion 1 when the sum of its character codes is odd (a random model's groups
+# vary; all G alike about 1 group in 128).
 REWARD_DAPO = '''
 import torch
 
@@ -355,7 +356,7 @@ def reward_func(queries, prompts, labels):
         if sum(int(c) for c in str(label) if c.isdigit()) % 2 == 0:
             out.append(0.0)
         else:
-            out.append(float(sum(c.isdigit() for c in text) % 2))
+            out.append(float(sum(map(ord, text)) % 2))
     r = torch.tensor(out, dtype=torch.float32)
     return {"rewards": r, "scores": r, "extra_logs": {}}
 '''
