@@ -35,6 +35,7 @@ import json
 import logging
 import math
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,9 +50,9 @@ from ...core import (
     prune,
     sequence_workload,
 )
-from ..importhook import after_import
+from ..importhook import after_import, remove
 from ..wrap import is_wrapped, unwrap, wrap
-from . import audit
+from . import audit, filtering
 from .checkpoint import resumed_step
 
 logger = logging.getLogger(__name__)
@@ -236,10 +237,16 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
         # as OpenRLHF's advantage step: at least fp32 for penalties and group statistics
         sample.rewards = sample.rewards.to(torch.promote_types(sample.rewards.dtype, torch.float32))
 
+    group_ids = group_ids_from_samples(rollout_samples, args.rollout.n_samples_per_prompt)
+    filter_on = filtering.enabled(args)
+    if filter_on:  # the host's filter ran on the rewards as returned: check them before the penalties
+        filtering.check_passed_groups(
+            torch.cat([s.rewards.reshape(1) for s in rollout_samples]),
+            [None if s.scores is None else float(s.scores.reshape(-1)[0]) for s in rollout_samples],
+            group_ids, [s.prompts[0] for s in rollout_samples], tuple(args.algo.dynamic_filtering_range))
     # penalties change rewards, so they come before the group statistics (as in OpenRLHF)
     em.apply_length_penalties(rollout_samples, args)
     rewards = torch.cat([s.rewards.reshape(1) for s in rollout_samples])
-    group_ids = group_ids_from_samples(rollout_samples, args.rollout.n_samples_per_prompt)
 
     # OpenRLHF's global step before this one (0-based): a resumed run continues the count
     step = int(maker._cppo_step) if hasattr(maker, "_cppo_step") else resumed_step(args)
@@ -276,6 +283,20 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
     )
     order_out, balance_metrics = _balanced_order(kept, rollout_samples, args, cfg)
     metrics.update(balance_metrics)
+    account = None
+    if filter_on:
+        ledgers = filtering.ledgers_of(rollout_samples)
+        if ledgers:
+            account = filtering.account_step(ledgers, num_samples=n_total, kept=n_keep,
+                                             target=int(args.rollout.batch_size))
+            metrics.update(account.metrics())
+            if account.short:
+                logger.warning("dynamic filtering: only %d of %d groups passed before the prompts ran out; CPPO "
+                               "prunes them at the same rate (a short step, as in plain OpenRLHF)",
+                               account.passed, account.target)
+        else:
+            logger.warning("dynamic filtering is on but the rollout carries no filter ledger (OpenRLHF's samples "
+                           "generator is not hooked): the dropped groups are not accounted for this step")
 
     survivors = []
     for idx in order_out.tolist():
@@ -293,7 +314,11 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
     )  # fmt: skip
     maker._cppo_last_metrics = metrics
     if audit.enabled():
-        audit.record_prune(rollout_samples, rewards, group_ids, selection.kept, order_out.tolist(), step)
+        audit.record_prune(rollout_samples, rewards, group_ids, selection.kept, order_out.tolist(), step,
+                           account=None if account is None else account.to_record(),
+                           ledgers=[led.serial for led in filtering.ledgers_of(rollout_samples)])
+    for sample in rollout_samples:  # accounted: the ledger need not travel on to the model actors
+        sample.__dict__.pop(filtering.FILTER_ATTR, None)
     return survivors
 
 
@@ -426,6 +451,8 @@ def install(cfg: CPPOConfig, maker_class: Any = None) -> None:
         return
     wrap(maker_class, "make_experience_batch", _pruning_make_batch, tag=WRAP_TAG)
     wrap(maker_class, "compute_advantages_and_returns", _advantages_from_recorded_stats, tag=WRAP_TAG)
+    # DAPO's filter runs in the samples generator, before the rollout reaches the hook (filtering.py)
+    after_import(filtering.GENERATOR_MODULE, filtering.install_generator)
     logger.info("CPPO installed in OpenRLHF's RemoteExperienceMaker: %s", cfg.describe())
 
 
@@ -435,6 +462,10 @@ def uninstall(maker_class: Any = None) -> None:
     maker_class = _experience_maker(maker_class)
     for name in WRAPPED:
         unwrap(maker_class, name, tag=WRAP_TAG)
+    remove(filtering.install_generator)
+    generator = sys.modules.get(filtering.GENERATOR_MODULE)
+    if generator is not None:
+        filtering.uninstall_generator(generator)
     _CONFIG = None
 
 
@@ -473,3 +504,5 @@ def setup_ray_worker() -> None:
     if config_from_env() is None:
         return
     after_import(TARGET_MODULE, _install_on_import)  # now, when the module is already imported
+    # the async trainer generates in another actor, which may never import the experience maker
+    after_import(filtering.GENERATOR_MODULE, filtering.install_generator)

@@ -50,6 +50,12 @@ SEAMS: dict[tuple[str, str], str] = {
     ("utils/deepspeed/deepspeed.py", "DeepspeedStrategy.load_ckpt"): "4e88305c12e0adde",
     ("utils/deepspeed/deepspeed.py", "DeepspeedStrategy.setup_dataloader"): "786cdca220c6c8b5",
     ("trainer/ppo_utils/samples_generator.py", "SamplesGenerator.generate_samples"): "3d524afe664ef9f1",
+    # DAPO's filter (filtering.py): the loop that drops and refills groups, the per-completion
+    # step it wraps to see the dropped ones, and the dataloader draw it counts (batch size 1)
+    ("trainer/ppo_utils/samples_generator.py", "SamplesGenerator._generate_vllm"): "906d7c8a7369b6be",
+    ("trainer/ppo_utils/samples_generator.py",
+     "SamplesGenerator._process_response_into_experience"): "ccbffe0f5e3c5d25",
+    ("trainer/ppo_utils/samples_generator.py", "_collect_prompt_batch"): "df02f677c3805745",
 }
 
 

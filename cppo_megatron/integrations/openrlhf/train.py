@@ -293,6 +293,11 @@ def run_argv(argv: list[str], cpu_num_gpus: int | None = None) -> int:
             args = parse_openrlhf_args(forwarded)
     for note in checkpoint_warnings(args):
         print(f"warning: {note}", file=sys.stderr)
+    if cfg is not None:  # DAPO's filter before CPPO: refused where it cannot be honoured, else explained
+        from .filtering import check_args as check_filtering
+
+        for note in check_filtering(args):
+            print(f"note: {note}")
     # what OpenRLHF / DeepSpeed / vLLM would refuse minutes later in a Ray actor: one line now
     from .preflight import check as preflight
 

@@ -35,7 +35,8 @@ pytestmark = pytest.mark.openrlhf
 
 G, PROMPTS, P = 8, 4, 0.75  # 4 prompts x G=8; CPPO keeps 2 of 8 and allocates 16 prompts
 STEPS = 2
-EPS = 1e-9  # the recipe's cppo.eps (OpenRLHF's group_norm epsilon)
+EPS = 1e-9
+EVAL_PROBLEMS = 8  # the recipe's cppo.eps (OpenRLHF's group_norm epsilon)
 
 REWARD = '''
 import torch
@@ -72,16 +73,18 @@ def workdir(tmp_path_factory):
 CHECKPOINTS = ("--ckpt.save_steps", "1", "--ckpt.load_enable")
 
 
-def run_openrlhf(workdir: Path, name: str, *extra: str, attempt: str = "", when=None, expect_ok: bool = True) -> dict:
+def run_openrlhf(workdir: Path, name: str, *extra: str, attempt: str = "", when=None, expect_ok: bool = True,
+                 max_steps: int | None = STEPS) -> dict:
     """One ``cppo-megatron openrlhf`` run of tiny_cpu_cppo.yaml at test size, audited. The runs of
     one resume chain share ``name`` (its run dir and checkpoints); ``attempt`` keeps their audit
-    records apart; ``when``: see tests/integrations/interrupt.run."""
+    records apart; ``when``: see tests/integrations/interrupt.run; ``max_steps`` None: the run
+    ends when its ``--data.max_samples`` prompts are drawn (pass it in ``extra``)."""
     from .. import interrupt
 
     base = yaml.safe_load((ROOT / "recipes" / "openrlhf" / "tiny_cpu_cppo.yaml").read_text())
     run_dir = workdir / name
     base["cpu"].update(model_dir=str(workdir / "model"), data_dir=str(workdir / "data"), run_dir=str(run_dir),
-                       eval_problems=8, eval_before_train=False, max_steps=STEPS)
+                       eval_problems=EVAL_PROBLEMS, eval_before_train=False, max_steps=max_steps)
     recipe = workdir / f"{name}.yaml"
     recipe.write_text(yaml.safe_dump(base, sort_keys=False))
     audit_dir = workdir / f"{name}_audit{attempt}"
@@ -335,3 +338,119 @@ def test_resume_after_a_dead_worker_continues_the_run(cppo_run, chain):
     # OpenRLHF logged the last attempt's step as step 2 and saved its checkpoint
     assert [m["step"] for m in done["metrics"]][-1] == STEPS
     assert (done["run_dir"] / "ckpt" / "checkpoints" / "_actor" / "latest").read_text().strip() == f"global_step{STEPS}"
+
+
+# ------------------------------------------------------------------------------ DAPO's filter, then CPPO
+# A pass/fail reward (scores = rewards, OpenRLHF's default range 0 1): a problem whose answer has an
+# even digit sum is "never solved" (every completion 0: a zero-variance group the filter must drop);
+# the others score a completion 1 when the sum of its character codes is odd (a random model's groups
+# vary; all G alike about 1 group in 128).
+REWARD_DAPO = '''
+import torch
+
+
+def reward_func(queries, prompts, labels):
+    out = []
+    for q, p, label in zip(queries, prompts, labels):
+        text = q[len(p):].split("<|im_end|>")[0]
+        if sum(int(c) for c in str(label) if c.isdigit()) % 2 == 0:
+            out.append(0.0)
+        else:
+            out.append(float(sum(map(ord, text)) % 2))
+    r = torch.tensor(out, dtype=torch.float32)
+    return {"rewards": r, "scores": r, "extra_logs": {}}
+'''
+
+
+def never_solved(label) -> bool:
+    """The reward's zero-variance class (REWARD_DAPO), from the label alone."""
+    return sum(int(c) for c in str(label) if c.isdigit()) % 2 == 0
+
+
+@pytest.fixture(scope="module")
+def dapo_run(workdir):
+    """tiny_cpu_cppo.yaml with --algo.dynamic_filtering_enable: P = 0.75 with allocation (16 prompts
+    per step), on the first M prompts of the data set, M chosen so that exactly 2 steps' worth (32)
+    can pass; about half never can. OpenRLHF draws, filters and refills until the prompts run out."""
+    import json
+
+    from cppo_megatron.integrations.openrlhf.cpu.prepare import write_jsonl
+
+    base = yaml.safe_load((ROOT / "recipes" / "openrlhf" / "tiny_cpu_cppo.yaml").read_text())
+    data = workdir / "data"
+    if not (data / "train.jsonl").is_file():  # what the launcher writes for the other runs
+        write_jsonl(base["cpu"]["warmup_recipe"], data, EVAL_PROBLEMS)
+    rows = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
+    allocated = PROMPTS * G // round(G * (1 - P))
+    passable = [i for i, r in enumerate(rows) if not never_solved(r["answer"])]
+    m = passable[STEPS * allocated - 1] + 1
+    (workdir / "reward_dapo.py").write_text(REWARD_DAPO)
+    run = run_openrlhf(workdir, "dapo", "--cppo.pruning_rate", str(P), "--algo.dynamic_filtering_enable",
+                       "--reward.remote_url", str(workdir / "reward_dapo.py"), "--data.max_samples", str(m),
+                       max_steps=None)
+    return {**run, "data": rows[:m], "allocated": allocated}
+
+
+def test_dapo_filter_then_cppo_accounts_for_every_prompt_and_completion(dapo_run):
+    """From the audit records: the filter dropped exactly the zero-variance groups (every
+    never-solved prompt among them), every prompt of the data set was drawn once and is either
+    filtered or passed, each step's passed groups are the rollout the hook pruned, drawn =
+    filtered + passed and generated = filtered x G + kept + pruned, the kept count is the
+    recipe's, every trained row comes from a group with nonzero reward variance, and the rows
+    trained are the core's survivors with their full-group advantages (check_step)."""
+    records = dapo_run["audit"]
+    filters, prunes, trains = by_kind(records, "filter"), by_kind(records, "prune"), by_kind(records, "train")
+    groups = [g for f in filters for g in f["groups"]]
+    # every prompt of the data set drawn exactly once (labels as a multiset: the identities the reward saw)
+    assert sum(f["drawn"] for f in filters) == len(groups) == len(dapo_run["data"])
+    assert Counter(g["label"] for g in groups) == Counter(r["answer"] for r in dapo_run["data"])
+    for g in groups:
+        assert len(g["rewards"]) == G and g["scores"] == g["rewards"]
+        zero_variance = len(set(g["rewards"])) == 1
+        assert g["passed"] is not zero_variance, g  # filtered iff zero variance
+        if never_solved(g["label"]):
+            assert not g["passed"], g
+    by_serial = {f["serial"]: f for f in filters}
+    assert len(prunes) >= 1 and [p["step"] for p in prunes] == list(range(len(prunes)))
+    linked = set()
+    metrics = {m["step"]: m for m in dapo_run["metrics"]}
+    for pr in prunes:
+        (serial,) = pr["ledgers"]
+        linked.add(serial)
+        passed = [g for g in by_serial[serial]["groups"] if g["passed"]]
+        # the passed groups, in order, are exactly the rollout the hook pruned
+        assert pr["prompts"] == [g["prompt"] for g in passed for _ in range(G)]
+        assert pr["rewards"] == pytest.approx([r for g in passed for r in g["rewards"]])
+        acc = pr["account"]
+        assert acc["drawn"] == by_serial[serial]["drawn"] == acc["filtered"] + acc["passed"]
+        assert acc["passed"] == len(passed) and acc["filtered"] == by_serial[serial]["drawn"] - len(passed)
+        assert acc["generated"] == acc["filtered"] * G + acc["kept"] + acc["pruned"] == acc["drawn"] * G
+        assert acc["kept"] == len(pr["survivors"]) and acc["pruned"] == len(pr["rows"]) - len(pr["survivors"])
+        step_trains = [t for t in trains if t["step"] == pr["step"] + 1]
+        trained = [row for t in step_trains for row in t["rows"]]
+        # every trained row comes from a group with nonzero reward variance
+        for row in trained:
+            members = [r for r, gid in zip(pr["rewards"], pr["group_ids"]) if gid == pr["group_ids"][row]]
+            assert len(set(members)) > 1, (pr["step"], row)
+        if not acc["short"]:  # the recipe's counts: the allocated groups, k of G each
+            assert acc["passed"] == dapo_run["allocated"] and acc["kept"] == PROMPTS * G
+            check_step(pr, step_trains, pruning_rate=P)
+        else:  # the prompts ran out: k of G per passed group, topped up to OpenRLHF's multiple (32 here)
+            keep = round(G * (1 - P))
+            assert pr["group_ids"] == independent_groups(pr["prompts"])
+            assert sorted(pr["selected"]) == core_survivors(pr["group_ids"], pr["rewards"], pr["step"], P)
+            assert len(pr["selected"]) == keep * acc["passed"]
+            assert acc["kept"] == min(len(pr["rows"]), -(-keep * acc["passed"] // (PROMPTS * G)) * PROMPTS * G)
+            assert set(pr["selected"]) <= set(pr["survivors"]) and sorted(trained) == sorted(pr["survivors"])
+        m = metrics[pr["step"] + 1]
+        assert m["cppo/filter_prompts_drawn"] == acc["drawn"] and m["cppo/filter_groups_filtered"] == acc["filtered"]
+        # OpenRLHF's own pass rate is samples / prompts x 100: G times ours (groups / prompts)
+        assert m["dynamic_filtering_pass_rate"] == pytest.approx(m["cppo/filter_pass_rate"] * G * 100)
+    # the data set holds exactly 2 steps' worth of passable prompts; a passable group whose G draws all
+    # scored alike is filtered too (p ~ 1/128 each), leaving step 2 short
+    assert [pr["account"]["short"] for pr in prunes][:-1] == [False] * (len(prunes) - 1)
+    assert sum(pr["account"]["passed"] for pr in prunes) == sum(g["passed"] for g in groups)
+    # a generation call no step trained passed nothing (the last one, drawing only what cannot pass)
+    assert all(not any(g["passed"] for g in f["groups"]) for f in filters if f["serial"] not in linked)
+    print(f"dapo: {len(groups)} prompts drawn, {sum(not g['passed'] for g in groups)} filtered, "
+          f"{len(prunes)} steps")  # -rP
