@@ -151,7 +151,7 @@ def _record_draws(original):
 
 def _group_rewards(buffer, partition_id: str, uids) -> dict[str, list[float]]:
     """Each group's per-completion rewards (rm_scores summed), read from TransferQueue before the
-    buffer clears them; a group with no trajectory (a failed one) gets []."""
+    buffer clears them; a group with no trajectory (a failed one), or none readable, gets []."""
     import transfer_queue as tq
 
     rows: dict[str, list[str]] = {uid: [] for uid in sorted(uids)}
@@ -162,8 +162,11 @@ def _group_rewards(buffer, partition_id: str, uids) -> dict[str, list[float]]:
     keys = [k for uid in rows for k in rows[uid]]
     if not keys:
         return {uid: [] for uid in rows}
-    data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["rm_scores"])
-    values = iter(_row_rewards(data["rm_scores"]))
+    try:
+        data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["rm_scores"])
+        values = iter(_row_rewards(data["rm_scores"]))
+    except Exception:  # noqa: BLE001 - the audit must not stop a run; the account then shows the gap
+        return {uid: [] for uid in rows}
     return {uid: [next(values) for _ in rows[uid]] for uid in rows}
 
 

@@ -255,3 +255,20 @@ def test_the_accounting_names_what_does_not_add_up():
 def test_account_step_names_bad_input(step, group_size, match):
     with pytest.raises(ValueError, match=match):
         account_step(records_of_a_step(), step, group_size)
+
+
+def test_rewards_that_cannot_be_read_are_recorded_empty_not_raised(monkeypatch):
+    """The audit must not stop a run: a TransferQueue read that fails leaves the group's rewards
+    empty, which ``account_step`` then reports as completions not accounted for."""
+    from types import SimpleNamespace
+
+    import transfer_queue
+
+    from cppo_megatron.integrations.verl.dapo import _group_rewards
+
+    def fail(**kwargs):
+        raise RuntimeError("storage unit gone")
+
+    monkeypatch.setattr(transfer_queue, "kv_batch_get", fail)
+    buffer = SimpleNamespace(partitions={"train": {"u1_0_0": {}, "u1_1_0": {}, "u2_0_0": {}}})
+    assert _group_rewards(buffer, "train", {"u1", "u3"}) == {"u1": [], "u3": []}
