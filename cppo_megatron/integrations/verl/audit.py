@@ -22,6 +22,9 @@ plugin append JSON lines to ``DIR/<role>-<pid>.jsonl``:
   which identifies a prompt across runs where the ``uid`` (a fresh uuid4 per draw) does not;
 - ``worker`` (``ActorRolloutRefWorker.__init__``, every worker process): its pid, rank and Ray
   actor name (the dead-worker tests kill a rank by it);
+- ``draw``, ``evict``, ``clear`` (V1, ``dapo.py``): every prompt submitted for generation (the
+  step's batch and each refill of DAPO's filter), the groups the filter drops with their rewards,
+  and every group the replay buffer clears unsampled (evicted or surplus);
 - ``checkpoint`` (``ActorRolloutRefWorker.save_checkpoint`` / ``load_checkpoint``, every rank): the
   folder and a fingerprint of the rank's optimizer state after saving / loading (sum of
   |moments|, Adam steps, learning rates).
@@ -46,6 +49,7 @@ from ..importhook import after_import
 from ..records import append as _append
 from ..records import complete_lines, optimizer_fingerprint
 from ..wrap import wrap
+from .dapo import RECORDERS, REPLAY_BUFFER
 
 __all__ = ["ENV", "enabled", "install", "read", "record"]
 
@@ -226,7 +230,9 @@ def _worker_checkpoint(op: str):
 
 
 _WRAPPERS = {
-    V1: {"_compute_old_log_prob": _v1_old_log_prob, "_update_actor": _v1_update},
+    # V1: the passes, and (dapo.py) every prompt drawn and every group the replay buffer drops
+    V1: {"_compute_old_log_prob": _v1_old_log_prob, "_update_actor": _v1_update, **RECORDERS[V1]},
+    REPLAY_BUFFER: RECORDERS[REPLAY_BUFFER],
     LEGACY: {"_compute_old_log_prob": _legacy_old_log_prob, "_update_actor": _legacy_update},
     WORKER: {"__init__": _worker_init, "save_checkpoint": _worker_checkpoint("save"),
              "load_checkpoint": _worker_checkpoint("load")},

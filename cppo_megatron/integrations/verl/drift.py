@@ -4,7 +4,8 @@ Four sets, because they matter to different runs:
 
 - ``PINNED``, the GPU path: the plugin wraps ``_balance_batch`` and depends on what runs around
   it (the V1 step order, the loss-free padding, the mini-batch multiple, how the advantage step
-  calls registered estimators). Every CPPO run inside veRL goes through these.
+  calls registered estimators), and DAPO's filter in the V1 sync replay buffer that runs before it
+  (``dapo.py``). Every CPPO run inside veRL goes through these.
 - ``CPU_PINNED``, the CPU mode (``VERL_PLATFORM=cpu`` only): the platform selection, the
   process-group, engine-registry and FSDP offload seams it patches, the rollout registries and the
   calls its ``hf`` rollout answers, and the opt-in tools built on it (the audit recorders, the
@@ -65,6 +66,18 @@ PINNED = {
     "verl.trainer.ppo.v1.trainer_base:PPOTrainer.__init__": "42c4b73f76c18126",
     "verl.trainer.ppo.v1.trainer_base:PPOTrainer._build_replay_buffer": "e0a1b665f5d73bc1",
     "verl.trainer.ppo.v1.trainer_base:PPOTrainer.step": "c583b34f7e91cacd",
+    # DAPO + CPPO (dapo.py): the sync replay buffer's filter, refill, drain and surplus discard that run
+    # before the seam, the prompt submission the audit counts draws at, and what the guards rely on
+    # (the metric's resolution, gen_batch_size forced to 1 under the filter)
+    "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.sample": "993d0cbef040a10b",
+    "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer._dapo_filtered_keys": "67215ca919520763",
+    "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer._terminal_eviction_reasons": "650a8f1af79507ff",
+    "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer._evict_terminal_groups": "28baf5f436232000",
+    "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer._clear_groups": "809ffb8a43c28b69",
+    "verl.trainer.ppo.v1.trainer_base:PPOTrainer._resolve_filter_groups_metric": "9bff3ec6647ca6ae",
+    "verl.trainer.ppo.v1.trainer_base:PPOTrainer._submit_batch_to_rollout": "eb931056887595df",
+    "verl.trainer.ppo.v1.trainer_base:PPOTrainer._add_prompts_to_generate": "c73e27fb5a0a9067",
+    "verl.trainer.ppo.v1.trainer_base:PPOTrainer._init_dataloader": "f11797ad84a4ba8a",
 }
 
 # the CPU mode (integrations/verl/cpu/, VERL_PLATFORM=cpu): platform choice, the three seams, the

@@ -15,7 +15,9 @@ installed here runs only when ``algorithm.adv_estimator == "cppo"``:
 6. the core balancer is run on the same workloads (veRL's model, 24576 s + s^2); when it
    lowers the largest rank's workload (``cppo.rebalance``), its order replaces veRL's.
 
-Metrics go into veRL's metrics dict under ``cppo/``.
+Metrics go into veRL's metrics dict under ``cppo/``. With DAPO's filter on (``algorithm.filter_groups``,
+V1 sync only: ``dapo.py``), veRL's replay buffer has already dropped the zero-variance groups and
+refilled the batch when it reaches this seam; the hook prunes what passed.
 """
 
 from __future__ import annotations

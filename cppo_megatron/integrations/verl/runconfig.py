@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from ...config import ESTIMATOR_NAME, FIELD_NAMES, SELECTIVE_PARAMETERS, CPPOConfig
+from .dapo import check_filter_groups, filter_groups_warnings
 
 __all__ = [
     "ESTIMATOR",
@@ -147,18 +148,17 @@ def check_compatible(config: Any) -> None:
                 f"(veRL's rule: each local update trains one mini-batch), counted before CPPO's allocation; "
                 f"set data.train_batch_size={max(psync, 1) * mini}"
             )
-    if bool(algorithm.get("filter_groups", {}).get("enable", False)):
-        raise ValueError(
-            "algorithm.filter_groups.enable=True (DAPO dynamic sampling) together with cppo is not "
-            "supported by this plugin: set cppo.dynamic_sampling in the embedded trainer instead."
-        )
+    # DAPO (algorithm.filter_groups): veRL's V1 sync replay buffer filters and refills before the seam;
+    # what it cannot honour with CPPO is refused there (dapo.py)
+    check_filter_groups(config)
     # CPPO settings veRL cannot honour are refused rather than ignored
     if cfg.dynamic_sampling:
         raise ValueError(
             "cppo.dynamic_sampling=true is not supported under veRL: the plugin prunes at _balance_batch, "
             "after veRL generated the step's batch, and cannot draw replacement prompts; set "
-            "cppo.dynamic_sampling=false (groups with equal rewards have zero advantage and are pruned "
-            "first with cppo.metric=smallest), or use the embedded trainer (cppo-megatron train)"
+            "cppo.dynamic_sampling=false and use veRL's own DAPO filter, algorithm.filter_groups.enable=true "
+            "on the V1 loop (trainer.use_v1=true), which drops zero-variance groups and refills before CPPO "
+            "prunes, or use the embedded trainer (cppo-megatron train)"
         )
     if cfg.selective_rollout:
         raise ValueError(
@@ -186,7 +186,7 @@ def host_warnings(config: Any) -> list[str]:
             "cppo.dynamic_sampling, which veRL runs do not support; remove it"
         )
     out += _inert_selective_keys(cfg, default_of=lambda name: default[name], host="veRL")
-    return out
+    return out + filter_groups_warnings(config)
 
 
 def _inert_selective_keys(cfg: CPPOConfig, *, default_of: Any, host: str) -> list[str]:

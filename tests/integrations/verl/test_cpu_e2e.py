@@ -17,7 +17,8 @@ as a user's command does. Besides the rows and advantages, every vLLM run is che
 Runs and their cost on 2 idle cores: V1 CPPO ~3.5 min, legacy CPPO ~3.5 min, separate_async CPPO
 ~3.5 min (vLLM's server start and first generation are most of each); the resume chain (a dead
 worker, then the same command to the end; ``RESUME_TESTS=all`` adds a SIGKILL of the driver between
-them) generates with the ``hf`` stand-in (HF generate in a Ray actor, ~1.5 min a run) for CI time. With
+them) and the V1 DAPO + CPPO run (veRL's group filter, then pruning: every prompt drawn accounted
+for) generate with the ``hf`` stand-in (HF generate in a Ray actor, ~1.5 min a run) for CI time. With
 ``E2E_TESTS=all`` also: V1 GRPO and colocate_async CPPO on vLLM. The start model is the main job's
 architecture, random-init and exported as an HF directory (no warm-up: the checks are about which
 rows reach which pass, not about learning).
@@ -376,3 +377,57 @@ def test_colocate_async_cppo_on_vllm(tiny_model, tmp_path_factory):
     check_run(run, pruning_rate=P, loop="v1", syncs=check_vllm_syncs)
     assert 1 in check_rollout_logprobs(run)
     assert run["metrics"][1]["training/off_policy/trajectory_staleness/max"] == 0
+
+
+# --------------------------------------------------------------------------------- DAPO, then CPPO (V1)
+# recipes/verl/tiny_cpu_dapo_cppo.yaml at test size on the hf stand-in (what is checked, prompts drawn,
+# filtered, discarded and pruned, does not depend on the engine); its reward (dapo_reward.py) makes
+# even dataset rows zero-variance groups and odd rows varied ones, so the verdict of veRL's filter is known
+DAPO_REWARD = ROOT / "tests" / "integrations" / "verl" / "dapo_reward.py"
+V1_DAPO = ("tiny_cpu_dapo_cppo.yaml", f"cppo.pruning_rate={P}", *HF,
+           f"reward.custom_reward_function.path={DAPO_REWARD}")
+
+
+@pytest.fixture(scope="module")
+def v1_dapo(tiny_model, tmp_path_factory):
+    recipe, *overrides = V1_DAPO
+    return run_verl(recipe, tmp_path_factory.mktemp("v1_dapo"), tiny_model, *overrides)
+
+
+def test_v1_dapo_filters_first_then_cppo_prunes_and_every_prompt_drawn_is_accounted_for(v1_dapo):
+    from cppo_megatron.integrations.verl.dapo import account_step
+
+    run, records = v1_dapo, v1_dapo["audit"]
+    check_run(run, pruning_rate=P, loop="v1")  # the core's survivors, full-group advantages, exact syncs
+    keep = int(G * (1 - P))
+    allocated = PROMPTS * G // keep
+    row_of = {u: i for r in records if r["kind"] == "draw" for u, i in zip(r["uids"], r["prompts"], strict=True)}
+    prunes, updates = by_step(records, "prune"), by_step(records, "update")
+    for step in range(1, STEPS + 1):
+        acc = account_step(records, step, G)
+        print(f"step {step}: drawn {len(acc.drawn)} prompts ({acc.completions_generated} completions): filtered "
+              f"{len(acc.filtered)}, surplus {len(acc.surplus)}, passed {len(acc.passed)}; kept {acc.kept}, "
+              f"pruned {acc.pruned}; gen {run['metrics'][step]['timing_s/gen']:.1f} s")
+        # drawn = filtered + surplus + passed, nothing carried, each group's G completions end somewhere
+        assert acc.problems() == [], acc.problems()
+        assert len(acc.drawn) > allocated and acc.filtered, (step, len(acc.drawn), acc.filtered)  # it refilled
+        assert len(acc.passed) == allocated and acc.kept == PROMPTS * G  # the recipe's counts
+        # identities: the filter dropped exactly the even (constant-reward) rows, passed only odd ones
+        assert all(row_of[u] % 2 == 0 for u in acc.filtered), step
+        assert all(row_of[u] % 2 == 1 for u in acc.passed), step
+        assert all(row_of[u] % 2 == 1 for u in acc.surplus), step  # surplus: varied groups over the batch
+        # every survivor the update trained comes from a group whose recorded rewards vary
+        (pr,), (up,) = prunes[step], updates[step]
+        rewards = defaultdict(list)
+        for uid, reward in zip(pr["uids"], pr["rewards"], strict=True):
+            rewards[uid].append(reward)
+        assert up["uids"] and all(np.std(rewards[u]) > 0 for u in up["uids"]), step
+        assert all(np.std(v) == 0 for v in acc_filtered_rewards(records, step).values())
+        m = run["metrics"][step]  # veRL's own counts agree
+        assert m.get("training/filter_groups/evicted_samples", 0) == len(acc.filtered), step
+        assert m.get("training/filter_groups/discarded_surplus_samples", 0) == len(acc.surplus), step
+
+
+def acc_filtered_rewards(records, step):
+    """{uid: rewards} of the groups veRL's filter dropped at ``step`` (the ``evict`` records)."""
+    return {u: v for r in records if r["kind"] == "evict" and r["step"] == step for u, v in r["filtered"].items()}

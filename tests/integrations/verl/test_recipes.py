@@ -21,6 +21,7 @@ MEGATRON = [n for n in NAMES if "megatron" in n]
 PAIRS = sorted({re.sub(r"-(grpo|cppo)$", "", n) for n in NAMES})
 CPU = ["tiny_cpu_grpo", "tiny_cpu_cppo"]  # veRL's CPU mode (test_cpu_e2e.py runs them)
 CPU_ASYNC = ["tiny_cpu_cppo_separate_async"]  # V1 separate_async (test_cpu_e2e.py runs it)
+CPU_DAPO = ["tiny_cpu_dapo_cppo"]  # DAPO's filter, then CPPO, V1 (test_cpu_e2e.py runs it)
 # veRL's CPU mode with the Megatron engine (test_cpu_megatron_e2e.py runs them)
 CPU_MEGATRON = ["tiny_cpu_megatron_grpo", "tiny_cpu_megatron_cppo"]
 
@@ -92,7 +93,7 @@ def test_cpu_recipes_compose_and_allocate(bases, plugin, monkeypatch):
 
     from cppo_megatron.integrations.verl.main import SEARCHPATH
 
-    assert sorted(p.stem for p in RECIPES.glob("tiny_cpu*.yaml")) == sorted(CPU + CPU_ASYNC + CPU_MEGATRON)
+    assert sorted(p.stem for p in RECIPES.glob("tiny_cpu*.yaml")) == sorted(CPU + CPU_ASYNC + CPU_DAPO + CPU_MEGATRON)
     raw = OmegaConf.load(RECIPES / "tiny_cpu_grpo.yaml")
     assert overlay_mismatches(raw, bases[raw.defaults[0]]) == []
     grpo, cppo = (compose(RECIPES, n, [SEARCHPATH]) for n in CPU)
@@ -125,6 +126,24 @@ def test_cpu_separate_async_recipe_composes_validates_and_allocates_per_local_up
     assert separate_async_rule(config) == ""
     assert prepare_disaggregated_sync(config) and config.actor_rollout_ref.rollout.checkpoint_engine.backend == "cpu"
     assert prepare_disaggregated_sync(config) == []  # said once
+    validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+
+
+def test_cpu_dapo_recipe_filters_on_the_v1_sync_loop_and_allocates(bases, plugin):
+    """tiny_cpu_cppo plus veRL's group filter: V1 sync (the only loop that filters), metric reward (the
+    only one CPPO accepts), the guards pass and allocation grows the batch the filter refills to."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from cppo_megatron.integrations.verl.main import SEARCHPATH
+
+    (config,) = (compose(RECIPES, n, [SEARCHPATH]) for n in CPU_DAPO)
+    groups = config.algorithm.filter_groups
+    assert groups.enable and groups.metric == "reward" and groups.max_inflight_gen_batches == 1
+    assert config.trainer.use_v1 and config.trainer.v1.trainer_mode == "sync"
+    assert config.algorithm.adv_estimator == "cppo" and config.cppo.pruning_rate == 0.875
+    plan = prepare(config)
+    assert (plan.train_batch_size_before, plan.train_batch_size, plan.kept_per_step) == (16, 128, 256)
     validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
 
 

@@ -138,7 +138,6 @@ def test_allocation_errors_name_the_value(config):
     "key,value,match",
     [
         ("algorithm.use_kl_in_reward", True, "use_kl_in_reward"),
-        ("algorithm.filter_groups.enable", True, "filter_groups"),
         ("algorithm.norm_adv_by_std_in_grpo", False, "cppo.adv_norm=none"),
         ("cppo.metric", "importance", "metric=importance is not supported under veRL"),
         ("trainer.v1.separate_async.parameter_sync_step", 2,

@@ -1,0 +1,320 @@
+"""DAPO's dynamic sampling (``algorithm.filter_groups``) together with CPPO, in veRL 0.9.1.
+
+Where veRL filters. Only the V1 trainer's sync ``ReplayBuffer`` does (``replay_buffer.py``):
+``_dapo_filtered_keys`` (261-314) marks every finished group whose filter metric is equal over all
+its completions; ``sample`` (421-511) evicts them (``_evict_terminal_groups`` -> ``_clear_groups``),
+earns 2 refill credits per evicted group and spends them through the trainer's
+``_add_prompts_to_generate`` (fresh prompts from the dataloader, at most ``max_inflight_gen_batches``
+x ``data.train_batch_size`` in flight); once ``data.train_batch_size`` groups are sampleable it
+drains what is still generating, selects ``data.train_batch_size`` groups and clears the rest
+(``discarded_surplus_samples``). Nothing stays in the buffer for the next step. The legacy
+``RayPPOTrainer.fit`` never reads ``algorithm.filter_groups``; the async buffer
+(``ReplayBufferAsync``) refills one prompt per eviction and carries groups across steps.
+
+Semantics with CPPO: the filter runs inside ``replay_buffer.sample``, before ``_balance_batch``
+(the pruning seam, hook.py), so veRL's filter comes first and CPPO prunes the groups that passed
+it to the recipe's kept count. The buffer's batch is ``data.train_batch_size``, read after
+CPPO's allocation grew it, so allocation and the refill agree: the refill draws until the
+allocated number of prompts with reward variance is there.
+
+This module holds the guards (``check_filter_groups``, ``filter_groups_warnings``; the launcher
+calls them through ``runconfig.check_compatible``), the audit recorders of every prompt drawn,
+filtered and discarded (``RECORDERS``, installed by ``audit.install`` in audit mode, on any
+platform), and ``account_step``, which balances one step's records.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "FILTER_METRIC",
+    "RECORDERS",
+    "StepAccount",
+    "account_step",
+    "check_filter_groups",
+    "filter_groups_enabled",
+    "filter_groups_warnings",
+]
+
+# the only filter metric CPPO can follow: veRL's "reward" reads rm_scores summed per completion
+# (replay_buffer.py:278,292), the same sum CPPO's advantages and survivors come from (hook.py)
+FILTER_METRIC = "reward"
+REPLAY_BUFFER = ("verl.trainer.ppo.v1.replay_buffer", "ReplayBuffer")
+
+
+def _get(node: Any, dotted: str, default: Any = None) -> Any:
+    for part in dotted.split("."):
+        if node is None or not hasattr(node, "get"):
+            return default
+        node = node.get(part, None)
+    return default if node is None else node
+
+
+def filter_groups_enabled(config: Any) -> bool:
+    """``algorithm.filter_groups.enable`` of a veRL config (False when the group is absent)."""
+    if not hasattr(config, "get"):
+        raise TypeError(f"filter_groups_enabled: expected a veRL config mapping, got {type(config).__name__}")
+    return bool(_get(config, "algorithm.filter_groups.enable", False))
+
+
+def check_filter_groups(config: Any) -> None:
+    """Raise ValueError, naming key, value and fix, for a DAPO + CPPO setting veRL 0.9.1 would not
+    honour; nothing when ``algorithm.filter_groups.enable`` is off."""
+    if not filter_groups_enabled(config):
+        return
+    if not bool(_get(config, "trainer.use_v1", True)):
+        raise ValueError(
+            "algorithm.filter_groups.enable=True with trainer.use_v1=False: veRL 0.9.1's legacy loop "
+            "(RayPPOTrainer.fit) never reads algorithm.filter_groups, so every group would train unfiltered; "
+            "set trainer.use_v1=true (its sync replay buffer filters and refills) or "
+            "algorithm.filter_groups.enable=false"
+        )
+    mode = str(_get(config, "trainer.v1.trainer_mode", "sync"))
+    if mode != "sync":
+        raise ValueError(
+            f"algorithm.filter_groups.enable=True with trainer.v1.trainer_mode={mode}: the asynchronous replay "
+            "buffer refills one prompt per filtered group and carries groups across steps (and separate_async "
+            "samples per local update), for which the plugin's accounting of prompts drawn, filtered and "
+            "discarded is not built; set trainer.v1.trainer_mode=sync"
+        )
+    metric = _get(config, "algorithm.filter_groups.metric", None)
+    if str(metric) != FILTER_METRIC:
+        raise ValueError(
+            f"algorithm.filter_groups.metric={metric} with cppo: only metric={FILTER_METRIC} is allowed, veRL's "
+            "canonical reward (rm_scores summed per completion), the quantity CPPO's advantages and survivors "
+            "come from; another metric (a reward_extra_info field such as acc) could pass groups whose rewards "
+            f"are all equal or drop groups that carry a signal. Set algorithm.filter_groups.metric={FILTER_METRIC}"
+        )
+    sampler = _get(config, "trainer.v1.sampler.custom_sampler", None)
+    if sampler is not None and _get(sampler, "path") and _get(sampler, "name"):
+        raise ValueError(
+            f"algorithm.filter_groups.enable=True with trainer.v1.sampler.custom_sampler.name={_get(sampler, 'name')}: "
+            "veRL hands algorithm.filter_groups to its built-in replay buffer only (trainer_base.py:164), so what "
+            "a custom sampler filters is neither known nor audited; remove trainer.v1.sampler.custom_sampler"
+        )
+    rm = _get(config, "reward.reward_model", None)
+    if bool(_get(rm, "enable", False)) and not bool(_get(rm, "enable_resource_pool", False)):
+        raise ValueError(
+            "algorithm.filter_groups.enable=True with reward.reward_model.enable=True and "
+            "reward.reward_model.enable_resource_pool=False: a colocated reward model scores after the replay "
+            "buffer sampled, so the filter has no reward to read (veRL asserts it in the TaskRunner, "
+            "trainer_base.py:197); set reward.reward_model.enable_resource_pool=true or use a rule-based reward"
+        )
+
+
+def filter_groups_warnings(config: Any) -> list[str]:
+    """DAPO settings that are valid but do nothing in veRL 0.9.1's V1 replay buffer (one line each)."""
+    if not filter_groups_enabled(config):
+        return []
+    limit = int(_get(config, "algorithm.filter_groups.max_num_gen_batches", 0) or 0)
+    if limit > 0:
+        return [
+            f"algorithm.filter_groups.max_num_gen_batches={limit} is ignored by veRL 0.9.1's V1 replay buffer "
+            "(trainer_base.py:202): it refills until the allocated batch has reward variance, with no cap on "
+            "generation rounds; algorithm.filter_groups.max_inflight_gen_batches bounds what is in flight"
+        ]
+    return []
+
+
+# ------------------------------------------------------------------------------ audit recorders
+def _row_rewards(values: Any) -> list[float]:
+    import torch
+
+    if getattr(values, "is_nested", False):
+        return [float(v.sum()) for v in values.unbind()]
+    return [float(torch.as_tensor(v).sum()) for v in values]
+
+
+def _jsonable(x: Any) -> Any:
+    return x if isinstance(x, (int, float, str)) or x is None else str(x) if not hasattr(x, "item") else x.item()
+
+
+def _record_draws(original):
+    # every prompt V1 submits for generation passes here: the step's batch (prepare_step) and each
+    # refill the replay buffer asks for (_add_prompts_to_generate), trainer_base.py:1496
+    @functools.wraps(original)
+    def _submit_batch_to_rollout(self, batch, *args, **kwargs):
+        from .audit import record
+
+        index = list(batch["index"]) if "index" in batch.keys() else None
+        record("draw", step=int(self.global_steps), uids=[str(u) for u in batch["uid"]],
+               prompts=[_jsonable(i) for i in index] if index is not None else None,
+               n=int(self.config.actor_rollout_ref.rollout.n))
+        return original(self, batch, *args, **kwargs)
+
+    return _submit_batch_to_rollout
+
+
+def _group_rewards(buffer, partition_id: str, uids) -> dict[str, list[float]]:
+    """Each group's per-completion rewards (rm_scores summed), read from TransferQueue before the
+    buffer clears them; a group with no trajectory (a failed one), or none readable, gets []."""
+    import transfer_queue as tq
+
+    rows: dict[str, list[str]] = {uid: [] for uid in sorted(uids)}
+    for key in buffer.partitions[partition_id]:
+        uid = key.split("_")[0]
+        if uid in rows:
+            rows[uid].append(key)
+    keys = [k for uid in rows for k in rows[uid]]
+    if not keys:
+        return {uid: [] for uid in rows}
+    try:
+        data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["rm_scores"])
+        values = iter(_row_rewards(data["rm_scores"]))
+    except Exception:  # noqa: BLE001 - the audit must not stop a run; the account then shows the gap
+        return {uid: [] for uid in rows}
+    return {uid: [next(values) for _ in rows[uid]] for uid in rows}
+
+
+def _record_evictions(original):
+    # the filter's verdict for one poll of the buffer (replay_buffer.py:344): the groups it drops,
+    # each with its rewards (the accounting checks that they are all equal)
+    @functools.wraps(original)
+    def _evict_terminal_groups(self, global_steps, partition_id, eviction_reasons, *args, **kwargs):
+        from .audit import record
+
+        stale, dapo, failed = (set(x) for x in eviction_reasons[:3])
+        if partition_id == "train" and (stale or dapo or failed):
+            record("evict", step=int(global_steps), filtered=_group_rewards(self, partition_id, dapo),
+                   failed=sorted(failed), stale=sorted(stale))
+        return original(self, global_steps, partition_id, eviction_reasons, *args, **kwargs)
+
+    return _evict_terminal_groups
+
+
+def _record_clears(original):
+    # every group the sync buffer removes unsampled, with its rewards: the evicted ones and the surplus
+    # it discards once the batch is full (replay_buffer.py:241, called at :380 and :498)
+    @functools.wraps(original)
+    def _clear_groups(self, partition_id, uids, *args, **kwargs):
+        from .audit import record
+
+        if partition_id == "train" and uids:
+            steps = self.prompt_global_steps[partition_id]
+            record("clear", rewards=_group_rewards(self, partition_id, set(uids)),
+                   submitted={uid: _jsonable(steps.get(uid)) for uid in sorted(uids)})
+        return original(self, partition_id, uids, *args, **kwargs)
+
+    return _clear_groups
+
+
+# (module, class) -> {method: recorder}; audit.install wraps them when CPPO_VERL_AUDIT is set
+RECORDERS = {
+    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer"): {"_submit_batch_to_rollout": _record_draws},
+    REPLAY_BUFFER: {"_evict_terminal_groups": _record_evictions, "_clear_groups": _record_clears},
+}
+
+
+# ------------------------------------------------------------------------------ accounting
+@dataclass(frozen=True)
+class StepAccount:
+    """Where every prompt one V1 step drew went (uids: veRL's per-draw prompt ids).
+
+    ``drawn = filtered + failed + surplus + passed + carried``; the sync buffer carries nothing, so
+    ``carried`` must be empty, as must ``unexplained`` (groups filtered, discarded or pruned at this
+    step that it never drew). Completions: each drawn prompt generated ``group_size``; they end
+    filtered, discarded, or at CPPO's seam, where ``kept + pruned == completions_passed``."""
+
+    step: int
+    group_size: int
+    drawn: tuple[str, ...]
+    filtered: tuple[str, ...]
+    failed: tuple[str, ...]
+    surplus: tuple[str, ...]
+    passed: tuple[str, ...]
+    carried: tuple[str, ...]
+    unexplained: tuple[str, ...]
+    completions_filtered: int
+    completions_surplus: int
+    completions_passed: int
+    kept: int
+    pruned: int
+    # the filter's verdicts checked on the recorded rewards: groups that reached CPPO or were
+    # discarded as surplus (both passed the filter) with equal rewards, and filtered groups whose
+    # rewards differ (all must be empty)
+    zero_variance_passed: tuple[str, ...]
+    varied_filtered: tuple[str, ...]
+    zero_variance_surplus: tuple[str, ...]
+
+    @property
+    def completions_generated(self) -> int:
+        return self.group_size * len(self.drawn)
+
+    def problems(self) -> list[str]:
+        """What does not add up, one line each (empty when the step is fully accounted for)."""
+        out = []
+        parts = len(self.filtered) + len(self.failed) + len(self.surplus) + len(self.passed) + len(self.carried)
+        if parts != len(self.drawn):
+            out.append(f"step {self.step}: {len(self.drawn)} prompts drawn but filtered {len(self.filtered)} + failed "
+                       f"{len(self.failed)} + surplus {len(self.surplus)} + passed {len(self.passed)} + carried "
+                       f"{len(self.carried)} = {parts}")
+        for name in ("carried", "unexplained", "zero_variance_passed", "varied_filtered", "zero_variance_surplus"):
+            if getattr(self, name):
+                out.append(f"step {self.step}: {name} {list(getattr(self, name))[:5]}")
+        seen = self.completions_filtered + self.completions_surplus + self.completions_passed
+        if not self.failed and seen != self.completions_generated:
+            out.append(f"step {self.step}: {self.completions_generated} completions generated ({len(self.drawn)} x "
+                       f"G={self.group_size}) but {seen} accounted for (filtered {self.completions_filtered}, "
+                       f"surplus {self.completions_surplus}, passed {self.completions_passed})")
+        if self.kept + self.pruned != self.completions_passed:
+            out.append(f"step {self.step}: kept {self.kept} + pruned {self.pruned} != {self.completions_passed} "
+                       "completions passed to CPPO")
+        return out
+
+
+def _varies(values: list[float]) -> bool:
+    return len(values) > 1 and max(values) != min(values)
+
+
+def account_step(records: list[dict], step: int, group_size: int) -> StepAccount:
+    """Balance one step of a DAPO + CPPO V1 run from its audit records (``audit.read``): the
+    ``draw``, ``evict`` and ``clear`` records of this module and the hook's ``prune`` record.
+
+    Raises ValueError naming the value when ``step`` or ``group_size`` is not positive, or when the
+    step has no single ``prune`` record (the sync loop prunes once a step)."""
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"account_step: step must be a positive int, got {step!r}")
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"account_step: group_size must be a positive int, got {group_size!r}")
+    prunes = [r for r in records if r.get("kind") == "prune" and r.get("step") == step]
+    if len(prunes) != 1:
+        raise ValueError(f"account_step: step {step} has {len(prunes)} prune records, expected 1 (sync mode)")
+    (prune,) = prunes
+    drawn = [u for r in records if r.get("kind") == "draw" and r.get("step") == step for u in r["uids"]]
+    evicts = [r for r in records if r.get("kind") == "evict" and r.get("step") == step]
+    filtered: dict[str, list[float]] = {}
+    failed: set[str] = set()
+    stale: set[str] = set()
+    for r in evicts:
+        filtered.update(r["filtered"])
+        failed |= set(r["failed"])
+        stale |= set(r["stale"])
+    cleared: dict[str, list[float]] = {}
+    for r in records:
+        if r.get("kind") == "clear":
+            cleared.update({u: v for u, v in r["rewards"].items() if r["submitted"].get(u) == step})
+    evicted = set(filtered) | failed | stale
+    surplus = [u for u in cleared if u not in evicted]
+    rewards: dict[str, list[float]] = defaultdict(list)
+    for uid, reward in zip(prune["uids"], prune["rewards"], strict=True):
+        rewards[str(uid)].append(float(reward))
+    passed = list(rewards)
+    accounted = evicted | set(surplus) | set(passed)
+    drawn_set = set(drawn)
+    return StepAccount(
+        step=step, group_size=group_size, drawn=tuple(drawn), filtered=tuple(sorted(filtered)),
+        failed=tuple(sorted(failed | stale)), surplus=tuple(sorted(surplus)), passed=tuple(passed),
+        carried=tuple(u for u in drawn if u not in accounted),
+        unexplained=tuple(sorted(accounted - drawn_set)) + tuple(sorted({u for u in drawn if drawn.count(u) > 1})),
+        completions_filtered=sum(len(v) for v in filtered.values()),
+        completions_surplus=sum(len(cleared[u]) for u in surplus),
+        completions_passed=len(prune["uids"]),
+        kept=len(prune["kept"]), pruned=len(prune["uids"]) - len(prune["kept"]),
+        zero_variance_passed=tuple(u for u in passed if not _varies(rewards[u])),
+        varied_filtered=tuple(sorted(u for u, v in filtered.items() if _varies(v))),
+        zero_variance_surplus=tuple(u for u in surplus if not _varies(cleared[u])),
+    )

@@ -1,0 +1,21 @@
+"""A reward for the DAPO + CPPO CI run whose verdict the test knows in advance: every prompt of
+an even dataset row scores 0.5 for every completion (a group with zero reward variance, which
+veRL's filter must drop), every odd row scores a hash of the completion's text (8 sampled texts of
+a random-init model differ, so the group's rewards vary and it must pass to CPPO). A random-init
+model's arithmetic reward is 0 almost everywhere, which would make the filter refill forever.
+
+veRL loads it by path: ``reward.custom_reward_function.path=<this file>`` (``name: compute_score``).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    index = (extra_info or {}).get("index")
+    if not isinstance(index, int):
+        raise ValueError(f"dapo_reward: extra_info.index must be the dataset row (an int), got {index!r}")
+    if index % 2 == 0:
+        return {"score": 0.5, "signal": 0.0}
+    return {"score": (zlib.crc32(str(solution_str).encode()) % 997) / 996, "signal": 1.0}
