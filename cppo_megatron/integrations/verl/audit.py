@@ -49,7 +49,7 @@ from ..importhook import after_import
 from ..records import append as _append
 from ..records import complete_lines, optimizer_fingerprint
 from ..wrap import wrap
-from .dapo import RECORDERS, REPLAY_BUFFER
+from .dapo import REPLAY_BUFFER, recorders
 
 __all__ = ["ENV", "enabled", "install", "read", "record"]
 
@@ -229,10 +229,11 @@ def _worker_checkpoint(op: str):
     return make
 
 
+_DAPO = recorders(record)
 _WRAPPERS = {
     # V1: the passes, and (dapo.py) every prompt drawn and every group the replay buffer drops
-    V1: {"_compute_old_log_prob": _v1_old_log_prob, "_update_actor": _v1_update, **RECORDERS[V1]},
-    REPLAY_BUFFER: RECORDERS[REPLAY_BUFFER],
+    V1: {"_compute_old_log_prob": _v1_old_log_prob, "_update_actor": _v1_update, **_DAPO[V1]},
+    REPLAY_BUFFER: _DAPO[REPLAY_BUFFER],
     LEGACY: {"_compute_old_log_prob": _legacy_old_log_prob, "_update_actor": _legacy_update},
     WORKER: {"__init__": _worker_init, "save_checkpoint": _worker_checkpoint("save"),
              "load_checkpoint": _worker_checkpoint("load")},

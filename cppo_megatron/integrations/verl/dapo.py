@@ -19,7 +19,7 @@ allocated number of prompts with reward variance is there.
 
 This module holds the guards (``check_filter_groups``, ``filter_groups_warnings``; the launcher
 calls them through ``runconfig.check_compatible``), the audit recorders of every prompt drawn,
-filtered and discarded (``RECORDERS``, installed by ``audit.install`` in audit mode, on any
+filtered and discarded (``recorders``, installed by ``audit.install`` in audit mode, on any
 platform), and ``account_step``, which balances one step's records.
 """
 
@@ -27,17 +27,18 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
     "FILTER_METRIC",
-    "RECORDERS",
     "StepAccount",
     "account_step",
     "check_filter_groups",
     "filter_groups_enabled",
     "filter_groups_warnings",
+    "recorders",
 ]
 
 # the only filter metric CPPO can follow: veRL's "reward" reads rm_scores summed per completion
@@ -133,13 +134,11 @@ def _jsonable(x: Any) -> Any:
     return x if isinstance(x, (int, float, str)) or x is None else str(x) if not hasattr(x, "item") else x.item()
 
 
-def _record_draws(original):
+def _record_draws(record: Callable[..., None], original):
     # every prompt V1 submits for generation passes here: the step's batch (prepare_step) and each
     # refill the replay buffer asks for (_add_prompts_to_generate), trainer_base.py:1496
     @functools.wraps(original)
     def _submit_batch_to_rollout(self, batch, *args, **kwargs):
-        from .audit import record
-
         index = list(batch["index"]) if "index" in batch.keys() else None
         record("draw", step=int(self.global_steps), uids=[str(u) for u in batch["uid"]],
                prompts=[_jsonable(i) for i in index] if index is not None else None,
@@ -170,13 +169,11 @@ def _group_rewards(buffer, partition_id: str, uids) -> dict[str, list[float]]:
     return {uid: [next(values) for _ in rows[uid]] for uid in rows}
 
 
-def _record_evictions(original):
+def _record_evictions(record: Callable[..., None], original):
     # the filter's verdict for one poll of the buffer (replay_buffer.py:344): the groups it drops,
     # each with its rewards (the accounting checks that they are all equal)
     @functools.wraps(original)
     def _evict_terminal_groups(self, global_steps, partition_id, eviction_reasons, *args, **kwargs):
-        from .audit import record
-
         stale, dapo, failed = (set(x) for x in eviction_reasons[:3])
         if partition_id == "train" and (stale or dapo or failed):
             record("evict", step=int(global_steps), filtered=_group_rewards(self, partition_id, dapo),
@@ -186,13 +183,11 @@ def _record_evictions(original):
     return _evict_terminal_groups
 
 
-def _record_clears(original):
+def _record_clears(record: Callable[..., None], original):
     # every group the sync buffer removes unsampled, with its rewards: the evicted ones and the surplus
     # it discards once the batch is full (replay_buffer.py:241, called at :380 and :498)
     @functools.wraps(original)
     def _clear_groups(self, partition_id, uids, *args, **kwargs):
-        from .audit import record
-
         if partition_id == "train" and uids:
             steps = self.prompt_global_steps[partition_id]
             record("clear", rewards=_group_rewards(self, partition_id, set(uids)),
@@ -202,11 +197,16 @@ def _record_clears(original):
     return _clear_groups
 
 
-# (module, class) -> {method: recorder}; audit.install wraps them when CPPO_VERL_AUDIT is set
-RECORDERS = {
-    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer"): {"_submit_batch_to_rollout": _record_draws},
-    REPLAY_BUFFER: {"_evict_terminal_groups": _record_evictions, "_clear_groups": _record_clears},
-}
+def recorders(record: Callable[..., None]) -> dict[tuple[str, str], dict[str, Callable]]:
+    """(module, class) -> {method: wrapper factory} writing through ``record`` (``audit.record``:
+    passed in, so that audit imports this module and not the other way round); ``audit.install``
+    wraps them when CPPO_VERL_AUDIT is set."""
+    return {
+        ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer"): {"_submit_batch_to_rollout":
+                                                              functools.partial(_record_draws, record)},
+        REPLAY_BUFFER: {"_evict_terminal_groups": functools.partial(_record_evictions, record),
+                        "_clear_groups": functools.partial(_record_clears, record)},
+    }
 
 
 # ------------------------------------------------------------------------------ accounting

@@ -161,7 +161,8 @@ def dapo_steps(config, tmp_path, monkeypatch):
     (records, {step: prune metrics})."""
     import transfer_queue
 
-    from cppo_megatron.integrations.verl import audit, dapo as dapo_module
+    from cppo_megatron.integrations.verl import audit
+    from cppo_megatron.integrations.verl import dapo as dapo_module
     from cppo_megatron.integrations.verl.hook import prune_kv_batch
     from cppo_megatron.integrations.wrap import wrapped
 
@@ -173,9 +174,10 @@ def dapo_steps(config, tmp_path, monkeypatch):
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
     from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
-    with (wrapped(PPOTrainer, "_submit_batch_to_rollout", dapo_module._record_draws, tag=audit.WRAP_TAG),
-          wrapped(ReplayBuffer, "_evict_terminal_groups", dapo_module._record_evictions, tag=audit.WRAP_TAG),
-          wrapped(ReplayBuffer, "_clear_groups", dapo_module._record_clears, tag=audit.WRAP_TAG)):
+    rec = {name: f for methods in dapo_module.recorders(audit.record).values() for name, f in methods.items()}
+    with (wrapped(PPOTrainer, "_submit_batch_to_rollout", rec["_submit_batch_to_rollout"], tag=audit.WRAP_TAG),
+          wrapped(ReplayBuffer, "_evict_terminal_groups", rec["_evict_terminal_groups"], tag=audit.WRAP_TAG),
+          wrapped(ReplayBuffer, "_clear_groups", rec["_clear_groups"], tag=audit.WRAP_TAG)):
         trainer = Trainer(config, tq)
         metrics = {}
         for step in (1, 2):
