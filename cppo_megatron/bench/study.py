@@ -256,11 +256,14 @@ def run(args: argparse.Namespace) -> int:
 def _plot(fig, rows: list[dict], table: list[dict]) -> None:
     plot_curves(fig.add_subplot(1, 2, 1), rows)
     ax2 = fig.add_subplot(1, 2, 2)
-    for metric in sorted({t["metric"] for t in table if t["P"] is not None and t["metric"] != "grpo"}):
+    modes = list(GENERATION)
+    series = sorted({(t["metric"], t["generation"]) for t in table if t["P"] is not None and t["metric"] != "grpo"},
+                    key=lambda x: (x[0], modes.index(x[1])))
+    for metric, gen in series:  # one line per metric and generation mode, each from its own GRPO point
         pts = sorted((t["P"], t["final acc (mean)"], sd_or_zero(t["seed spread (sd)"])) for t in table
-                     if t["metric"] in (metric, "grpo") and t["allocation"] in (True, None))
+                     if t["metric"] in (metric, "grpo") and t["generation"] == gen and t["allocation"] in (True, None))
         ax2.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], fmt="o-", capsize=3,
-                     label=metric)
+                     label=metric + GENERATION[gen][1])
     ctrl = [t for t in table if t["metric"] == "sft"]
     if ctrl:
         ax2.axhline(ctrl[0]["final acc (mean)"], color="k", ls="--", label="SFT control")
