@@ -127,8 +127,9 @@ class Trainer:
         self.planner = AllocationPlanner.from_config(recipe.cppo, capacity=recipe.train.capacity, group_size=G)
         self.sampler = PromptSampler(len(self.task.train), seed=recipe.seed)
         # cppo.selective_rollout: skip prompts before generation (GRESO; trainer/selective.py)
-        self.selective = SelectiveRollout(recipe.cppo, group_size=G, num_prompts=len(self.task.train)) \
-            if recipe.cppo.selective_rollout else None
+        self.selective = SelectiveRollout(
+            recipe.cppo, group_size=G, num_prompts=len(self.task.train),
+            **({} if self.is_main else {"warn": None})) if recipe.cppo.selective_rollout else None
         # megatron shards are built in prepare(), from the warmed-up weights
         self.policy: PolicyBackend | None = None if self.distributed else HFBackend(
             self.model, device=self.device, pad_id=self.tok.pad_id, recipe=recipe)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +44,10 @@ STATE_KEY = "selective"  # its entry in trainer.pt
 _TOTALS = ("prompts_drawn", "prompts_skipped", "prompts_generated", "tokens_saved_estimate")
 
 
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 class SelectiveRollout:
     """History, exploration rates and counters of one run (``cppo.selective_rollout``).
 
@@ -49,9 +55,12 @@ class SelectiveRollout:
         cfg: the run's ``CPPOConfig`` (``selective_*`` fields; ``seed`` seeds the draws).
         group_size: G, completions per prompt.
         num_prompts: prompts in the training set (bounds the draws of one round).
+        warn: where the one warning of a run goes (a round that generated fewer prompts than
+            asked); None: nowhere (the other ranks of a run). Default: stderr.
     """
 
-    def __init__(self, cfg: CPPOConfig, *, group_size: int, num_prompts: int) -> None:
+    def __init__(self, cfg: CPPOConfig, *, group_size: int, num_prompts: int,
+                 warn: Callable[[str], None] | None = _stderr) -> None:
         if not isinstance(cfg, CPPOConfig):
             raise ValueError(f"cfg must be a CPPOConfig, got {type(cfg).__name__}")
         check_int("group_size", group_size, minimum=1)
@@ -63,6 +72,9 @@ class SelectiveRollout:
         self.rates = ExplorationRates(p_easy=cfg.selective_p_easy, p_hard=cfg.selective_p_hard)
         self.totals = dict.fromkeys(_TOTALS, 0.0)
         self.rounds: list[FilledBatch] = []  # this step's draws, one per generation round
+        self.short_rounds = 0  # this step's rounds that generated fewer prompts than asked
+        self._warn = warn
+        self._warned_short = False
         self._step = -1
         self._adapt = False
 
@@ -73,6 +85,7 @@ class SelectiveRollout:
         unless ``selective_adapt_after_first_epoch`` is false)."""
         self._step = check_int("step", step, minimum=0)
         self.rounds = []
+        self.short_rounds = 0
         self._adapt = (not self.cfg.selective_adapt_after_first_epoch
                        or sampler.total_drawn >= sampler.num_prompts)
 
@@ -91,6 +104,16 @@ class SelectiveRollout:
                 f"selective rollout skipped all {fb.drawn.numel()} prompts drawn in step {self._step}: raise "
                 f"cppo.selective_p_min (now {self.cfg.selective_p_min}) or disable cppo.selective_rollout"
             )
+        if fb.kept.numel() < n:
+            self.short_rounds += 1
+            if not self._warned_short and self._warn is not None:  # once; selective/short_rounds counts all
+                self._warned_short = True
+                self._warn(f"warning: selective rollout generated {fb.kept.numel()} of the {n} prompts asked in step "
+                      f"{self._step}: it skipped {fb.decision.num_skipped} of {fb.drawn.numel()} candidates (a pass "
+                      f"over all {self.num_prompts} training prompts and {n} more), so this step trains a smaller "
+                      f"batch on the few prompts not skipped. The training set is small for this skip rate (rates "
+                      f"p_easy={self.rates.p_easy}, p_hard={self.rates.p_hard}): use more training prompts, raise "
+                      f"cppo.selective_p_min (now {self.cfg.selective_p_min}) or disable cppo.selective_rollout")
         return fb.kept.tolist()
 
     def end_step(self, prompt_ids: torch.Tensor, rewards: torch.Tensor, correct: torch.Tensor,
@@ -140,6 +163,7 @@ class SelectiveRollout:
             "selective/skipped_easy": float(sum(fb.decision.num_skipped_easy for fb in self.rounds)),
             "selective/skipped_hard": float(sum(fb.decision.num_skipped_hard for fb in self.rounds)),
             "selective/skip_ratio": skipped / drawn if drawn else 0.0,
+            "selective/short_rounds": float(self.short_rounds),
             "selective/zero_variance_share": float(zv.sum()) / m,
             "selective/easy_share": float(easy.sum()) / m,
             "selective/hard_share": float((zv & ~easy).sum()) / m,

@@ -256,3 +256,33 @@ def test_two_ranks_decide_alike(tmp_path):
     for s in steps:
         assert s["selective/prompts_drawn"] == s["selective/prompts_generated"] + s["selective/prompts_skipped"]
     assert sum(s["selective/prompts_skipped"] for s in steps) > 0
+
+
+def test_a_round_that_runs_out_of_candidates_is_counted_and_warned_once():
+    """8 training prompts, all easy last time (streak 1) and p_easy at 0.2: most candidates are
+    skipped, and a round takes at most n + 8 of them, so it comes up short. The metric counts
+    each short round of the step; the warning comes once a run, and never on other ranks."""
+    from cppo_megatron.core import CPPOConfig, fill_batch
+    from cppo_megatron.trainer.selective import SelectiveRollout
+
+    cfg = CPPOConfig(selective_rollout=True, selective_p_easy=0.2, seed=7)
+    lines: list[str] = []
+    for warn in (lines.append, None):
+        sel = SelectiveRollout(cfg, group_size=4, num_prompts=8, warn=warn)
+        sel.history.update(torch.arange(8), torch.ones(8, dtype=torch.bool), torch.ones(8, dtype=torch.bool), step=0)
+        sampler = PromptSampler(8, seed=0)
+        sel.begin_step(1, sampler)
+        generated = []
+        for _ in range(2):  # two rounds of one step (as dynamic sampling's refills)
+            twin = PromptSampler(8, seed=0)
+            twin.load_state_dict(sampler.state_dict())
+            want = fill_batch(twin.draw, 4, sel.history, seed=7, step=1, rates=sel.rates, max_draws=4 + 8)
+            kept = sel.draw(sampler, 4)
+            assert kept == want.kept.tolist() and 0 < len(kept) < 4, kept  # short, not empty
+            generated += kept
+        n = len(generated)
+        m = sel.end_step(torch.tensor(generated), torch.arange(n * 4, dtype=torch.float32), torch.zeros(n * 4),
+                         torch.full((n * 4,), 3))
+        assert m["selective/short_rounds"] == 2.0 and m["selective/prompts_drawn"] == 24.0
+    assert len(lines) == 1 and "generated 2 of the 4 prompts asked in step 1" in lines[0]
+    assert "use more training prompts, raise cppo.selective_p_min (now 0.05)" in lines[0]
