@@ -174,27 +174,32 @@ def planted_history() -> SelectiveHistory:
     return history
 
 
-def test_a_planted_history_skips_exactly_the_cores_ids_and_replaces_them(config, tq, tmp_path):
+@pytest.mark.parametrize("p_easy,p_hard", [(0.5, 0.5), (0.05, 0.95)])
+def test_a_planted_history_skips_exactly_the_cores_ids_and_replaces_them(config, tq, tmp_path, p_easy, p_hard):
     selective_on(config, tmp_path)
     trainer = Trainer(config, tq, ORDER)
     state = selective.state_of(trainer)
     state.history = planted_history()
+    state.rates = ExplorationRates(p_easy=p_easy, p_hard=p_hard)  # the rates as adaptation left them
     trainer.global_steps = 1
     (step,) = run(trainer, tq, [1]).values()
     expected = fill_batch(iter(ORDER), 16, planted_history(), seed=0, step=1,
-                          rates=ExplorationRates(p_easy=0.5, p_hard=0.5))
+                          rates=ExplorationRates(p_easy=p_easy, p_hard=p_hard))
     assert step["generated"] == expected.kept.tolist()  # the batch stays full: 16 generated
     assert len(step["generated"]) == 16
     m = step["metrics"]
     assert m["selective/prompts_drawn"] == expected.drawn.numel()
     assert m["selective/prompts_skipped"] == expected.skipped.numel() > 0
-    # independently of decide_skips: z = 1 for every planted zero-variance prompt, so p_skip = 1 - 0.5
+    # independently of decide_skips: z = 1 for every planted zero-variance prompt, so it is skipped
+    # when its uniform falls below 1 - p of its kind (easy: index % 3 == 0; hard: index % 3 == 1)
     drawn = expected.drawn
-    u = prompt_uniforms(drawn, seed=0, step=1)
-    zero_variance = torch.tensor([i < 20 and ORDER[i] % 3 != 2 for i in range(drawn.numel())])
     assert torch.equal(drawn, torch.tensor(ORDER[:drawn.numel()]))
-    should_skip = zero_variance & (u < 0.5)
-    assert drawn[should_skip].tolist() == expected.skipped.tolist()
+    u = prompt_uniforms(drawn, seed=0, step=1)
+    planted = torch.tensor([i < 20 and ORDER[i] % 3 != 2 for i in range(drawn.numel())])
+    p = torch.tensor([p_easy if int(i) % 3 == 0 else p_hard for i in drawn], dtype=torch.float64)
+    should_skip = planted & (u < 1 - p)
+    assert drawn[should_skip].tolist() == expected.skipped.tolist() == [
+        i for i in drawn.tolist() if i not in step["generated"]]
     # exploration: some planted zero-variance prompts were generated all the same
     assert set(step["generated"]) & {i for i in ORDER[:20] if i % 3 != 2}
 
@@ -202,8 +207,19 @@ def test_a_planted_history_skips_exactly_the_cores_ids_and_replaces_them(config,
 def test_every_prompt_drawn_is_generated_or_skipped_and_outcomes_are_keyed_by_prompt_index(config, tq, tmp_path):
     selective_on(config, tmp_path)
     trainer = Trainer(config, tq, ORDER)
-    steps = run(trainer, tq, range(1, 7))
     state = selective.state_of(trainer)
+    steps, position = {}, 0
+    for s in range(1, 7):
+        # each step takes the core's decisions over the dataloader's order, with the history and the
+        # (adapted) rates as the previous step left them
+        history = SelectiveHistory()
+        history.load_state_dict(state.history.state_dict())
+        endless = (ORDER[(position + j) % ROWS] for j in range(10 * ROWS))
+        expected = fill_batch(endless, 16, history, seed=0, step=s, rates=state.rates)
+        steps.update(run(trainer, tq, [s]))
+        assert steps[s]["generated"] == expected.kept.tolist(), s
+        assert steps[s]["metrics"]["selective/prompts_drawn"] == expected.drawn.numel()
+        position += expected.drawn.numel()
     drawn_total = 0
     for s, step in steps.items():
         m = step["metrics"]
