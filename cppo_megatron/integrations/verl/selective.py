@@ -127,6 +127,9 @@ class VerlSelective:
         # wanted=1: the kept candidate is the last one drawn
         position = start + fb.drawn.numel() - 1
         row = rows[position]
+        if self.drawn_this_step[position] != int(kept[0]):  # fill_batch stops at the first kept candidate
+            raise RuntimeError(f"selective rollout: kept prompt {int(kept[0])} is not the last one drawn "
+                               f"({self.drawn_this_step[position]}) in step {step}")
         self.generated[str(row["uid"][0])] = int(kept[0])
         return row
 
