@@ -6,7 +6,9 @@ point, or through ``VERL_USE_EXTERNAL_MODULES=cppo_megatron.integrations.verl``)
 - registers the advantage estimator ``cppo`` (``algorithm.adv_estimator=cppo``), which uses
   the full-group statistics recorded at pruning time;
 - hooks ``_balance_batch`` of the V1 ``PPOTrainer`` and the legacy ``RayPPOTrainer`` as
-  their modules are imported; the hook acts only when the estimator is ``cppo``.
+  their modules are imported; the hook acts only when the estimator is ``cppo``;
+- with ``cppo.selective_rollout=true``, hooks V1's ``_fetch_one_gen_batch``, ``_save_checkpoint``
+  and ``_load_checkpoint`` (``selective.py``: skip prompts before generation).
 
 Run: ``python -m cppo_megatron.integrations.verl.main [veRL overrides] cppo.pruning_rate=0.875``.
 See docs/integrations/verl.md.
@@ -40,11 +42,12 @@ def load() -> None:
     """Register the estimator, install the hook and, with ``VERL_PLATFORM=cpu``, the CPU mode;
     the audit recorders, the key trace and the wall-clock budget when their variables are set
     (idempotent)."""
-    from . import async_modes, audit, audit_vllm, clock, cpu, keytrace
+    from . import async_modes, audit, audit_vllm, clock, cpu, keytrace, selective
 
     register_estimator()
     install()
     async_modes.install()  # separate_async: veRL's mini-batch assert in CPPO's units
+    selective.install()  # cppo.selective_rollout: V1's dataloader fetch and checkpoints
     cpu.enable()
     audit.install()
     audit_vllm.install()  # what veRL's vLLM rollout serves after each sync

@@ -5,7 +5,8 @@ Four sets, because they matter to different runs:
 - ``PINNED``, the GPU path: the plugin wraps ``_balance_batch`` and depends on what runs around
   it (the V1 step order, the loss-free padding, the mini-batch multiple, how the advantage step
   calls registered estimators), and DAPO's filter in the V1 sync replay buffer that runs before it
-  (``dapo.py``). Every CPPO run inside veRL goes through these.
+  (``dapo.py``), and the dataloader fetch and checkpoint methods selective rollout wraps
+  (``selective.py``). Every CPPO run inside veRL goes through these.
 - ``CPU_PINNED``, the CPU mode (``VERL_PLATFORM=cpu`` only): the platform selection, the
   process-group, engine-registry and FSDP offload seams it patches, the rollout registries and the
   calls its ``hf`` rollout answers, and the opt-in tools built on it (the audit recorders, the
@@ -78,6 +79,13 @@ PINNED = {
     "verl.trainer.ppo.v1.trainer_base:PPOTrainer._submit_batch_to_rollout": "eb931056887595df",
     "verl.trainer.ppo.v1.trainer_base:PPOTrainer._add_prompts_to_generate": "c73e27fb5a0a9067",
     "verl.trainer.ppo.v1.trainer_base:PPOTrainer._init_dataloader": "f11797ad84a4ba8a",
+    # selective rollout (selective.py): the dataloader fetch it wraps and the batch built from it, the
+    # checkpoint save and load it adds its state to, and where veRL puts extra_info.index into "index"
+    "verl.trainer.ppo.v1.trainer_base:PPOTrainer._fetch_one_gen_batch": "37a980de651f5fd6",
+    "verl.trainer.ppo.v1.trainer_base:PPOTrainer._next_train_batch": "234c9db11814b5cf",
+    "verl.trainer.ppo.v1.trainer_base:PPOTrainer._save_checkpoint": "1ceb1e087ce91c92",
+    "verl.trainer.ppo.v1.trainer_base:PPOTrainer._load_checkpoint": "52b412c5395b2cae",
+    "verl.utils.dataset.rl_dataset:RLHFDataset.__getitem__": "88ba73cff0976e7d",
 }
 
 # the CPU mode (integrations/verl/cpu/, VERL_PLATFORM=cpu): platform choice, the three seams, the
@@ -111,10 +119,8 @@ CPU_PINNED = {
     "verl.workers.engine_workers:ActorRolloutRefWorker.init_model": "0d2190a431d5805f",
     # resume (checkpoint.py, docs "Checkpoints and resume"): what veRL saves and restores (step,
     # weights, optimizer, dataloader), where V1 draws prompts and names them (uuid4 uids), and the
-    # worker methods the audit records checkpoints and worker pids at
-    "verl.trainer.ppo.v1.trainer_base:PPOTrainer._load_checkpoint": "52b412c5395b2cae",
-    "verl.trainer.ppo.v1.trainer_base:PPOTrainer._save_checkpoint": "1ceb1e087ce91c92",
-    "verl.trainer.ppo.v1.trainer_base:PPOTrainer._fetch_one_gen_batch": "37a980de651f5fd6",
+    # worker methods the audit records checkpoints and worker pids at (V1's _load_checkpoint,
+    # _save_checkpoint and _fetch_one_gen_batch are in PINNED: selective rollout wraps them)
     "verl.trainer.ppo.v1.trainer_base:PPOTrainer.fit": "f1c6fc155674e5be",
     "verl.trainer.ppo.ray_trainer:RayPPOTrainer._load_checkpoint": "c12325a6a96d90ad",
     "verl.trainer.ppo.ray_trainer:RayPPOTrainer._save_checkpoint": "d22cc8cf75f07798",

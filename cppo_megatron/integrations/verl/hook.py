@@ -36,7 +36,7 @@ from ...core import balance_partitions, prune, sequence_workload
 from .. import importhook
 from ..importhook import after_import
 from ..wrap import is_wrapped, unwrap, wrap
-from . import audit
+from . import audit, selective
 from .runconfig import PREPARED_ENV, cppo_config_from, is_cppo, unprepared_message
 from .stats import GroupRecord, record_groups
 
@@ -129,6 +129,8 @@ def prune_kv_batch(trainer, batch, metrics: dict):
     data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["uid", "rm_scores"])
     uids = [str(u) for u in list(data["uid"])]
     rewards = _row_rewards(data["rm_scores"]).to(torch.float32)
+    # selective rollout (off unless cppo.selective_rollout): every finished group of the step is here
+    selective.record(trainer, uids, rewards, metrics)
     result, records = decide(uids, rewards, cfg, getattr(trainer, "global_steps", 0))
     kept = [real[j] for j in result.selection.kept.tolist()] + pads
     pruned_keys = [batch.keys[real[j]] for j in result.selection.pruned.tolist()]

@@ -24,6 +24,8 @@ __all__ = [
     "PREPARED_ENV",
     "AllocationPlan",
     "apply_allocation",
+    "apply_selective",
+    "check_selective",
     "noop_warning",
     "cppo_config_from",
     "is_cppo",
@@ -32,6 +34,7 @@ __all__ = [
     "export_plugin_to_workers",
     "host_warnings",
     "prepare",
+    "selective_enabled",
     "unprepared_message",
 ]
 
@@ -160,12 +163,7 @@ def check_compatible(config: Any) -> None:
             "on the V1 loop (trainer.use_v1=true), which drops zero-variance groups and refills before CPPO "
             "prunes, or use the embedded trainer (cppo-megatron train)"
         )
-    if cfg.selective_rollout:
-        raise ValueError(
-            "cppo.selective_rollout=true is not supported under veRL: selective rollout (GRESO) is built only in "
-            "the embedded trainer so far (cppo-megatron train); veRL's data loader would generate every prompt "
-            "anyway. Set cppo.selective_rollout=false"
-        )
+    check_selective(config)
     node = config.get("cppo", None)
     if node is not None and node.get("equal_size", None) is False:
         raise ValueError(
@@ -173,6 +171,74 @@ def check_compatible(config: Any) -> None:
             "the same number of sequences, so the core balancer always runs with equal sizes; set "
             "cppo.equal_size=true"
         )
+
+
+# ---------------------------------------------------------------------------- selective rollout
+def _sel_get(node: Any, dotted: str, default: Any = None) -> Any:
+    for part in dotted.split("."):
+        if node is None or not hasattr(node, "get"):
+            return default
+        node = node.get(part, None)
+    return default if node is None else node
+
+
+def selective_enabled(config: Any) -> bool:
+    """True when the veRL config selects the cppo estimator and ``cppo.selective_rollout``."""
+    return is_cppo(config) and bool(cppo_config_from(config).selective_rollout)
+
+
+def check_selective(config: Any) -> None:
+    """Raise ValueError, naming key, value and fix, for a selective-rollout setting the hooks do not
+    honour in veRL 0.9.1; nothing when ``cppo.selective_rollout`` is off."""
+    if not selective_enabled(config):
+        return
+    if not bool(_sel_get(config, "trainer.use_v1", True)):
+        raise ValueError(
+            "cppo.selective_rollout=true with trainer.use_v1=false: the hook sits in the V1 trainer's "
+            "dataloader seam (PPOTrainer._fetch_one_gen_batch); the legacy loop (RayPPOTrainer.fit) is not "
+            "hooked. Set trainer.use_v1=true or cppo.selective_rollout=false"
+        )
+    mode = str(_sel_get(config, "trainer.v1.trainer_mode", "sync"))
+    if mode != "sync":
+        raise ValueError(
+            f"cppo.selective_rollout=true with trainer.v1.trainer_mode={mode}: the asynchronous modes draw "
+            "prompts ahead of the step that trains them and carry groups (and in-flight prompts in their "
+            "checkpoints) across steps, for which recording every generated group under its step is not "
+            "built; set trainer.v1.trainer_mode=sync"
+        )
+    if bool(_sel_get(config, "algorithm.filter_groups.enable", False)):
+        raise ValueError(
+            "cppo.selective_rollout=true with algorithm.filter_groups.enable=true: DAPO's filter evicts "
+            "zero-variance groups inside the replay buffer before the seam where selective rollout records "
+            "outcomes, so exactly the groups it learns from would go unrecorded (not built yet); set "
+            "algorithm.filter_groups.enable=false or cppo.selective_rollout=false"
+        )
+    sampler = _sel_get(config, "trainer.v1.sampler.custom_sampler", None)
+    if sampler is not None and _sel_get(sampler, "path") and _sel_get(sampler, "name"):
+        raise ValueError(
+            f"cppo.selective_rollout=true with trainer.v1.sampler.custom_sampler.name={_sel_get(sampler, 'name')}: "
+            "a custom replay buffer decides which generated groups reach the step, so outcomes could go "
+            "unrecorded; remove trainer.v1.sampler.custom_sampler"
+        )
+    gen = _sel_get(config, "data.gen_batch_size", None)
+    if gen not in (None, 1):
+        raise ValueError(
+            f"cppo.selective_rollout=true with data.gen_batch_size={gen}: the hook replaces each skipped prompt "
+            "by the next one from the dataloader, one prompt per fetch; set data.gen_batch_size=1 (or leave it "
+            "unset: cppo-megatron verl sets it)"
+        )
+
+
+def apply_selective(config: Any) -> None:
+    """Set ``data.gen_batch_size=1`` (one prompt per dataloader fetch) for a selective-rollout run;
+    nothing otherwise. Call after ``check_selective``."""
+    if not selective_enabled(config):
+        return
+    from omegaconf import OmegaConf, open_dict
+
+    with open_dict(config):
+        OmegaConf.update(config, "data.gen_batch_size", 1, merge=False, force_add=True)
+
 
 
 def host_warnings(config: Any) -> list[str]:
@@ -185,16 +251,17 @@ def host_warnings(config: Any) -> list[str]:
             f"cppo.max_refill_rounds={cfg.max_refill_rounds} has no effect under veRL: refill rounds belong to "
             "cppo.dynamic_sampling, which veRL runs do not support; remove it"
         )
-    out += _inert_selective_keys(cfg, default_of=lambda name: default[name], host="veRL")
+    if not cfg.selective_rollout:
+        out += _inert_selective_keys(cfg, default_of=lambda name: default[name], host="veRL")
     return out + filter_groups_warnings(config)
 
 
 def _inert_selective_keys(cfg: CPPOConfig, *, default_of: Any, host: str) -> list[str]:
-    """One warning per cppo.selective_* parameter changed from its default: without
-    selective_rollout (refused under this host) none of them is read."""
+    """One warning per cppo.selective_* parameter changed from its default while
+    cppo.selective_rollout is off: then none of them is read."""
     return [
         f"cppo.{name}={getattr(cfg, name)} has no effect under {host}: it belongs to cppo.selective_rollout, "
-        "which is built only in the embedded trainer; remove it"
+        "which is off; set cppo.selective_rollout=true or remove it"
         for name in SELECTIVE_PARAMETERS if getattr(cfg, name) != default_of(name)
     ]
 
@@ -365,6 +432,7 @@ def prepare(config: Any) -> AllocationPlan | None:
     for message in host_warnings(config):
         warnings.warn(message, stacklevel=2)
     plan = apply_allocation(config)
+    apply_selective(config)
     export_plugin_to_workers(config, {PREPARED_ENV: "1"})
     return plan
 

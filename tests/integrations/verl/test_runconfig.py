@@ -222,25 +222,20 @@ def test_settings_veRL_cannot_honour_are_refused(config):
     assert config.data.train_batch_size == 4  # refused before anything changed
 
 
-def test_selective_rollout_is_refused_and_its_parameters_warn(config):
-    """veRL generates every prompt of its batch: selective rollout would silently do nothing."""
+def test_selective_rollout_passes_prepare_and_its_parameters_warn_when_it_is_off(config):
+    """Selective rollout runs on the V1 sync loop (selective.py; its refusals: test_selective.py)."""
     with open_dict(config):
         config.cppo.selective_rollout = True
-    with pytest.raises(ValueError) as err:
-        prepare(config)
-    assert str(err.value) == (
-        "cppo.selective_rollout=true is not supported under veRL: selective rollout (GRESO) is built only in the "
-        "embedded trainer so far (cppo-megatron train); veRL's data loader would generate every prompt anyway. "
-        "Set cppo.selective_rollout=false")
-    assert config.data.train_batch_size == 4  # refused before anything changed
+    prepare(config)
+    assert config.data.gen_batch_size == 1  # one prompt per dataloader fetch
     with open_dict(config):
         config.cppo.selective_rollout = False
         config.cppo.selective_p_hard = 0.2
     with pytest.warns(UserWarning) as caught:
         prepare(config)
     assert [str(w.message) for w in caught if "cppo." in str(w.message)] == [
-        "cppo.selective_p_hard=0.2 has no effect under veRL: it belongs to cppo.selective_rollout, which is built "
-        "only in the embedded trainer; remove it"]
+        "cppo.selective_p_hard=0.2 has no effect under veRL: it belongs to cppo.selective_rollout, which is off; "
+        "set cppo.selective_rollout=true or remove it"]
 
 
 def test_refill_rounds_without_dynamic_sampling_warn_and_prepare_marks_the_workers(config):

@@ -1,0 +1,342 @@
+"""Selective rollout (GRESO) in veRL 0.9.1's V1 sync trainer: skip prompts before generation.
+
+The seams, all on ``verl.trainer.ppo.v1.trainer_base.PPOTrainer`` and inert unless the run sets
+``algorithm.adv_estimator=cppo`` and ``cppo.selective_rollout=true``:
+
+- ``_fetch_one_gen_batch`` (trainer_base.py:1466), the one place V1 takes prompts from the train
+  dataloader (the step's batch in ``prepare_step`` and any refill go through ``_next_train_batch``,
+  which calls it once per ``data.gen_batch_size`` chunk). ``prepare`` sets ``data.gen_batch_size=1``,
+  so each call hands one prompt; the wrapper draws candidates from the original (the same
+  dataloader, in its order) and asks the core (``fill_batch`` with ``cppo.seed`` and
+  ``global_steps``) which to skip, until one is kept: that one is returned, the skipped ones are
+  used up (the dataloader moved past them, as in the embedded trainer). The history is keyed by
+  the dataset's stable prompt index, the ``index`` field veRL takes from ``extra_info.index``.
+- the plugin's CPPO seam at ``_balance_batch`` (``hook.prune_kv_batch``), which reads every
+  finished group's rewards of the sync step (without ``algorithm.filter_groups`` nothing is evicted
+  before it): ``record`` files each group's outcome (zero variance, easy, hard) under its prompt
+  index, adapts the rates (after the first pass over the data set, by default) and writes the
+  step's ``selective/*`` metrics into veRL's metrics dict.
+- ``_save_checkpoint`` / ``_load_checkpoint`` (trainer_base.py:948, 850): the history, rates and
+  counters go to ``global_step_N/cppo_selective.pt`` beside veRL's own files (written before veRL
+  writes its tracker file) and come back on resume.
+
+veRL's V1 driver is one process (the TaskRunner holds the trainer; workers never draw prompts), so
+the history is "identical on every rank" by construction: there is one copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import warnings
+from typing import Any
+
+import torch
+
+from ...core import (
+    ExplorationRates,
+    FilledBatch,
+    SelectiveHistory,
+    adapt_exploration,
+    fill_batch,
+    group_outcomes,
+    target_shares,
+)
+from ...core.settings import CPPOConfig
+from ..importhook import after_import
+from ..wrap import unwrap, wrap
+from .runconfig import cppo_config_from, selective_enabled
+
+__all__ = [
+    "ATTR",
+    "STATE_FILE",
+    "TARGET",
+    "VerlSelective",
+    "enabled",
+    "install",
+    "state_of",
+    "uninstall",
+]
+
+STATE_FILE = "cppo_selective.pt"  # beside veRL's files in global_step_N/
+ATTR = "_cppo_selective"  # the trainer attribute holding the run's VerlSelective
+TARGET = ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer")
+SEAMS = ("_fetch_one_gen_batch", "_save_checkpoint", "_load_checkpoint")
+WRAP_TAG = __name__
+enabled = selective_enabled
+_TOTALS = ("prompts_drawn", "prompts_skipped", "prompts_generated", "groups_recorded", "groups_unrecorded")
+
+
+# ---------------------------------------------------------------------------------- the state
+class VerlSelective:
+    """History, exploration rates and counters of one veRL run, and the step in progress.
+
+    Args:
+        cfg: the run's ``CPPOConfig`` (``selective_*`` fields; ``seed`` seeds the draws).
+        num_prompts: rows in the train dataset (one pass = one epoch; bounds one fetch's draws).
+    """
+
+    def __init__(self, cfg: CPPOConfig, *, num_prompts: int) -> None:
+        if num_prompts < 1:
+            raise ValueError(f"selective rollout needs a non-empty train dataset, got {num_prompts} prompts")
+        self.cfg = cfg
+        self.num_prompts = int(num_prompts)
+        self.history = SelectiveHistory()
+        self.rates = ExplorationRates(p_easy=cfg.selective_p_easy, p_hard=cfg.selective_p_hard)
+        self.totals = dict.fromkeys(_TOTALS, 0.0)
+        self._begin(-1)
+
+    def _begin(self, step: int) -> None:
+        self.step = step
+        self.rounds: list[FilledBatch] = []
+        self.generated: dict[str, int] = {}  # uid veRL gave the row -> its prompt index, this step
+        self.drawn_this_step: list[int] = []
+        # the rates move from the second pass on (the authors' rule), unless told otherwise
+        self.adapt = (not self.cfg.selective_adapt_after_first_epoch
+                      or self.totals["prompts_drawn"] >= self.num_prompts)
+
+    # ------------------------------------------------------------------ before generation
+    def fetch(self, trainer: Any, original: Any) -> Any:
+        """One kept prompt (veRL's one-row TensorDict); skipped candidates are replaced by the
+        next ones from ``original`` (veRL's ``_fetch_one_gen_batch``)."""
+        step = int(trainer.global_steps)
+        if step != self.step:
+            self._begin(step)
+        rows: dict[int, Any] = {}
+
+        def draw(n: int) -> list[int]:
+            ids = []
+            for _ in range(n):
+                row = original(trainer)
+                index = self._index_of(row, step)
+                rows[len(self.drawn_this_step) - 1] = row
+                ids.append(index)
+            return ids
+
+        start = len(self.drawn_this_step)
+        fb = fill_batch(draw, 1, self.history, seed=self.cfg.seed, step=step, rates=self.rates,
+                        max_draws=1 + self.num_prompts)
+        self.rounds.append(fb)
+        kept = fb.decision.kept_ids().tolist()
+        if not kept:
+            raise RuntimeError(
+                f"selective rollout skipped all {fb.drawn.numel()} prompts drawn in step {step}: raise "
+                f"cppo.selective_p_min (now {self.cfg.selective_p_min}) or disable cppo.selective_rollout"
+            )
+        # wanted=1: the kept candidate is the last one drawn
+        position = start + fb.drawn.numel() - 1
+        row = rows[position]
+        if self.drawn_this_step[position] != int(kept[0]):  # fill_batch stops at the first kept candidate
+            raise RuntimeError(f"selective rollout: kept prompt {int(kept[0])} is not the last one drawn "
+                               f"({self.drawn_this_step[position]}) in step {step}")
+        self.generated[str(row["uid"][0])] = int(kept[0])
+        return row
+
+    def _index_of(self, row: Any, step: int) -> int:
+        if len(row) != 1:
+            raise ValueError(
+                f"selective rollout: the dataloader handed {len(row)} prompts in one fetch; the hook replaces "
+                "skipped prompts one at a time, set data.gen_batch_size=1"
+            )
+        if "index" not in row.keys():
+            raise ValueError("selective rollout: the dataloader's batch has no 'index' field (veRL's rl_dataset "
+                             "sets it from extra_info.index); give every row an extra_info.index")
+        value = row["index"][0]
+        try:
+            index = int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"selective rollout: prompt index {value!r} is not an int; give every row of "
+                             "data.train_files an int extra_info.index (its row number)") from None
+        if index in self.drawn_this_step and len(self.drawn_this_step) < self.num_prompts:
+            hint = (" veRL sets index 0 when a row has no extra_info.index (rl_dataset.py)." if index == 0 else "")
+            raise ValueError(
+                f"selective rollout: prompt index {index} was drawn twice in step {step} within "
+                f"{len(self.drawn_this_step) + 1} draws from a data set of {self.num_prompts} prompts: the index "
+                f"is the key of each prompt's history and must be unique.{hint} Give every row of "
+                "data.train_files a unique extra_info.index (its row number)"
+            )
+        self.drawn_this_step.append(index)
+        return index
+
+    # ------------------------------------------------------------------ after rewards
+    def record(self, step: int, uids: list[str], rewards: torch.Tensor) -> dict[str, float]:
+        """File every finished group of the step under its prompt index, adapt the rates, count;
+        returns the step's ``selective/*`` metrics.
+
+        Args:
+            step: veRL's ``global_steps``.
+            uids: [N] veRL's prompt uid of each completion row (padding excluded).
+            rewards: [N] float, each row's reward (rm_scores summed).
+        """
+        if step != self.step:  # no prompt was drawn through the hook in this step
+            self._begin(step)
+        order: dict[str, list[int]] = {}
+        for row, uid in enumerate(uids):
+            order.setdefault(uid, []).append(row)
+        known = [u for u in order if u in self.generated]
+        unknown = len(order) - len(known)
+        ids = torch.tensor([self.generated[u] for u in known], dtype=torch.int64)
+        zv = torch.zeros(len(known), dtype=torch.bool)
+        easy = torch.zeros(len(known), dtype=torch.bool)
+        if known:
+            rows = [r for u in known for r in order[u]]
+            pos = torch.tensor([j for j, u in enumerate(known) for _ in order[u]], dtype=torch.int64)
+            # per-group position keys keep a prompt generated twice in one step apart
+            o = group_outcomes(rewards[rows].to(torch.float64), pos, easy_threshold=1.0)
+            zv, easy = o.zero_variance, o.easy
+            self.history.update(ids, zv, easy, step=step)
+        unrecorded = len(self.generated) - len(known)  # generated but never reached the seam (failed)
+        num_easy, num_hard = int(easy.sum()), int((zv & ~easy).sum())
+        if self.adapt:
+            c = self.cfg
+            target_easy, target_hard = target_shares(c.selective_target_zero_variance)
+            self.rates = adapt_exploration(
+                self.rates, num_generated=len(known), num_easy=num_easy, num_hard=num_hard,
+                target_easy=target_easy, target_hard=target_hard, step_size=c.selective_step_size,
+                p_min=c.selective_p_min, p_max=c.selective_p_max)
+        drawn = sum(fb.decision.num_candidates for fb in self.rounds)
+        skipped = sum(fb.decision.num_skipped for fb in self.rounds)
+        generated = sum(fb.decision.num_kept for fb in self.rounds)
+        for key, v in zip(_TOTALS, (drawn, skipped, generated, len(known), unrecorded), strict=True):
+            self.totals[key] += float(v)
+        m = max(len(known), 1)
+        out = {
+            "selective/prompts_drawn": float(drawn),
+            "selective/prompts_skipped": float(skipped),
+            "selective/prompts_generated": float(generated),
+            "selective/skipped_easy": float(sum(fb.decision.num_skipped_easy for fb in self.rounds)),
+            "selective/skipped_hard": float(sum(fb.decision.num_skipped_hard for fb in self.rounds)),
+            "selective/skip_ratio": skipped / drawn if drawn else 0.0,
+            "selective/groups_recorded": float(len(known)),
+            "selective/groups_unrecorded": float(unrecorded),
+            "selective/groups_unknown": float(unknown),
+            "selective/zero_variance_share": float(zv.sum()) / m,
+            "selective/easy_share": num_easy / m,
+            "selective/hard_share": num_hard / m,
+            "selective/p_easy": self.rates.p_easy,
+            "selective/p_hard": self.rates.p_hard,
+            "selective/adapted": float(self.adapt),
+            "selective/history_prompts": float(self.history.num_prompts),
+        }
+        out.update({f"selective/total_{k}": v for k, v in self.totals.items()})
+        # the step is filed: a second call in the same step (none in the sync loop) starts empty
+        self.rounds, self.generated = [], {}
+        return out
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict[str, Any]:
+        """History (its event log), rates and running counters: plain tensors and numbers."""
+        return {"history": self.history.state_dict(), "rates": dataclasses.asdict(self.rates),
+                "totals": dict(self.totals)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``; a malformed entry is an error naming it."""
+        if not isinstance(state, dict) or not {"history", "rates", "totals"} <= set(state):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"selective rollout state must have history, rates and totals, got {got}")
+        history = SelectiveHistory()
+        history.load_state_dict(state["history"])
+        rates = ExplorationRates(**state["rates"])
+        unknown = sorted(set(state["totals"]) - set(_TOTALS))
+        if unknown:
+            raise ValueError(f"selective rollout state: unknown counter(s) {unknown}; known: {list(_TOTALS)}")
+        self.history, self.rates = history, rates
+        self.totals = {k: float(state["totals"].get(k, 0.0)) for k in _TOTALS}
+        self._begin(-1)
+
+
+def state_of(trainer: Any) -> VerlSelective:
+    """The trainer's ``VerlSelective``, created on first use from its config and train dataset."""
+    state = getattr(trainer, ATTR, None)
+    if state is None:
+        state = VerlSelective(cppo_config_from(trainer.config), num_prompts=len(trainer.train_dataset))
+        setattr(trainer, ATTR, state)
+    return state
+
+
+def record(trainer: Any, uids: list[str], rewards: torch.Tensor, metrics: dict) -> None:
+    """The CPPO seam's call (``hook.prune_kv_batch``): file the step's groups, add the metrics."""
+    if not enabled(trainer.config):
+        return
+    metrics.update(state_of(trainer).record(int(getattr(trainer, "global_steps", 0)), uids, rewards))
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+def _step_folder(trainer: Any, *, resuming: bool) -> str:
+    cfg = trainer.config.trainer
+    if resuming and str(cfg.get("resume_mode", "auto")) == "resume_path":
+        folder = str(cfg.resume_from_path)
+    else:
+        folder = os.path.join(str(cfg.default_local_dir), f"global_step_{int(trainer.global_steps)}")
+    return folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
+
+
+def _fetching(original):
+    @functools.wraps(original)
+    def _fetch_one_gen_batch(self, *args, **kwargs):
+        if args or kwargs or not enabled(self.config):
+            return original(self, *args, **kwargs)
+        return state_of(self).fetch(self, original)
+
+    return _fetch_one_gen_batch
+
+
+def _saving(original):
+    @functools.wraps(original)
+    def _save_checkpoint(self, *args, **kwargs):
+        if enabled(self.config):
+            folder = _step_folder(self, resuming=False)
+            os.makedirs(folder, exist_ok=True)
+            # before veRL writes latest_checkpointed_iteration.txt: a checkpoint it resumes from has it
+            torch.save(state_of(self).state_dict(), os.path.join(folder, STATE_FILE))
+        return original(self, *args, **kwargs)
+
+    return _save_checkpoint
+
+
+def _loading(original):
+    @functools.wraps(original)
+    def _load_checkpoint(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if enabled(self.config) and int(getattr(self, "global_steps", 0)) > 0:
+            path = os.path.join(_step_folder(self, resuming=True), STATE_FILE)
+            state = state_of(self)
+            if os.path.isfile(path):
+                state.load_state_dict(torch.load(path, weights_only=False))
+            else:
+                warnings.warn(f"cppo: checkpoint {os.path.dirname(path)} has no selective-rollout state "
+                              f"({STATE_FILE}); resuming with an empty history and the initial rates",
+                              stacklevel=2)
+        return out
+
+    return _load_checkpoint
+
+
+_MAKERS = {"_fetch_one_gen_batch": _fetching, "_save_checkpoint": _saving, "_load_checkpoint": _loading}
+
+
+def _patch(module) -> None:
+    cls = getattr(module, TARGET[1], None)
+    for name in SEAMS:
+        if cls is None or name not in cls.__dict__:
+            raise RuntimeError(f"cppo: {TARGET[0]}.{TARGET[1]}.{name} is gone; veRL changed (pinned 0.9.1)")
+        wrap(cls, name, _MAKERS[name], tag=WRAP_TAG)
+
+
+def install() -> None:
+    """Wrap the three seams when veRL's V1 trainer module is imported (idempotent)."""
+    after_import(TARGET[0], _patch)
+
+
+def uninstall() -> None:
+    """Remove the wrappers (tests)."""
+    import sys
+
+    from .. import importhook
+
+    importhook.remove(_patch)
+    module = sys.modules.get(TARGET[0])
+    if module is not None:
+        for name in SEAMS:
+            unwrap(getattr(module, TARGET[1]), name, tag=WRAP_TAG)
