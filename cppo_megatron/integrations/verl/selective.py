@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import os
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ from ..wrap import unwrap, wrap
 from .runconfig import cppo_config_from, selective_enabled
 
 __all__ = [
-    "ATTR",
+    "has_state",
     "STATE_FILE",
     "TARGET",
     "VerlSelective",
@@ -60,7 +61,8 @@ __all__ = [
 ]
 
 STATE_FILE = "cppo_selective.pt"  # beside veRL's files in global_step_N/
-ATTR = "_cppo_selective"  # the trainer attribute holding the run's VerlSelective
+# each trainer's VerlSelective, kept beside the host object rather than set on it (it dies with it)
+_STATES: weakref.WeakKeyDictionary[Any, VerlSelective] = weakref.WeakKeyDictionary()
 TARGET = ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer")
 SEAMS = ("_fetch_one_gen_batch", "_save_checkpoint", "_load_checkpoint")
 WRAP_TAG = __name__
@@ -248,11 +250,14 @@ class VerlSelective:
 
 def state_of(trainer: Any) -> VerlSelective:
     """The trainer's ``VerlSelective``, created on first use from its config and train dataset."""
-    state = getattr(trainer, ATTR, None)
-    if state is None:
-        state = VerlSelective(cppo_config_from(trainer.config), num_prompts=len(trainer.train_dataset))
-        setattr(trainer, ATTR, state)
-    return state
+    if trainer not in _STATES:
+        _STATES[trainer] = VerlSelective(cppo_config_from(trainer.config), num_prompts=len(trainer.train_dataset))
+    return _STATES[trainer]
+
+
+def has_state(trainer: Any) -> bool:
+    """Whether selective rollout has acted on this trainer (``state_of`` was called)."""
+    return trainer in _STATES
 
 
 def record(trainer: Any, uids: list[str], rewards: torch.Tensor, metrics: dict) -> None:

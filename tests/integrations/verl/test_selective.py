@@ -160,7 +160,7 @@ def test_the_seams_are_installed_and_inert_without_selective_rollout(config, tq,
     trainer.global_steps = 1
     trainer.step(tq)
     assert trainer.agent_loop_manager.generated == ORDER[:16]  # veRL's order, nothing skipped
-    assert not hasattr(trainer, selective.ATTR)
+    assert not selective.has_state(trainer)
 
 
 def planted_history() -> SelectiveHistory:
