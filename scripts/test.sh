@@ -25,6 +25,9 @@ if [[ "${VERL_VLLM_TESTS:-1}" == "1" ]]; then
   bash scripts/setup_verl_vllm.sh
 fi
 export PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# each pytest leaves with its own status once its summary is out, skipping the interpreter's
+# finalization, where in-process Ray/ZeroMQ teardown once crashed a passed run (tests/conftest.py)
+export CPPO_PYTEST_HARD_EXIT=1
 CACHE=${CPPO_CACHE:-$HOME/.cache/cppo-megatron}
 # each pytest lists its tests (and module set-ups) over 20 s: what the CI time is made of
 DURATIONS="--durations=40 --durations-min=20"
