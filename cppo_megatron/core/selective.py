@@ -94,7 +94,9 @@ __all__ = [
     "decide_skips",
     "fill_batch",
     "group_outcomes",
+    "load_run_state",
     "prompt_uniforms",
+    "run_state",
     "selective_metrics",
     "target_shares",
 ]
@@ -556,6 +558,28 @@ class ExplorationRates:
     def __post_init__(self) -> None:
         object.__setattr__(self, "p_easy", _check_probability("p_easy", self.p_easy))
         object.__setattr__(self, "p_hard", _check_probability("p_hard", self.p_hard))
+
+
+def run_state(history: SelectiveHistory, rates: ExplorationRates, totals: dict[str, float]) -> dict[str, Any]:
+    """What a host saves of a selective-rollout run: the history (its event log), the rates and
+    the running counters, as plain tensors and numbers (``load_run_state`` reads it back)."""
+    return {"history": history.state_dict(), "rates": {"p_easy": rates.p_easy, "p_hard": rates.p_hard},
+            "totals": dict(totals)}
+
+
+def load_run_state(state: Any, counters: Sequence[str]) -> tuple[SelectiveHistory, ExplorationRates, dict[str, float]]:
+    """(history, rates, totals) from ``run_state``'s dict; ``counters``: the names the host keeps
+    (a missing one is 0). A malformed entry or an unknown counter is a ValueError naming it."""
+    if not isinstance(state, dict) or not {"history", "rates", "totals"} <= set(state):
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"selective rollout state must have history, rates and totals, got {got}")
+    history = SelectiveHistory()
+    history.load_state_dict(state["history"])
+    rates = ExplorationRates(**state["rates"])
+    unknown = sorted(set(state["totals"]) - set(counters))
+    if unknown:
+        raise ValueError(f"selective rollout state: unknown counter(s) {unknown}; known: {list(counters)}")
+    return history, rates, {k: float(state["totals"].get(k, 0.0)) for k in counters}
 
 
 def target_shares(alpha: float) -> tuple[float, float]:

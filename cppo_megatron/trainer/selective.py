@@ -17,7 +17,6 @@ every rank), so the history and the decisions are identical on every rank.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import sys
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from ..core import (
     group_outcomes,
     target_shares,
 )
+from ..core.selective import load_run_state, run_state
 from ..core.settings import CPPOConfig
 
 __all__ = ["STATE_KEY", "SelectiveRollout", "record_outcomes"]
@@ -189,22 +189,11 @@ class SelectiveRollout:
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
         """History (its event log), rates and running counters: plain tensors and numbers."""
-        return {"history": self.history.state_dict(), "rates": dataclasses.asdict(self.rates),
-                "totals": dict(self.totals)}
+        return run_state(self.history, self.rates, self.totals)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``; a malformed entry is an error naming it."""
-        if not isinstance(state, dict) or not {"history", "rates", "totals"} <= set(state):
-            got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"selective rollout state must have history, rates and totals, got {got}")
-        history = SelectiveHistory()
-        history.load_state_dict(state["history"])
-        rates = ExplorationRates(**state["rates"])
-        unknown = sorted(set(state["totals"]) - set(_TOTALS))
-        if unknown:
-            raise ValueError(f"selective rollout state: unknown counter(s) {unknown}; known: {list(_TOTALS)}")
-        self.history, self.rates = history, rates
-        self.totals = {k: float(state["totals"].get(k, 0.0)) for k in _TOTALS}
+        self.history, self.rates, self.totals = load_run_state(state, _TOTALS)
 
 
 def record_outcomes(history: SelectiveHistory, prompt_ids: torch.Tensor, rewards: torch.Tensor,
