@@ -65,7 +65,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated of " + ",".join(GENERATION) + " (default all): what each arm generates; "
                              "selective = cppo.selective_rollout (GRESO: skip prompts whose recent groups all had "
                              "equal rewards), dapo = cppo.dynamic_sampling (drop zero-variance groups, refill); "
-                             "crossed with every rate, metric and allocation (embedded trainer only)")
+                             "crossed with every rate, metric and allocation; with a veRL recipe every arm then runs "
+                             "veRL's V1 loop (the one that filters and that selective rollout hooks)")
+    parser.add_argument("--exclude", default=None,
+                        help="comma-separated arms to leave out, by run name without the seed (e.g. "
+                             "p0_grpo_alloc_selective: GRPO with selective rollout); an unknown name lists the arms")
     parser.add_argument("--seeds", type=int, default=3,
                         help="seeds per configuration (default 3); a winner is named only with >= 2 seeds and a "
                              "difference beyond the combined seed spread")

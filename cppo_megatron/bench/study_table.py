@@ -12,9 +12,9 @@ import math
 import statistics
 from pathlib import Path
 
-__all__ = ["DEFAULT", "FULL", "GENERATION", "METRIC_SETTINGS", "add_time_to_target", "compare", "config_key",
-           "default_target", "findings", "grid", "plot_curves", "run_id", "sd_or_zero", "summarize", "time_to_target",
-           "verdict_line", "write_csv"]
+__all__ = ["DEFAULT", "FULL", "GENERATION", "METRIC_SETTINGS", "add_time_to_target", "arm_name", "compare",
+           "config_key", "default_target", "findings", "generation_findings", "grid", "plot_curves", "run_id",
+           "sd_or_zero", "summarize", "time_to_target", "verdict_line", "write_csv"]
 
 DEFAULT = {"rates": "0,0.5,0.875", "metrics": "smallest,random,largest", "allocation": "on"}
 FULL = {"rates": "0,0.5,0.75,0.875,0.9375", "metrics": "smallest,random,largest,signed", "allocation": "both"}
@@ -74,7 +74,28 @@ def grid(args) -> list[dict]:
         if not args.no_control:
             runs.append({"kind": "control", "P": None, "metric": "sft", "allocation": None, "seed": seed,
                          "keep_mass": None, "generation": None})
-    return runs
+    return _exclude(runs, getattr(args, "exclude", None))
+
+
+def arm_name(spec: dict) -> str:
+    """The run's name without its seed (``p0_grpo_alloc_selective``): what ``--exclude`` takes."""
+    return run_id(spec).rsplit("_s", 1)[0]
+
+
+def _exclude(runs: list[dict], exclude: str | None) -> list[dict]:
+    """``runs`` without the arms named in ``exclude`` (comma-separated ``arm_name``s); a name that
+    is not one of the grid's arms is a ValueError listing them."""
+    if not exclude:
+        return runs
+    names = [n.strip() for n in exclude.split(",") if n.strip()]
+    arms = list(dict.fromkeys(arm_name(r) for r in runs))
+    unknown = [n for n in names if n not in arms]
+    if unknown:
+        raise ValueError(f"--exclude {unknown}: not an arm of this study; its arms are {arms}")
+    kept = [r for r in runs if arm_name(r) not in names]
+    if not kept:
+        raise ValueError(f"--exclude {exclude}: no arm left to run")
+    return kept
 
 
 def run_id(spec: dict) -> str:
@@ -209,14 +230,14 @@ def findings(table: list[dict]) -> list[str]:
         eq = [f"{t['config']} {t[key]:.3f}" for t in table if t.get(key) is not None and t["metric"] != "sft"]
         if len(eq) > 1:  # GRPO and at least one pruned run were read at GRPO's prompts
             out.append("at equal prompts drawn (GRPO's final count, the paper's comparison): " + ", ".join(eq))
-    out += _generation_findings(arms, by)
+    out += generation_findings(arms, by)
     ctrl = next((t for t in table if t["metric"] == "sft"), None)
     if ctrl:
         out.append(f"supervised control for the same time: {ctrl['final acc (mean)']:.3f}")
     return out
 
 
-def _generation_findings(arms: list[dict], by: dict) -> list[str]:
+def generation_findings(arms: list[dict], by: dict) -> list[str]:
     """Each arm that changes what is generated (selective rollout, the DAPO filter) against the
     same arm generating everything, and a pruned one against the filter alone (DAPO + CPPO vs
     DAPO); with its generation tokens per step where the rows have them."""

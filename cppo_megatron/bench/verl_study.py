@@ -9,7 +9,12 @@ whatever engine the recipe names) from the same exported start model and data:
 - ``cppo P no-alloc``: P with GRPO's prompt count (the update batch shrinks by k/G).
 
 ``--rates``, ``--metrics`` and ``--allocation`` choose the arms as in the embedded study
-(default: P in {0, 0.875}, metric ``smallest``, allocation both ways).
+(default: P in {0, 0.875}, metric ``smallest``, allocation both ways). ``--generation
+all,selective,dapo`` crosses them with what is generated: ``selective`` (``cppo.selective_rollout``,
+GRESO's skip before generation) and ``dapo`` (veRL's own ``algorithm.filter_groups``: groups with
+equal rewards are dropped in its replay buffer and refilled); both live in veRL's V1 loop only, so
+a study with any of them runs every arm on V1 (``trainer.use_v1=true``), the arms generating
+everything too. ``--exclude`` leaves arms out by name (``p0_grpo_alloc_selective``).
 
 Equal wall time. Every run trains for ``--budget`` seconds of wall time, counted from the
 moment the start weights reach the rollout (veRL's initial weight sync: Ray and worker
@@ -34,6 +39,11 @@ includes the run's own processes: about 2 on a 2-core machine).
 Outputs in ``--out``: ``study_verl.{json,md,png}`` (accuracy vs wall time per arm with seed
 bands; the step-time split per arm), ``study.csv`` (one row per run), each run's directory
 ``runs/ID`` (veRL log, ``metrics.jsonl``, the clock's syncs and snapshots, ``result.json``).
+
+Cost per arm. The ``hf`` rollout server counts the completions it generated and their tokens at
+every weight sync (``syncs.jsonl``): completions generated and generation tokens per step include
+what the DAPO filter dropped and CPPO pruned; prompts consumed from the data set are the
+completions generated / G plus the prompts selective rollout skipped (``selective/prompts_skipped``).
 """
 
 from __future__ import annotations
@@ -52,7 +62,10 @@ from .heldout import Evaluator
 from .load import LoadSampler
 from .report import Report, median, publish
 from .study_table import (
+    GENERATION,
+    arm_name,
     default_target,
+    generation_findings,
     grid,
     plot_curves,
     run_id,
@@ -62,8 +75,8 @@ from .study_table import (
     write_csv,
 )
 
-__all__ = ["arm_overrides", "default_target", "interleave", "is_verl_recipe", "phase_split", "run",
-           "run_overrides", "time_to_target", "verdicts"]
+__all__ = ["DAPO_OVERRIDES", "arm_overrides", "default_target", "generation_counts", "interleave", "is_verl_recipe",
+           "phase_split", "run", "run_overrides", "time_to_target", "verdicts"]
 
 VERL_DEFAULTS = {"rates": "0,0.875", "metrics": "smallest", "allocation": "both"}
 VERL_METRICS = ("smallest", "random", "largest", "signed")
@@ -72,6 +85,11 @@ PHASES = ("gen", "old_log_prob", "ref", "adv", "update_actor", "update_weights")
 # (integrations/verl/clock.py); it replaces a recipe's vLLM rollout
 STUDY_ROLLOUT, ROLLOUT_KEY = "hf", "actor_rollout_ref.rollout.name"
 STEP_LIMIT = 1_000_000  # veRL needs a step count; the clock ends the run long before
+# --generation dapo: veRL's own group filter (V1's sync replay buffer), as recipes/verl/tiny_cpu_dapo_cppo.yaml
+DAPO_OVERRIDES = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=reward",
+                  "algorithm.filter_groups.max_inflight_gen_batches=1"]
+# what --generation sets in veRL (the embedded study's keys are the trainer's: study_table.GENERATION)
+VERL_GENERATION = {"all": [], "selective": ["cppo.selective_rollout=true"], "dapo": DAPO_OVERRIDES}
 
 
 def is_verl_recipe(path: str | Path) -> bool:
@@ -86,7 +104,8 @@ def is_verl_recipe(path: str | Path) -> bool:
 # ------------------------------------------------------------------------------ arms and order
 def arm_overrides(spec: dict) -> list[str]:
     """veRL overrides of one arm: the ``cppo`` estimator at P (0 for GRPO), its metric and
-    allocation, and the seed in every place veRL and the plugin draw from."""
+    allocation, the seed in every place veRL and the plugin draw from, and what it generates
+    (``spec["generation"]``: nothing more for ``all``; selective rollout; veRL's DAPO filter)."""
     metric = "smallest" if spec["metric"] == "grpo" else spec["metric"]
     if metric not in VERL_METRICS:
         raise ValueError(f"study on veRL: metric {spec['metric']!r} is not available there; use one of {VERL_METRICS}")
@@ -97,16 +116,22 @@ def arm_overrides(spec: dict) -> list[str]:
            f"cppo.use_abs={'false' if metric == 'signed' else 'true'}",
            f"cppo.seed={seed}", f"data.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}",
            f"actor_rollout_ref.actor.data_loader_seed={seed}"]
-    return out
+    gen = spec.get("generation") or "all"
+    if gen not in VERL_GENERATION:
+        raise ValueError(f"study on veRL: generation {gen!r} is not available there; "
+                         f"use one of {list(VERL_GENERATION)}")
+    return out + VERL_GENERATION[gen]
 
 
-def run_overrides(run_dir: Path, model_dir: Path, data_dir: Path, run_id: str) -> list[str]:
+def run_overrides(run_dir: Path, model_dir: Path, data_dir: Path, run_id: str, *, use_v1: bool = False) -> list[str]:
     """What every study run sets: its own run directory, the shared start model and data, the
-    legacy loop (the budget stop is installed there), no validation or checkpoint inside the
-    budget, and a step count the clock never reaches."""
+    loop (legacy, or V1 for a study with selective rollout or the DAPO filter; the budget stop is
+    installed in both), no validation or checkpoint inside the budget, and a step count the clock
+    never reaches."""
     return [f"cppo_cpu.run_dir={run_dir}", f"cppo_cpu.model_dir={model_dir}", f"cppo_cpu.data_dir={data_dir}",
             f"trainer.experiment_name={run_id}", f"trainer.total_training_steps={STEP_LIMIT}",
-            "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.use_v1=false"]
+            "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
+            f"trainer.use_v1={'true' if use_v1 else 'false'}"]
 
 
 def interleave(runs: list[dict]) -> list[dict]:
@@ -177,7 +202,7 @@ def phase_split(metrics: dict[int, dict], steps: list[int], skip: int = 1,
 
 
 def run_one(recipe: str, user_overrides: list[str], spec: dict, out: Path, model_dir: Path, data_dir: Path,
-            budget: float, marks: list[float], timeout_s: float) -> dict:
+            budget: float, marks: list[float], timeout_s: float, *, use_v1: bool = False) -> dict:
     """One arm-seed: the veRL run under the clock; returns the raw result (no evaluation)."""
     from ..integrations.verl import clock
 
@@ -190,10 +215,11 @@ def run_one(recipe: str, user_overrides: list[str], spec: dict, out: Path, model
         shutil.rmtree(run_dir)  # a clean slate: veRL's file logger appends, the clock's logs too
     clock.write_settings(clock_dir, budget, marks)
     args_list = [sys.executable, "-m", "cppo_megatron.integrations.verl.main", recipe, *user_overrides,
-                 *arm_overrides(spec), *run_overrides(run_dir, model_dir, data_dir, name)]
+                 *arm_overrides(spec), *run_overrides(run_dir, model_dir, data_dir, name, use_v1=use_v1)]
     env = {**os.environ, clock.ENV: str(clock_dir)}
     env.pop("CPPO_VERL_AUDIT", None)
-    print(f"study verl: {name}: {' '.join(arm_overrides(spec)[:3])} for {budget:g} s (log {run_dir / 'verl.log'})",
+    arm = arm_overrides(spec)
+    print(f"study verl: {name}: {' '.join(arm[:3] + arm[9:10])} for {budget:g} s (log {run_dir / 'verl.log'})",
           flush=True)
     with LoadSampler() as load:
         rc, wall = _run_verl(args_list, env, run_dir / "verl.log", budget + timeout_s)
@@ -205,9 +231,38 @@ def run_one(recipe: str, user_overrides: list[str], spec: dict, out: Path, model
     return result
 
 
-def evaluate_run(result: dict, out: Path, evaluator: Evaluator, start: dict) -> dict:
+def generation_counts(sync_rows: list[dict], metrics: dict[int, dict], step: int, group_size: int) -> dict | None:
+    """What a run generated in its first ``step`` steps, from the ``hf`` rollout server's counters
+    at its last weight sync of a step <= ``step`` (``syncs.jsonl``).
+
+    Args:
+        sync_rows: the clock's sync records (``step``, ``requests``, ``tokens``: cumulative).
+        metrics: veRL's metrics per step (``selective/prompts_skipped`` where selective rollout ran).
+        step: the last step counted (>= 0).
+        group_size: G, completions per prompt (``actor_rollout_ref.rollout.n``).
+
+    Returns:
+        ``completions`` generated and generation ``tokens`` (both including what the DAPO filter
+        dropped and CPPO pruned), ``skipped`` prompts, ``prompts`` consumed from the data set
+        (completions / G + skipped) and ``tokens_per_step``; None when the sync log carries no
+        counters (a run from before they were logged).
+    """
+    if int(group_size) < 1 or int(step) < 0:
+        raise ValueError(f"generation_counts: group_size must be >= 1 and step >= 0, got {group_size}, {step}")
+    rows = [r for r in sync_rows if int(r["step"]) <= step and "tokens" in r]
+    if not rows:
+        return None
+    last = max(rows, key=lambda r: (int(r["step"]), float(r["elapsed"])))
+    completions, tokens = int(last["requests"]), int(last["tokens"])
+    skipped = float(sum(metrics.get(s, {}).get("selective/prompts_skipped", 0.0) for s in range(1, step + 1)))
+    return {"completions": completions, "tokens": tokens, "skipped": skipped,
+            "prompts": completions / group_size + skipped, "tokens_per_step": tokens / step if step else 0.0}
+
+
+def evaluate_run(result: dict, out: Path, evaluator: Evaluator, start: dict, group_size: int) -> dict:
     """The study row of a finished run: accuracy of the policy in force at each mark (one
-    shared evaluator), prompts and completions up to it, the step-time split, the load."""
+    shared evaluator), prompts consumed and completions generated and trained up to it,
+    generation tokens per step, the step-time split, the load."""
     from ..integrations.verl import clock
 
     spec = result["spec"]
@@ -219,26 +274,35 @@ def evaluate_run(result: dict, out: Path, evaluator: Evaluator, start: dict) -> 
     def upto(step: int, key: str) -> float:
         return float(sum(metrics.get(s, {}).get(key, 0.0) for s in range(1, step + 1)))
 
+    def prompts(step: int) -> float:
+        g = generation_counts(c["sync_rows"], metrics, step, group_size)
+        return g["prompts"] if g is not None else upto(step, "cppo/num_groups")
+
     curve = [[0.0, start["accuracy"], 0.0]]
     final_eval = start
     for m in c["settings"].marks:
         pol = c["policies"][m]
         ev = evaluator.accuracy(pol["file"])
-        curve.append([m, ev["accuracy"], upto(int(pol["step"]), "cppo/num_groups")])
+        curve.append([m, ev["accuracy"], prompts(int(pol["step"]))])
         final_eval = ev
     step_at_budget = int(c["policies"][budget]["step"])
     trained = [s for s in range(1, step_at_budget + 1)]
     syncs = dict(c["syncs"])
     gen_total = {int(r["step"]): float(r["generate_s"]) for r in c["sync_rows"] if "generate_s" in r}
     gen_per_step = {s: gen_total[s] - gen_total[s - 1] for s in gen_total if s - 1 in gen_total}
+    counts = generation_counts(c["sync_rows"], metrics, step_at_budget, group_size)
     return {
         "run": result["run"], **spec,
         "steps": step_at_budget,
         "accuracy_start": start["accuracy"],
         "accuracy_final": final_eval["accuracy"],
         "eval_stderr": final_eval["stderr"],
-        "prompts_drawn": upto(step_at_budget, "cppo/num_groups"),
-        "completions_generated": upto(step_at_budget, "cppo/num_completions"),
+        "prompts_drawn": prompts(step_at_budget),
+        "completions_generated": (counts["completions"] if counts is not None
+                                  else upto(step_at_budget, "cppo/num_completions")),
+        "gen_tokens_per_step": counts["tokens_per_step"] if counts is not None else None,
+        "prompts_skipped": upto(step_at_budget, "selective/prompts_skipped"),
+        "groups_filtered": upto(step_at_budget, "training/filter_groups/evicted_samples"),
         "completions_trained": upto(step_at_budget, "cppo/num_kept"),
         "accuracy_at_grpo_prompts": None,
         "prompts_at_grpo_prompts": None,
@@ -255,10 +319,13 @@ def evaluate_run(result: dict, out: Path, evaluator: Evaluator, start: dict) -> 
 def verdicts(table: list[dict]) -> list[str]:
     """The CPPO arms against GRPO at the budget (``study_table.compare``: a winner only beyond the
     combined seed spread with >= 2 seeds a side)."""
+    arms = table
+    table = [t for t in table if (t.get("generation") or "all") == "all"]
     grpo = next((t for t in table if t["P"] == 0), None)
     out: list[str] = []
+    by = {(t["P"], t["metric"], t["allocation"]): t for t in table}
     if grpo is None:
-        return out
+        return out + generation_findings(arms, by)
     for t in table:
         if not t["P"]:
             continue
@@ -268,18 +335,19 @@ def verdicts(table: list[dict]) -> list[str]:
                       and not o["allocation"]), None) if t["P"] else None
         if other is not None:
             out.append(verdict_line(t, other, name_a=f"CPPO {t['config']} (allocation)", name_b=other["config"]))
-    return out
+    return out + generation_findings(arms, by)
 
 
 def _arm_key(row: dict) -> tuple:
-    return (row["kind"], row["P"], row["metric"], row["allocation"])
+    return (row["kind"], row["P"], row["metric"], row["allocation"], row.get("generation") or "all")
 
 
 def enrich(table: list[dict], rows: list[dict], target: float) -> None:
     """Add time to ``target``, steps within the budget, the step-time split and the load to
     each summary row (in place)."""
     for t in table:
-        rs = [r for r in rows if _arm_key(r) == (t.get("kind", "rl"), t["P"], t["metric"], t["allocation"])]
+        rs = [r for r in rows if _arm_key(r) == (t.get("kind", "rl"), t["P"], t["metric"], t["allocation"],
+                                                 t.get("generation") or "all")]
         times = [time_to_target(r["curve"], target) for r in rs]
         reached = [x for x in times if x is not None]
         t["time to target (s)"] = statistics.mean(reached) if reached else None
@@ -325,15 +393,16 @@ def why_notes(table: list[dict]) -> list[str]:
 
 def _label(r: dict) -> str:
     """``GRPO``, ``CPPO P=0.875``, ``CPPO P=0.875 no-alloc`` (plus a non-default metric)."""
+    gen = GENERATION[r.get("generation") or "all"][1]
     if not r["P"]:
-        return "GRPO"
+        return f"GRPO{gen}"
     metric = "" if r["metric"] == "smallest" else f" {r['metric']}"
-    return f"CPPO P={r['P']:g}{metric}{'' if r['allocation'] else ' no-alloc'}"
+    return f"CPPO P={r['P']:g}{metric}{'' if r['allocation'] else ' no-alloc'}{gen}"
 
 
 def _plot(fig, rows: list[dict], table: list[dict], target: float) -> None:
     ax1 = fig.add_subplot(1, 2, 1)
-    names = {r["run"].rsplit("_s", 1)[0]: _label(r) for r in rows}
+    names = {arm_name(r): _label(r) for r in rows}
     plot_curves(ax1, rows, xlabel="wall time in veRL (s)", label=lambda n: names.get(n, n))
     ax1.axhline(target, color="grey", ls=":", lw=1)
     ax2 = fig.add_subplot(1, 2, 2)
@@ -367,8 +436,10 @@ def _verl_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--metrics {unknown}: not available in veRL; choose from {list(VERL_METRICS)}")
     for o in args.overrides:
         if o.split("=", 1)[0].lstrip("+") in ("trainer.use_v1", "trainer.total_training_steps", "cppo.pruning_rate",
-                                              "cppo.allocation", "algorithm.adv_estimator"):
-            raise ValueError(f"override {o!r}: the study sets it per arm (legacy loop, budget, arms)")
+                                              "cppo.allocation", "algorithm.adv_estimator", "cppo.selective_rollout",
+                                              "algorithm.filter_groups.enable"):
+            raise ValueError(f"override {o!r}: the study sets it per arm (loop, budget, arms; --generation for "
+                             "selective rollout and the DAPO filter)")
     return a
 
 
@@ -396,10 +467,8 @@ def run(args: argparse.Namespace) -> int:
     a = _verl_args(args)
     if a.seeds < 1 or a.budget <= 0 or a.evals < 1:
         raise ValueError(f"--seeds, --budget, --evals must be positive, got {a.seeds}, {a.budget}, {a.evals}")
-    if (getattr(a, "generation", None) or "all") != "all":
-        raise ValueError(f"--generation {a.generation}: the veRL study runs every arm generating all prompts drawn; "
-                         "selective rollout and the DAPO filter are compared in the embedded study "
-                         "(cppo-megatron study recipes/tiny_cpu.yaml --generation all,selective,dapo)")
+    gens = [g.strip() for g in (getattr(a, "generation", None) or "all").split(",")]
+    use_v1 = any(g != "all" for g in gens)  # selective rollout and veRL's filter exist in V1 only
     recipe = str(Path(a.recipe).resolve())
     overrides = list(a.overrides)
     config = compose(recipe, overrides)
@@ -440,9 +509,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"study verl: reusing {result['run']}", flush=True)
         else:
             result = run_one(recipe, overrides, spec, out, model_dir, data_dir, a.budget, marks,
-                             a.run_timeout)
+                             a.run_timeout, use_v1=use_v1)
         torch.set_num_threads(choose_threads())
-        row = evaluate_run(result, out, evaluator, start)
+        row = evaluate_run(result, out, evaluator, start, int(config.actor_rollout_ref.rollout.n))
         rows.append(row)
         write_csv(out / "study.csv", [{k: v for k, v in r.items() if k != "phases"} for r in rows])
         print(f"[{i + 1}/{len(runs)}] {row['run']}: accuracy {row['accuracy_start']:.3f} -> "
@@ -472,12 +541,13 @@ def run(args: argparse.Namespace) -> int:
     report = Report(
         name="study_verl",
         title=(f"study in veRL on {Path(a.recipe).name}: {a.budget:g} s of wall time per run, {a.seeds} seed(s), "
-               f"legacy loop, {config.actor_rollout_ref.actor.strategy} engine"),
+               f"{'V1' if use_v1 else 'legacy'} loop, {config.actor_rollout_ref.actor.strategy} engine"),
         params={"recipe": a.recipe, "overrides": overrides, "rates": a.rates, "metrics": a.metrics,
-                "allocation": a.allocation, "seeds": a.seeds, "budget": a.budget, "evals": a.evals,
+                "allocation": a.allocation, "generation": ",".join(gens), "exclude": getattr(a, "exclude", None),
+                "seeds": a.seeds, "budget": a.budget, "evals": a.evals,
                 "eval_problems": a.eval_problems, "target": target, "order": [r["run"] for r in rows]},
         columns=["config", "seeds", "final acc (mean)", "seed spread (sd)", "eval stderr", "time to target (s)",
-                 "reached", "steps", "prompts", "trained", "s/step", "gen share", "load (mean)"],
+                 "reached", "steps", "prompts", "trained", "gen tokens/step", "s/step", "gen share", "load (mean)"],
         rows=table,
         notes=notes,
         extras={"runs": rows, "start": start, "marks": marks},

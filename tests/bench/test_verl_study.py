@@ -50,6 +50,45 @@ def test_default_arms_their_configs_and_the_rotated_seed_major_order():
     assert by_id["p0.875_smallest_noalloc_s2"][-4:] == [s.replace("=1", "=2") for s in seed1]
 
 
+def test_generation_arms_the_five_of_the_study_and_what_each_sets_in_verl(tmp_path):
+    """--generation all,selective,dapo --exclude p0_grpo_alloc_selective: GRPO, DAPO (GRPO + veRL's
+    filter), CPPO, CPPO + selective rollout, DAPO + CPPO; each arm's veRL keys, and V1 for all."""
+    args = verl_study._verl_args(parse([GRPO_RECIPE, "--seeds", "1", "--rates", "0,0.875", "--allocation", "on",
+                                        "--generation", "all,selective,dapo", "--exclude", "p0_grpo_alloc_selective"]))
+    runs = study_table.grid(args)
+    assert [study_table.run_id(r) for r in runs] == [
+        "p0_grpo_alloc_s0", "p0_grpo_alloc_dapo_s0",
+        "p0.875_smallest_alloc_s0", "p0.875_smallest_alloc_selective_s0", "p0.875_smallest_alloc_dapo_s0"]
+    tail = {study_table.run_id(r): verl_study.arm_overrides(r)[9:] for r in runs}
+    assert tail == {"p0_grpo_alloc_s0": [], "p0.875_smallest_alloc_s0": [],
+                    "p0_grpo_alloc_dapo_s0": verl_study.DAPO_OVERRIDES,
+                    "p0.875_smallest_alloc_dapo_s0": verl_study.DAPO_OVERRIDES,
+                    "p0.875_smallest_alloc_selective_s0": ["cppo.selective_rollout=true"]}
+    assert verl_study.DAPO_OVERRIDES[:2] == ["algorithm.filter_groups.enable=true",
+                                             "algorithm.filter_groups.metric=reward"]
+    o = verl_study.run_overrides(tmp_path / "r", tmp_path / "m", tmp_path / "d", "x", use_v1=True)
+    assert "trainer.use_v1=true" in o and "trainer.use_v1=false" not in o
+    with pytest.raises(ValueError, match=r"--exclude \['p0_nope'\]: not an arm.*p0_grpo_alloc_selective"):
+        study_table.grid(verl_study._verl_args(parse([GRPO_RECIPE, "--generation", "all,selective",
+                                                      "--exclude", "p0_nope"])))
+
+
+def test_generation_counts_read_the_rollout_servers_counters_and_the_skipped_prompts():
+    """Prompts consumed = completions generated / G + prompts skipped; tokens per step from the
+    cumulative counter at the last sync of a step <= the one asked."""
+    syncs = [{"step": 0, "elapsed": 0.0, "requests": 0, "tokens": 0},
+             {"step": 1, "elapsed": 5.0, "requests": 64, "tokens": 300},
+             {"step": 2, "elapsed": 9.0, "requests": 160, "tokens": 700},   # DAPO refill: 6 prompts of G=16
+             {"step": 3, "elapsed": 14.0, "requests": 224, "tokens": 1000}]
+    metrics = {1: {}, 2: {"selective/prompts_skipped": 3.0}, 3: {"selective/prompts_skipped": 1.0}}
+    got = verl_study.generation_counts(syncs, metrics, 2, 16)
+    assert got == {"completions": 160, "tokens": 700, "skipped": 3.0, "prompts": 13.0, "tokens_per_step": 350.0}
+    assert verl_study.generation_counts(syncs, metrics, 3, 16)["prompts"] == 224 / 16 + 4
+    assert verl_study.generation_counts([{"step": 1, "elapsed": 1.0}], metrics, 1, 16) is None  # old logs
+    with pytest.raises(ValueError, match="group_size must be >= 1"):
+        verl_study.generation_counts(syncs, metrics, 1, 0)
+
+
 def test_every_run_is_a_legacy_loop_run_without_validation_inside_its_budget(tmp_path):
     o = verl_study.run_overrides(tmp_path / "r", tmp_path / "m", tmp_path / "d", "p0_grpo_alloc_s0")
     assert f"cppo_cpu.model_dir={tmp_path / 'm'}" in o and f"cppo_cpu.data_dir={tmp_path / 'd'}" in o
@@ -64,6 +103,8 @@ def test_every_run_is_a_legacy_loop_run_without_validation_inside_its_budget(tmp
     (["--metrics", "importance"], "not available in veRL"),
     (["trainer.use_v1=true"], "sets it per arm"),
     (["cppo.pruning_rate=0.5"], "sets it per arm"),
+    (["cppo.selective_rollout=true"], "--generation for selective rollout"),
+    (["algorithm.filter_groups.enable=true"], "--generation for selective rollout and the DAPO filter"),
 ])
 def test_options_the_veRL_study_cannot_honour_are_refused(argv, match):
     with pytest.raises(ValueError, match=match):
@@ -129,7 +170,7 @@ def test_a_run_is_read_at_its_wall_clock_marks(tmp_path):
     result = fake_run(tmp_path, spec, [(0, 0.0), (1, 7.0), (2, 15.0), (3, 22.0), (4, 31.0)], 30.0, [10.0, 20.0, 30.0],
                       {"step": [30.0, 7.0, 8.0, 9.0], "gen": 6.0, "update": 1.0, "prompts": 128.0})
     ev = StepEvaluator()
-    row = verl_study.evaluate_run(result, tmp_path, ev, ev.accuracy(None))
+    row = verl_study.evaluate_run(result, tmp_path, ev, ev.accuracy(None), 16)
     # in force: step 1 at 10 s, step 2 at 20 s, step 3 at 30 s
     assert row["curve"] == [[0.0, 0.2, 0.0], [10.0, pytest.approx(0.21), 128.0], [20.0, pytest.approx(0.22), 256.0],
                             [30.0, pytest.approx(0.23), 384.0]]
@@ -236,7 +277,8 @@ def test_study_command_on_a_verl_recipe_writes_table_figure_and_verdict(tiny_exp
     noise = {k: torch.randn_like(v) for k, v in start.items()}
     calls = []
 
-    def run_one(recipe, user_overrides, spec, out, model_dir, data_dir, budget, marks, timeout_s):
+    def run_one(recipe, user_overrides, spec, out, model_dir, data_dir, budget, marks, timeout_s, use_v1=False):
+        assert use_v1 is False  # no arm needs V1: the legacy loop, as before
         calls.append(study_table.run_id(spec))
         assert model_dir == out_model.resolve() and budget == 20.0 and marks == [10.0, 20.0]
         steps = 4 if spec["P"] == 0 else 2

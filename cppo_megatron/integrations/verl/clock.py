@@ -13,8 +13,8 @@ exported to every Ray process):
   synced before t, i.e. the policy the run had *at* t — are saved for t
   (``DIR/snapshots.jsonl`` + ``policy_stepN.pt``); every sync is logged (``DIR/syncs.jsonl``)
   and the newest weights are kept as ``latest.pt`` (the policy at marks after the run ended);
-- ``install()`` (the legacy ``RayPPOTrainer``): at the start of each step, the step becomes
-  veRL's last one when ``stop_now`` says the budget is (about to be) spent, so veRL ends its
+- ``install()`` (the legacy ``RayPPOTrainer`` and V1's ``PPOTrainer``): at the start of each
+  step, the step becomes veRL's last one when ``stop_now`` says the budget is (about to be) spent, so veRL ends its
   run normally: at most the step in progress at B runs past it, and its result is not used.
 
 Evaluation is not done here: one evaluator, shared by all arms, reads the snapshots afterwards
@@ -41,8 +41,9 @@ __all__ = ["ENV", "ClockSettings", "Snapshots", "install", "policy_at_marks", "r
 
 ENV = "CPPO_VERL_CLOCK"
 SETTINGS = "clock.json"
-WRAP_TAG = __name__  # marks our layer on RayPPOTrainer._get_gen_batch (integrations/wrap.py)
+WRAP_TAG = __name__  # marks our layers on the two loops' step starts (integrations/wrap.py)
 LEGACY = ("verl.trainer.ppo.ray_trainer", "RayPPOTrainer")
+V1 = ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer")
 
 
 @dataclass(frozen=True)
@@ -214,6 +215,28 @@ def _jsonl(path: Path) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------ trainer side
+def _step_start(trainer: Any) -> None:
+    """A training step of ``trainer`` starts: date it, and make it veRL's last step when
+    ``stop_now`` says the budget is (about to be) spent. Only the first call at each global step
+    >= 1 counts (the legacy seam is also called by ``_validate``)."""
+    cfg = settings()
+    state = trainer.__dict__.setdefault("_cppo_clock", {"origin": None, "last": None, "step": None})
+    if cfg is None or int(trainer.global_steps) < 1 or state["step"] == int(trainer.global_steps):
+        return
+    state["step"] = int(trainer.global_steps)
+    now = time.time()
+    if state["origin"] is None:
+        state["origin"] = now
+    elapsed = now - state["origin"]
+    last_step = None if state["last"] is None else elapsed - state["last"]
+    state["last"] = elapsed
+    if stop_now(elapsed, last_step, cfg.budget_s):
+        trainer.total_training_steps = min(int(trainer.total_training_steps), int(trainer.global_steps))
+        with open(cfg.dir / "trainer.jsonl", "a") as f:
+            f.write(json.dumps({"last_step": int(trainer.global_steps), "elapsed": round(elapsed, 3),
+                                "previous_step_s": last_step, "budget_s": cfg.budget_s}) + "\n")
+
+
 def _legacy_gen_batch(original):
     """``RayPPOTrainer._get_gen_batch`` is the first call of every step of the legacy ``fit``,
     before it computes ``is_last_step`` from ``total_training_steps``
@@ -223,24 +246,24 @@ def _legacy_gen_batch(original):
 
     @functools.wraps(original)
     def _get_gen_batch(self, *args: Any, **kwargs: Any):
-        cfg = settings()
-        state = self.__dict__.setdefault("_cppo_clock", {"origin": None, "last": None, "step": None})
-        if cfg is not None and int(self.global_steps) >= 1 and state["step"] != int(self.global_steps):
-            state["step"] = int(self.global_steps)
-            now = time.time()
-            if state["origin"] is None:
-                state["origin"] = now
-            elapsed = now - state["origin"]
-            last_step = None if state["last"] is None else elapsed - state["last"]
-            state["last"] = elapsed
-            if stop_now(elapsed, last_step, cfg.budget_s):
-                self.total_training_steps = min(int(self.total_training_steps), int(self.global_steps))
-                with open(cfg.dir / "trainer.jsonl", "a") as f:
-                    f.write(json.dumps({"last_step": int(self.global_steps), "elapsed": round(elapsed, 3),
-                                        "previous_step_s": last_step, "budget_s": cfg.budget_s}) + "\n")
+        _step_start(self)
         return original(self, *args, **kwargs)
 
     return _get_gen_batch
+
+
+def _v1_step_begin(original):
+    """V1's ``PPOTrainer.on_step_begin`` (verl/trainer/ppo/v1/trainer_base.py:474 in 0.9.1) opens
+    each step of ``fit``, after the loop checked ``global_steps <= total_training_steps``: when
+    this step is made the last one, the loop's own condition ends it after the step, and ``fit``
+    returns through ``on_train_end`` as at its planned end."""
+
+    @functools.wraps(original)
+    def on_step_begin(self, *args: Any, **kwargs: Any):
+        _step_start(self)
+        return original(self, *args, **kwargs)
+
+    return on_step_begin
 
 
 def _patch(module) -> None:
@@ -250,9 +273,18 @@ def _patch(module) -> None:
     wrap(cls, "_get_gen_batch", _legacy_gen_batch, tag=WRAP_TAG)
 
 
+def _patch_v1(module) -> None:
+    cls = getattr(module, V1[1])
+    if "on_step_begin" not in cls.__dict__:
+        raise RuntimeError("cppo clock: V1 PPOTrainer.on_step_begin is gone; veRL changed (pinned 0.9.1)")
+    wrap(cls, "on_step_begin", _v1_step_begin, tag=WRAP_TAG)
+
+
 def install() -> bool:
-    """Install the budget stop in the legacy trainer when ``CPPO_VERL_CLOCK`` is set."""
+    """Install the budget stop in both of veRL's loops (the legacy ``RayPPOTrainer`` and V1's
+    ``PPOTrainer``) when ``CPPO_VERL_CLOCK`` is set."""
     if not os.environ.get(ENV):
         return False
     after_import(LEGACY[0], _patch)
+    after_import(V1[0], _patch_v1)
     return True

@@ -104,8 +104,9 @@ CPU_PINNED = {
     "verl.experimental.agent_loop.agent_loop:AgentLoopWorker.generate_sequences": "aaf4c62352a565b3",
     "verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_old_log_prob": "e9ee1fc72ac57177",
     "verl.trainer.ppo.ray_trainer:RayPPOTrainer._compute_old_log_prob": "37936dd4c6debf30",
-    # the wall-clock budget of the veRL study (clock.py): the first call of a legacy step
+    # the wall-clock budget of the veRL study (clock.py): the first call of a legacy step, V1's step start
     "verl.trainer.ppo.ray_trainer:RayPPOTrainer._get_gen_batch": "9a436d3f19493c7b",
+    "verl.trainer.ppo.v1.trainer_base:PPOTrainer.on_step_begin": "5310153b568e3d43",
     # separate_async on CPU: the old-policy copy that aliased (seams.py), the worker methods using it,
     # and the checkpoint-engine protocol our cpu engine implements (checkpoint_engine.py)
     "verl.utils.fsdp_utils:fsdp2_sharded_save_to_cpu": "ecdb335bb1d3948f",

@@ -146,6 +146,46 @@ def test_legacy_trainer_stops_at_the_budget(tmp_path, monkeypatch):
     assert rec == {"last_step": 3, "elapsed": 8.0, "previous_step_s": 4.0, "budget_s": 10.0}
 
 
+def test_v1_trainer_stops_at_the_budget_through_its_own_loop_condition(tmp_path, monkeypatch):
+    """V1's wrapped ``on_step_begin``: steps start at 0, 4, 8 s; budget 10 s: the step starting at
+    8 s becomes the last (``total_training_steps`` = 3), so V1's ``while global_steps <=
+    total_training_steps`` ends the loop after it; steps before leave the limit alone."""
+    from cppo_megatron.integrations.verl import clock
+
+    clock.write_settings(tmp_path / "clk", 10, [5, 10])
+    monkeypatch.setenv(clock.ENV, str(tmp_path / "clk"))
+    now = {"t": 100.0}
+    monkeypatch.setattr(clock.time, "time", lambda: now["t"])
+    calls = []
+    wrapped = clock._v1_step_begin(lambda self: calls.append(self.global_steps))
+    trainer = SimpleNamespace(global_steps=1, total_training_steps=1_000_000)
+    for step, t, limit in [(1, 100.0, 1_000_000), (2, 104.0, 1_000_000), (3, 108.0, 3)]:
+        trainer.global_steps, now["t"] = step, t
+        wrapped(trainer)
+        assert trainer.total_training_steps == limit, step
+    assert calls == [1, 2, 3]  # veRL's own on_step_begin still runs
+    rec = json.loads((tmp_path / "clk" / "trainer.jsonl").read_text())
+    assert rec == {"last_step": 3, "elapsed": 8.0, "previous_step_s": 4.0, "budget_s": 10.0}
+
+
+def test_install_wraps_both_loops_step_starts(tmp_path, monkeypatch):
+    from verl.trainer.ppo import ray_trainer
+    from verl.trainer.ppo.v1 import trainer_base
+
+    from cppo_megatron.integrations import wrap
+    from cppo_megatron.integrations.verl import clock
+
+    clock.write_settings(tmp_path / "clk", 10, [10])
+    monkeypatch.setenv(clock.ENV, str(tmp_path / "clk"))
+    try:
+        assert clock.install() is True
+        assert wrap.is_wrapped(trainer_base.PPOTrainer.__dict__["on_step_begin"], clock.WRAP_TAG)
+        assert wrap.is_wrapped(ray_trainer.RayPPOTrainer.__dict__["_get_gen_batch"], clock.WRAP_TAG)
+    finally:
+        wrap.unwrap(trainer_base.PPOTrainer, "on_step_begin", tag=clock.WRAP_TAG)
+        wrap.unwrap(ray_trainer.RayPPOTrainer, "_get_gen_batch", tag=clock.WRAP_TAG)
+
+
 def test_clock_installs_only_when_asked(monkeypatch):
     from cppo_megatron.integrations.verl import clock
 

@@ -125,7 +125,7 @@ class HFRolloutServer:
         self.weight_version = 0
         self._queue: list[tuple[list[int], dict, asyncio.Future]] = []
         self._drainer: asyncio.Task | None = None
-        self.stats = {"requests": 0, "batches": 0, "generate_s": 0.0, "max_batch": 0}
+        self.stats = {"requests": 0, "batches": 0, "generate_s": 0.0, "max_batch": 0, "tokens": 0}
         from ..clock import Snapshots
 
         self.snapshots = Snapshots.from_env()  # wall-clock mode (CPPO_VERL_CLOCK): the policy at each mark
@@ -183,6 +183,7 @@ class HFRolloutServer:
         self.stats["generate_s"] += time.perf_counter() - t0
         self.stats["requests"] += len(prompts)
         self.stats["batches"] += 1
+        self.stats["tokens"] += sum(len(t) for t in res.tokens)  # generated tokens (the study's cost per step)
         self.stats["max_batch"] = max(self.stats["max_batch"], len(prompts))
         extra = {"global_steps": self.global_steps}
         return [
@@ -207,7 +208,8 @@ class HFRolloutServer:
         if self.snapshots is not None:
             self.snapshots.after_update(self.engine.model.state_dict, global_steps,
                                         {"generate_s": round(self.stats["generate_s"], 4),
-                                         "requests": self.stats["requests"], "batches": self.stats["batches"]})
+                                         "requests": self.stats["requests"], "batches": self.stats["batches"],
+                                         "tokens": self.stats["tokens"]})
         return self.weight_version
 
     def state_dict(self) -> dict[str, torch.Tensor]:
