@@ -37,11 +37,14 @@ import torch
 from ...core import (
     ExplorationRates,
     FilledBatch,
+    GroupOutcomes,
+    OutcomeCounts,
     SelectiveHistory,
-    adapt_exploration,
+    adapt_from_config,
+    count_rounds,
     fill_batch,
     group_outcomes,
-    target_shares,
+    step_metrics,
 )
 from ...core.selective import load_run_state, run_state
 from ...core.settings import CPPOConfig
@@ -179,48 +182,28 @@ class VerlSelective:
         known = [u for u in order if u in self.generated]
         unknown = len(order) - len(known)
         ids = torch.tensor([self.generated[u] for u in known], dtype=torch.int64)
-        zv = torch.zeros(len(known), dtype=torch.bool)
-        easy = torch.zeros(len(known), dtype=torch.bool)
+        outcomes: GroupOutcomes | OutcomeCounts = OutcomeCounts(num_groups=0, num_easy=0, num_hard=0)
         if known:
             rows = [r for u in known for r in order[u]]
             pos = torch.tensor([j for j, u in enumerate(known) for _ in order[u]], dtype=torch.int64)
             # per-group position keys keep a prompt generated twice in one step apart
-            o = group_outcomes(rewards[rows].to(torch.float64), pos, easy_threshold=1.0)
-            zv, easy = o.zero_variance, o.easy
-            self.history.update(ids, zv, easy, step=step)
+            outcomes = group_outcomes(rewards[rows].to(torch.float64), pos, easy_threshold=1.0)
+            self.history.update(ids, outcomes.zero_variance, outcomes.easy, step=step)
         unrecorded = len(self.generated) - len(known)  # generated but never reached the seam (failed)
-        num_easy, num_hard = int(easy.sum()), int((zv & ~easy).sum())
         if self.adapt:
-            c = self.cfg
-            target_easy, target_hard = target_shares(c.selective_target_zero_variance)
-            self.rates = adapt_exploration(
-                self.rates, num_generated=len(known), num_easy=num_easy, num_hard=num_hard,
-                target_easy=target_easy, target_hard=target_hard, step_size=c.selective_step_size,
-                p_min=c.selective_p_min, p_max=c.selective_p_max)
-        drawn = sum(fb.decision.num_candidates for fb in self.rounds)
-        skipped = sum(fb.decision.num_skipped for fb in self.rounds)
-        generated = sum(fb.decision.num_kept for fb in self.rounds)
-        for key, v in zip(_TOTALS, (drawn, skipped, generated, len(known), unrecorded), strict=True):
+            self.rates = adapt_from_config(self.rates, self.cfg, outcomes)
+        counts = count_rounds(self.rounds)
+        for key, v in zip(_TOTALS, (counts.drawn, counts.skipped, counts.generated, len(known), unrecorded),
+                          strict=True):
             self.totals[key] += float(v)
-        m = max(len(known), 1)
-        out = {
-            "selective/prompts_drawn": float(drawn),
-            "selective/prompts_skipped": float(skipped),
-            "selective/prompts_generated": float(generated),
-            "selective/skipped_easy": float(sum(fb.decision.num_skipped_easy for fb in self.rounds)),
-            "selective/skipped_hard": float(sum(fb.decision.num_skipped_hard for fb in self.rounds)),
-            "selective/skip_ratio": skipped / drawn if drawn else 0.0,
+        out = step_metrics(self.rounds, self.rates, outcomes)
+        out.update({
             "selective/groups_recorded": float(len(known)),
             "selective/groups_unrecorded": float(unrecorded),
             "selective/groups_unknown": float(unknown),
-            "selective/zero_variance_share": float(zv.sum()) / m,
-            "selective/easy_share": num_easy / m,
-            "selective/hard_share": num_hard / m,
-            "selective/p_easy": self.rates.p_easy,
-            "selective/p_hard": self.rates.p_hard,
             "selective/adapted": float(self.adapt),
             "selective/history_prompts": float(self.history.num_prompts),
-        }
+        })
         out.update({f"selective/total_{k}": v for k, v in self.totals.items()})
         # the step is filed: a second call in the same step (none in the sync loop) starts empty
         self.rounds, self.generated = [], {}
