@@ -15,7 +15,8 @@ The seams, all on ``verl.trainer.ppo.v1.trainer_base.PPOTrainer`` and inert unle
   finished group's rewards of the sync step (without ``algorithm.filter_groups`` nothing is evicted
   before it): ``record`` files each group's outcome (zero variance, easy, hard) under its prompt
   index, adapts the rates (after the first pass over the data set, by default) and writes the
-  step's ``selective/*`` metrics into veRL's metrics dict.
+  step's ``selective/*`` metrics into veRL's metrics dict, with ``tokens_saved_estimate`` = skipped
+  x G x the mean of the rows' generated tokens (``response_mask`` summed, read with the rewards).
 - ``_save_checkpoint`` / ``_load_checkpoint`` (trainer_base.py:948, 850): the history, rates and
   counters go to ``global_step_N/cppo_selective.pt`` beside veRL's own files (written before veRL
   writes its tracker file) and come back on resume.
@@ -42,6 +43,7 @@ from ...core import (
     SelectiveHistory,
     adapt_from_config,
     count_rounds,
+    estimate_tokens_saved,
     fill_batch,
     group_outcomes,
     step_metrics,
@@ -70,7 +72,8 @@ TARGET = ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer")
 SEAMS = ("_fetch_one_gen_batch", "_save_checkpoint", "_load_checkpoint")
 WRAP_TAG = __name__
 enabled = selective_enabled
-_TOTALS = ("prompts_drawn", "prompts_skipped", "prompts_generated", "groups_recorded", "groups_unrecorded")
+_TOTALS = ("prompts_drawn", "prompts_skipped", "prompts_generated", "groups_recorded", "groups_unrecorded",
+           "tokens_saved_estimate")
 
 
 # ---------------------------------------------------------------------------------- the state
@@ -80,13 +83,17 @@ class VerlSelective:
     Args:
         cfg: the run's ``CPPOConfig`` (``selective_*`` fields; ``seed`` seeds the draws).
         num_prompts: rows in the train dataset (one pass = one epoch; bounds one fetch's draws).
+        group_size: G, veRL's ``actor_rollout_ref.rollout.n`` (the tokens-saved estimate).
     """
 
-    def __init__(self, cfg: CPPOConfig, *, num_prompts: int) -> None:
+    def __init__(self, cfg: CPPOConfig, *, num_prompts: int, group_size: int) -> None:
         if num_prompts < 1:
             raise ValueError(f"selective rollout needs a non-empty train dataset, got {num_prompts} prompts")
+        if group_size < 1:
+            raise ValueError(f"selective rollout needs actor_rollout_ref.rollout.n >= 1, got {group_size}")
         self.cfg = cfg
         self.num_prompts = int(num_prompts)
+        self.group_size = int(group_size)
         self.history = SelectiveHistory()
         self.rates = ExplorationRates(p_easy=cfg.selective_p_easy, p_hard=cfg.selective_p_hard)
         self.totals = dict.fromkeys(_TOTALS, 0.0)
@@ -165,7 +172,8 @@ class VerlSelective:
         return index
 
     # ------------------------------------------------------------------ after rewards
-    def record(self, step: int, uids: list[str], rewards: torch.Tensor) -> dict[str, float]:
+    def record(self, step: int, uids: list[str], rewards: torch.Tensor,
+               response_tokens: torch.Tensor) -> dict[str, float]:
         """File every finished group of the step under its prompt index, adapt the rates, count;
         returns the step's ``selective/*`` metrics.
 
@@ -173,7 +181,12 @@ class VerlSelective:
             step: veRL's ``global_steps``.
             uids: [N] veRL's prompt uid of each completion row (padding excluded).
             rewards: [N] float, each row's reward (rm_scores summed).
+            response_tokens: [N] int64, each row's generated tokens (``response_mask`` summed): the
+                skipped prompts' tokens are estimated as skipped x G x their mean.
         """
+        if len(response_tokens) != len(uids):
+            raise ValueError(f"selective rollout: {len(response_tokens)} response lengths for {len(uids)} rows "
+                             "at the CPPO seam: give one per row (response_mask summed)")
         if step != self.step:  # no prompt was drawn through the hook in this step
             self._begin(step)
         order: dict[str, list[int]] = {}
@@ -193,10 +206,12 @@ class VerlSelective:
         if self.adapt:
             self.rates = adapt_from_config(self.rates, self.cfg, outcomes)
         counts = count_rounds(self.rounds)
-        for key, v in zip(_TOTALS, (counts.drawn, counts.skipped, counts.generated, len(known), unrecorded),
+        # an estimate: the skipped prompts' completions would not have had this step's mean length
+        saved = estimate_tokens_saved(counts.skipped, self.group_size, response_tokens)
+        for key, v in zip(_TOTALS, (counts.drawn, counts.skipped, counts.generated, len(known), unrecorded, saved),
                           strict=True):
             self.totals[key] += float(v)
-        out = step_metrics(self.rounds, self.rates, outcomes)
+        out = step_metrics(self.rounds, self.rates, outcomes, tokens_saved=saved)
         out.update({
             "selective/groups_recorded": float(len(known)),
             "selective/groups_unrecorded": float(unrecorded),
@@ -223,7 +238,8 @@ class VerlSelective:
 def state_of(trainer: Any) -> VerlSelective:
     """The trainer's ``VerlSelective``, created on first use from its config and train dataset."""
     if trainer not in _STATES:
-        _STATES[trainer] = VerlSelective(cppo_config_from(trainer.config), num_prompts=len(trainer.train_dataset))
+        _STATES[trainer] = VerlSelective(cppo_config_from(trainer.config), num_prompts=len(trainer.train_dataset),
+                                         group_size=int(trainer.config.actor_rollout_ref.rollout.n))
     return _STATES[trainer]
 
 
@@ -232,11 +248,13 @@ def has_state(trainer: Any) -> bool:
     return trainer in _STATES
 
 
-def record(trainer: Any, uids: list[str], rewards: torch.Tensor, metrics: dict) -> None:
-    """The CPPO seam's call (``hook.prune_kv_batch``): file the step's groups, add the metrics."""
+def record(trainer: Any, uids: list[str], rewards: torch.Tensor, response_tokens: torch.Tensor, metrics: dict) -> None:
+    """The CPPO seam's call (``hook.prune_kv_batch``): file the step's groups, add the metrics.
+    ``response_tokens``: [N] each row's generated tokens (``response_mask`` summed)."""
     if not enabled(trainer.config):
         return
-    metrics.update(state_of(trainer).record(int(getattr(trainer, "global_steps", 0)), uids, rewards))
+    metrics.update(state_of(trainer).record(int(getattr(trainer, "global_steps", 0)), uids, rewards,
+                                            response_tokens))
 
 
 # ---------------------------------------------------------------------------------- checkpoints
