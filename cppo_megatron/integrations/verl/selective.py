@@ -97,6 +97,10 @@ class VerlSelective:
         self.history = SelectiveHistory()
         self.rates = ExplorationRates(p_easy=cfg.selective_p_easy, p_hard=cfg.selective_p_hard)
         self.totals = dict.fromkeys(_TOTALS, 0.0)
+        # the indices drawn in the dataloader's current pass (epoch): one pass is num_prompts draws
+        # (one prompt per fetch), counted from the run's start; None: the count is not known (a
+        # resume from a checkpoint without the selective state), so repeats are not checked
+        self.epoch_seen: set[int] | None = set()
         self._begin(-1)
 
     def _begin(self, step: int) -> None:
@@ -160,14 +164,21 @@ class VerlSelective:
         except (TypeError, ValueError):
             raise ValueError(f"selective rollout: prompt index {value!r} is not an int; give every row of "
                              "data.train_files an int extra_info.index (its row number)") from None
-        if index in self.drawn_this_step and len(self.drawn_this_step) < self.num_prompts:
+        # draws since the run started: a new pass over the data set begins every num_prompts draws, and
+        # within one pass every index comes once (a shuffled pass may repeat one of this step's earlier draws)
+        drawn_in_run = int(self.totals["prompts_drawn"]) + len(self.drawn_this_step)
+        if self.epoch_seen is not None and drawn_in_run % self.num_prompts == 0:
+            self.epoch_seen = set()
+        if self.epoch_seen is not None and index in self.epoch_seen:
             hint = (" veRL sets index 0 when a row has no extra_info.index (rl_dataset.py)." if index == 0 else "")
             raise ValueError(
                 f"selective rollout: prompt index {index} was drawn twice in step {step} within "
-                f"{len(self.drawn_this_step) + 1} draws from a data set of {self.num_prompts} prompts: the index "
-                f"is the key of each prompt's history and must be unique.{hint} Give every row of "
-                "data.train_files a unique extra_info.index (its row number)"
+                f"{drawn_in_run % self.num_prompts + 1} draws from a data set of {self.num_prompts} prompts (one "
+                f"pass over it): the index is the key of each prompt's history and must be unique.{hint} Give "
+                "every row of data.train_files a unique extra_info.index (its row number)"
             )
+        if self.epoch_seen is not None:
+            self.epoch_seen.add(index)
         self.drawn_this_step.append(index)
         return index
 
@@ -232,6 +243,7 @@ class VerlSelective:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``; a malformed entry is an error naming it."""
         self.history, self.rates, self.totals = load_run_state(state, _TOTALS)
+        self.epoch_seen = set()  # resumed inside a pass: its earlier draws are not known, the rest are checked
         self._begin(-1)
 
 
@@ -300,6 +312,7 @@ def _loading(original):
             if os.path.isfile(path):
                 state.load_state_dict(torch.load(path, weights_only=False))
             else:
+                state.epoch_seen = None  # where the dataloader's pass stands is not known: no repeat check
                 warnings.warn(f"cppo: checkpoint {os.path.dirname(path)} has no selective-rollout state "
                               f"({STATE_FILE}); resuming with an empty history and the initial rates",
                               stacklevel=2)

@@ -93,7 +93,7 @@ class Worker:
 class Trainer:
     """The attributes veRL's V1 methods read, with the real (wrapped) methods bound."""
 
-    def __init__(self, config, tq, indices):
+    def __init__(self, config, tq, indices, shuffle_seed=None):
         from torchdata.stateful_dataloader import StatefulDataLoader
         from verl.trainer.ppo.v1.trainer_base import PPOTrainer
         from verl.utils.dataset.rl_dataset import collate_fn
@@ -101,8 +101,10 @@ class Trainer:
         self.config, self.trainer_mode, self.global_steps = config, "sync", 0
         self.agent_loop_manager = Rollout(tq, self)
         self.train_dataset = Prompts(indices)
+        shuffled = {} if shuffle_seed is None else {
+            "shuffle": True, "generator": torch.Generator().manual_seed(shuffle_seed)}  # veRL's data.shuffle
         self.train_dataloader = StatefulDataLoader(self.train_dataset, batch_size=int(config.data.gen_batch_size),
-                                                   drop_last=True, collate_fn=collate_fn)
+                                                   drop_last=True, collate_fn=collate_fn, **shuffled)
         self.train_dataloader_it = None
         self.actor_rollout_wg, self.use_critic = Worker(), False
         self.checkpoint_callback = SimpleNamespace(on_save=lambda **kwargs: None)
@@ -350,9 +352,9 @@ def test_prepare_sets_one_prompt_per_fetch_and_warns_only_when_off(config):
 
 
 @pytest.mark.parametrize("indices,match", [
-    ([0] * ROWS, "prompt index 0 was drawn twice in step 1 within 2 draws from a data set of 40 prompts: the index "
-                 "is the key of each prompt's history and must be unique. veRL sets index 0 when a row has no "
-                 "extra_info.index"),
+    ([0] * ROWS, "prompt index 0 was drawn twice in step 1 within 2 draws from a data set of 40 prompts \\(one pass "
+                 "over it\\): the index is the key of each prompt's history and must be unique. veRL sets index 0 "
+                 "when a row has no extra_info.index"),
     ([5, 6, 5] + list(range(7, 7 + ROWS - 3)), "prompt index 5 was drawn twice in step 1 within 3 draws"),
 ])
 def test_indices_that_are_not_unique_are_refused_naming_the_fix(config, tq, tmp_path, indices, match):
@@ -361,6 +363,30 @@ def test_indices_that_are_not_unique_are_refused_naming_the_fix(config, tq, tmp_
     trainer.global_steps = 1
     with pytest.raises(ValueError, match=match):
         trainer._add_prompts_to_generate(16)
+
+
+def test_a_shuffled_pass_ending_inside_a_step_may_repeat_that_steps_prompts(config, tq, tmp_path):
+    """24 prompts, 16 a step, shuffled passes: step 2 draws the last 8 of the first pass, then the second
+    pass, which holds those 8 again. A repeat across the pass boundary is a new pass, not a duplicate index."""
+    selective_on(config, tmp_path)
+    indices = ORDER[:24]
+    trainer = Trainer(config, tq, indices, shuffle_seed=3)
+    steps = run(trainer, tq, [1, 2])
+    state = selective.state_of(trainer)
+    drawn = state.drawn_this_step  # step 2's draws, in order
+    first, second = drawn[:8], drawn[8:]
+    assert set(steps[1]["generated"]) | set(first) == set(indices)  # the first pass: 16 + 8
+    assert len(set(second)) == len(second) and set(first) & set(second)  # a repeat, one pass apart
+    again = sorted(set(first) & set(second))
+    assert again == [114, 134, 138]
+    # the second pass: 127 (hard in step 1) skipped, the rest generated, 114, 134 and 138 for the second time
+    assert second == [134, 139, 128, 114, 138, 127, 117, 133, 122]
+    assert steps[2]["generated"] == first + [134, 139, 128, 114, 138, 117, 133, 122]
+    m = steps[2]["metrics"]
+    assert m["selective/prompts_drawn"] == 17 and m["selective/prompts_skipped"] == 1
+    assert m["selective/prompts_generated"] == 16
+    for index in again:  # generated twice in the step: filed twice, both at step 2
+        assert state.history.trace(index)[0].tolist() == [2, 2], index
 
 
 def test_a_fetch_of_several_prompts_is_refused(config, tq, tmp_path):
