@@ -48,10 +48,11 @@ from ...core import (
     group_outcomes,
     step_metrics,
 )
-from ...core.selective import load_run_state, run_state
+from ...core.selective import EASY, HARD, INFORMATIVE, load_run_state, run_state
 from ...core.settings import CPPOConfig
 from ..importhook import after_import
 from ..wrap import unwrap, wrap
+from . import audit
 from .runconfig import cppo_config_from, selective_enabled
 
 __all__ = [
@@ -214,6 +215,8 @@ class VerlSelective:
             outcomes = group_outcomes(rewards[rows].to(torch.float64), pos, easy_threshold=1.0)
             self.history.update(ids, outcomes.zero_variance, outcomes.easy, step=step)
         unrecorded = len(self.generated) - len(known)  # generated but never reached the seam (failed)
+        if audit.enabled():
+            self._audit(step, ids, outcomes)
         if self.adapt:
             self.rates = adapt_from_config(self.rates, self.cfg, outcomes)
         counts = count_rounds(self.rounds)
@@ -234,6 +237,23 @@ class VerlSelective:
         # the step is filed: a second call in the same step (none in the sync loop) starts empty
         self.rounds, self.generated = [], {}
         return out
+
+    def _audit(self, step: int, ids: torch.Tensor, outcomes: GroupOutcomes | OutcomeCounts) -> None:
+        """The ``selective`` audit record of the step: every candidate drawn, in draw order, with its
+        decision and why (streak, kind of its last group, skip probability, the rates used), and the
+        groups filed, in filing order, with their outcome (0 informative, 1 easy, 2 hard)."""
+        decisions = [fb.decision for fb in self.rounds]
+
+        def cat(name: str) -> list:
+            return [v for d in decisions for v in getattr(d, name).tolist()]
+
+        filed = [0] * int(ids.numel())
+        if isinstance(outcomes, GroupOutcomes):
+            filed = torch.where(outcomes.easy, EASY, torch.where(outcomes.hard, HARD, INFORMATIVE)).tolist()
+        audit.record("selective", step=step, drawn=cat("prompt_ids"), skipped=cat("skip"),
+                     skip_prob=cat("skip_prob"), streak=cat("streak"), last_outcome=cat("last_outcome"),
+                     rates={"p_easy": self.rates.p_easy, "p_hard": self.rates.p_hard}, seed=self.cfg.seed,
+                     recorded=ids.tolist(), outcomes=filed, adapts=self.adapt)
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:

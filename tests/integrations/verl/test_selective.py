@@ -218,6 +218,28 @@ def test_a_planted_history_skips_exactly_the_cores_ids_and_replaces_them(config,
     assert set(step["generated"]) & {i for i in ORDER[:20] if i % 3 != 2}
 
 
+def test_the_audit_record_names_every_candidate_its_decision_and_the_groups_filed(config, tq, tmp_path, monkeypatch):
+    from cppo_megatron.integrations.verl import audit
+
+    monkeypatch.setenv(audit.ENV, str(tmp_path / "audit"))
+    selective_on(config, tmp_path)
+    trainer = Trainer(config, tq, ORDER)
+    state = selective.state_of(trainer)
+    state.history = planted_history()
+    (step,) = run(trainer, tq, [1]).values()
+    (rec,) = audit.read(tmp_path / "audit", "selective")
+    expected = fill_batch(iter(ORDER), 16, planted_history(), seed=0, step=1, rates=ExplorationRates())
+    assert rec["step"] == 1 and rec["seed"] == 0 and rec["rates"] == {"p_easy": 0.5, "p_hard": 0.5}
+    assert rec["drawn"] == expected.drawn.tolist() == ORDER[:23]
+    assert [i for i, s in zip(rec["drawn"], rec["skipped"], strict=True) if s] == expected.skipped.tolist()
+    assert rec["skip_prob"] == expected.decision.skip_prob.tolist()  # 0.5 for the planted ones (z = 1), else 0
+    assert rec["streak"] == expected.decision.streak.tolist() and rec["last_outcome"] == expected.decision.last_outcome.tolist()
+    # the groups filed, in the order they reached the seam, with the outcome their rewards gave
+    assert rec["recorded"] == step["generated"]
+    assert rec["outcomes"] == [1 if i % 3 == 0 else 2 if i % 3 == 1 else 0 for i in step["generated"]]
+    assert rec["adapts"] is False
+
+
 def test_tokens_saved_is_the_skipped_prompts_times_G_times_the_steps_mean_generated_length(config, tq, tmp_path):
     selective_on(config, tmp_path)
     trainer = Trainer(config, tq, ORDER)
