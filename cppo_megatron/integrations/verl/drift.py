@@ -86,6 +86,8 @@ PINNED = {
     "verl.trainer.ppo.v1.trainer_base:PPOTrainer._save_checkpoint": "1ceb1e087ce91c92",
     "verl.trainer.ppo.v1.trainer_base:PPOTrainer._load_checkpoint": "52b412c5395b2cae",
     "verl.utils.dataset.rl_dataset:RLHFDataset.__getitem__": "88ba73cff0976e7d",
+    # ... and where each row's response_mask (summed for selective/tokens_saved_estimate) is written
+    "verl.experimental.agent_loop.agent_loop:AgentLoopOutput.as_dict": "00db8ee101898857",
 }
 
 # the CPU mode (integrations/verl/cpu/, VERL_PLATFORM=cpu): platform choice, the three seams, the

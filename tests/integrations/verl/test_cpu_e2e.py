@@ -17,8 +17,10 @@ as a user's command does. Besides the rows and advantages, every vLLM run is che
 Runs and their cost on 2 idle cores: V1 CPPO ~3.5 min, legacy CPPO ~3.5 min, separate_async CPPO
 ~3.5 min (vLLM's server start and first generation are most of each); the resume chain (a dead
 worker, then the same command to the end; ``RESUME_TESTS=all`` adds a SIGKILL of the driver between
-them) and the V1 DAPO + CPPO run (veRL's group filter, then pruning: every prompt drawn accounted
-for) generate with the ``hf`` stand-in (HF generate in a Ray actor, ~1.5 min a run) for CI time. With
+them), the V1 DAPO + CPPO run (veRL's group filter, then pruning: every prompt drawn accounted
+for) and the V1 selective-rollout run (prompts skipped before generation by their history, replayed
+through the core) generate with the ``hf`` stand-in (HF generate in a Ray actor, ~1.5 min a run) for
+CI time. With
 ``E2E_TESTS=all`` also: V1 GRPO and colocate_async CPPO on vLLM. The start model is the main job's
 architecture, random-init and exported as an HF directory (no warm-up: the checks are about which
 rows reach which pass, not about learning).
@@ -431,3 +433,128 @@ def test_v1_dapo_filters_first_then_cppo_prunes_and_every_prompt_drawn_is_accoun
 def acc_filtered_rewards(records, step):
     """{uid: rewards} of the groups veRL's filter dropped at ``step`` (the ``evict`` records)."""
     return {u: v for r in records if r["kind"] == "evict" and r["step"] == step for u, v in r["filtered"].items()}
+
+
+# --------------------------------------------------------------------------------- selective rollout, then CPPO (V1)
+# recipes/verl/tiny_cpu_selective_cppo.yaml at test size on the hf stand-in with dapo_reward.py, whose verdicts are
+# known: every even dataset row scores 0.5 for each completion (a zero-variance group: "hard", not all correct), odd
+# rows a hash of the text (varied). 24 training prompts, 16 drawn a step: step 2 draws the 8 left of the first pass,
+# then the second pass, where the even rows step 1 generated are skipped with probability 1 - p_hard = 0.95 (the
+# draws are seeded: the same every run). The rates stay (the first pass ends inside step 2). save_freq = 2: the
+# selective state of step 2 is saved beside veRL's checkpoint.
+SELECTIVE_ROWS, SELECTIVE_P = 24, 0.05
+V1_SELECTIVE = ("tiny_cpu_selective_cppo.yaml", f"cppo.pruning_rate={P}", *HF,
+                f"reward.custom_reward_function.path={DAPO_REWARD}", f"data.train_max_samples={SELECTIVE_ROWS}",
+                f"cppo.selective_p_easy={SELECTIVE_P}", f"cppo.selective_p_hard={SELECTIVE_P}",
+                f"trainer.save_freq={STEPS}")
+
+
+@pytest.fixture(scope="module")
+def v1_selective(tiny_model, tmp_path_factory):
+    recipe, *overrides = V1_SELECTIVE
+    return run_verl(recipe, tmp_path_factory.mktemp("v1_selective"), tiny_model, *overrides)
+
+
+def filed_groups(prune_record) -> list[tuple[int, int]]:
+    """(dataset index, outcome) of each group that reached the CPPO seam, in the order its first row came
+    (the order the hook files them), the outcome from the recorded rewards alone: 0 varied, 1 all equal
+    and >= 1 (easy), 2 all equal otherwise (hard)."""
+    groups: dict[str, tuple[int, list[float]]] = {}
+    for uid, index, reward in zip(prune_record["uids"], prune_record["prompts"], prune_record["rewards"], strict=True):
+        groups.setdefault(uid, (int(index), []))[1].append(reward)
+    return [(index, 0 if max(r) != min(r) else 1 if min(r) >= 1.0 else 2) for index, r in groups.values()]
+
+
+def test_v1_selective_rollout_skips_what_step_1_showed_and_every_prompt_drawn_is_accounted_for(v1_selective):
+    from cppo_megatron.core import ExplorationRates, SelectiveHistory, fill_batch
+    from cppo_megatron.core.selective import HARD, prompt_uniforms
+    from cppo_megatron.integrations.verl.selective import STATE_FILE
+
+    run, records = v1_selective, v1_selective["audit"]
+    check_run(run, pruning_rate=P, loop="v1")  # the core's survivors, full-group advantages, exact syncs
+    allocated = PROMPTS * G // int(G * (1 - P))
+    selective = {r["step"]: r for r in records if r["kind"] == "selective"}
+    prunes, draws = by_step(records, "prune"), by_step(records, "draw")
+    assert sorted(selective) == list(range(1, STEPS + 1))
+    filed = {s: filed_groups(prunes[s][0]) for s in selective}
+    decided = {}
+    for step, rec in selective.items():
+        m = run["metrics"][step]
+        generated = [i for i, skip in zip(rec["drawn"], rec["skipped"], strict=True) if not skip]
+        skipped = [i for i, skip in zip(rec["drawn"], rec["skipped"], strict=True) if skip]
+        decided[step] = generated, skipped
+        print(f"step {step}: drew {len(rec['drawn'])} prompts {rec['drawn']}, skipped {skipped}; "
+              f"tokens saved (estimate) {m['selective/tokens_saved_estimate']}")
+        # drawn = skipped + generated, the batch stays full, and what veRL submitted is what was kept
+        assert m["selective/prompts_drawn"] == len(rec["drawn"]) == len(generated) + len(skipped)
+        assert (m["selective/prompts_generated"], m["selective/prompts_skipped"]) == (len(generated), len(skipped))
+        assert len(generated) == allocated
+        assert [d["prompts"] for d in draws[step]] == [generated]  # one submission, no refill
+        # every group submitted reached the CPPO seam whole (nothing evicted, failed or left over)
+        (pr,) = prunes[step]
+        assert set(pr["uids"]) == {u for d in draws[step] for u in d["uids"]} and len(pr["uids"]) == allocated * G
+        # every generated group filed under its dataset index, with the outcome its recorded rewards show
+        assert rec["recorded"] == [i for i, _ in filed[step]] and sorted(rec["recorded"]) == sorted(generated)
+        assert rec["outcomes"] == [o for _, o in filed[step]]
+        assert all(o == (2 if i % 2 == 0 else 0) for i, o in filed[step]), filed[step]  # the reward's verdicts
+        assert (m["selective/groups_recorded"], m["selective/groups_unrecorded"], m["selective/groups_unknown"]) == (
+            allocated, 0, 0)
+        assert m["selective/zero_variance_share"] == m["selective/hard_share"] == sum(
+            i % 2 == 0 for i in generated) / allocated
+        # the first pass over the 24 prompts ends inside step 2: the rates do not move
+        assert m["selective/adapted"] == 0 and m["selective/p_easy"] == m["selective/p_hard"] == SELECTIVE_P
+        assert rec["rates"] == {"p_easy": SELECTIVE_P, "p_hard": SELECTIVE_P} and rec["seed"] == 0
+        # skipped x G x the step's mean generated length: between 1 and max_response_length (6) tokens each
+        saved = m["selective/tokens_saved_estimate"]
+        assert len(skipped) * G * 1 <= saved <= len(skipped) * G * 6, saved
+    generated1, skipped1 = decided[1]
+    generated2, skipped2 = decided[2]
+    # step 1: nothing known yet, nothing skipped
+    assert skipped1 == [] and run["metrics"][1]["selective/tokens_saved_estimate"] == 0.0
+    # step 2: first the 8 prompts the first pass has left (never generated: kept), then the second pass
+    drawn2 = selective[2]["drawn"]
+    rest = SELECTIVE_ROWS - allocated
+    assert len(set(generated1) | set(drawn2[:rest])) == SELECTIVE_ROWS and drawn2[:rest] == generated2[:rest]
+    # which were skipped and why: exactly the drawn prompts whose step-1 group was hard (even rows: all 0.5),
+    # each with a streak of 1, skipped where its seeded uniform fell below 1 - p_hard
+    hard1 = {i for i, o in filed[1] if o == HARD}
+    assert skipped2, "nothing was skipped: the run shows no selective rollout"
+    # the same every run: the data set's rows, veRL's seeded shuffle, the reward's verdicts and the seeded
+    # uniforms decide them, not the sampled texts (measured 2026-12-04; a pass boundary after 8 draws: 9788,
+    # 10942, 9747 and 6037 are drawn, and generated, a second time in the step)
+    assert drawn2 == [6122, 3232, 11640, 9788, 7629, 9747, 6037, 10942,
+                      9788, 901, 32, 490, 3327, 8748, 10942, 2100, 198, 8049, 11217, 9747, 6037]
+    assert skipped2 == [32, 490, 8748, 2100, 198]
+    assert all(i in hard1 and i % 2 == 0 for i in skipped2), (skipped2, sorted(hard1))
+    u = prompt_uniforms(torch.tensor(drawn2), seed=0, step=2).tolist()
+    assert skipped2 == [i for i, x in zip(drawn2, u, strict=True) if i in hard1 and x < 1 - SELECTIVE_P]
+    rec2 = selective[2]
+    for i, streak, last, p in zip(drawn2, rec2["streak"], rec2["last_outcome"], rec2["skip_prob"], strict=True):
+        assert (streak, last) == ((1, HARD) if i in hard1 else (0, 0) if i in generated1 else (0, -1)), i
+        assert p == pytest.approx(1 - SELECTIVE_P if i in hard1 else 0.0, abs=1e-12), i
+    m2 = run["metrics"][2]
+    assert (m2["selective/skipped_hard"], m2["selective/skipped_easy"]) == (len(skipped2), 0)
+    # a rerun decides the same: the core's fill_batch over step 2's candidates, with the history the step-1
+    # rewards imply, the seed and the step, keeps and skips exactly the same prompts and stops where the run did
+    history = SelectiveHistory()
+    history.update(torch.tensor([i for i, _ in filed[1]]), torch.tensor([o != 0 for _, o in filed[1]]),
+                   torch.tensor([o == 1 for _, o in filed[1]]), step=1)
+    replay = fill_batch(iter(drawn2 + [10**6] * 8), allocated, history, seed=0, step=2,
+                        rates=ExplorationRates(SELECTIVE_P, SELECTIVE_P))
+    assert replay.drawn.tolist() == drawn2 and replay.skipped.tolist() == skipped2
+    assert replay.kept.tolist() == generated2
+    # the saved state (global_step_2 only, save_freq = 2) is exactly what the two steps' rewards imply
+    ckpt = run["run_dir"] / "checkpoints"
+    assert sorted(p.name for p in ckpt.glob("global_step_*")) == [f"global_step_{STEPS}"]
+    state = torch.load(ckpt / f"global_step_{STEPS}" / STATE_FILE, weights_only=False)
+    log = state["history"]
+    assert log["prompt_ids"].tolist() == [i for s in (1, 2) for i, _ in filed[s]]
+    assert log["steps"].tolist() == [s for s in (1, 2) for _ in filed[s]]
+    assert log["outcomes"].tolist() == [o for s in (1, 2) for _, o in filed[s]]
+    assert state["rates"] == {"p_easy": SELECTIVE_P, "p_hard": SELECTIVE_P}
+    totals = state["totals"]
+    assert totals["prompts_drawn"] == allocated + len(drawn2) == m2["selective/total_prompts_drawn"]
+    assert totals["prompts_skipped"] == len(skipped2) and totals["prompts_generated"] == 2 * allocated
+    assert totals["groups_recorded"] == 2 * allocated and totals["groups_unrecorded"] == 0
+    assert totals["tokens_saved_estimate"] == m2["selective/total_tokens_saved_estimate"] == m2[
+        "selective/tokens_saved_estimate"]

@@ -22,6 +22,7 @@ PAIRS = sorted({re.sub(r"-(grpo|cppo)$", "", n) for n in NAMES})
 CPU = ["tiny_cpu_grpo", "tiny_cpu_cppo"]  # veRL's CPU mode (test_cpu_e2e.py runs them)
 CPU_ASYNC = ["tiny_cpu_cppo_separate_async"]  # V1 separate_async (test_cpu_e2e.py runs it)
 CPU_DAPO = ["tiny_cpu_dapo_cppo"]  # DAPO's filter, then CPPO, V1 (test_cpu_e2e.py runs it)
+CPU_SELECTIVE = ["tiny_cpu_selective_cppo"]  # selective rollout, then CPPO, V1 (test_cpu_e2e.py runs it)
 # veRL's CPU mode with the Megatron engine (test_cpu_megatron_e2e.py runs them)
 CPU_MEGATRON = ["tiny_cpu_megatron_grpo", "tiny_cpu_megatron_cppo"]
 
@@ -93,7 +94,7 @@ def test_cpu_recipes_compose_and_allocate(bases, plugin, monkeypatch):
 
     from cppo_megatron.integrations.verl.main import SEARCHPATH
 
-    assert sorted(p.stem for p in RECIPES.glob("tiny_cpu*.yaml")) == sorted(CPU + CPU_ASYNC + CPU_DAPO + CPU_MEGATRON)
+    assert sorted(p.stem for p in RECIPES.glob("tiny_cpu*.yaml")) == sorted(CPU + CPU_ASYNC + CPU_DAPO + CPU_SELECTIVE + CPU_MEGATRON)
     raw = OmegaConf.load(RECIPES / "tiny_cpu_grpo.yaml")
     assert overlay_mismatches(raw, bases[raw.defaults[0]]) == []
     grpo, cppo = (compose(RECIPES, n, [SEARCHPATH]) for n in CPU)
@@ -144,6 +145,26 @@ def test_cpu_dapo_recipe_filters_on_the_v1_sync_loop_and_allocates(bases, plugin
     assert config.algorithm.adv_estimator == "cppo" and config.cppo.pruning_rate == 0.875
     plan = prepare(config)
     assert (plan.train_batch_size_before, plan.train_batch_size, plan.kept_per_step) == (16, 128, 256)
+    validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+
+
+def test_cpu_selective_recipe_skips_on_the_v1_sync_loop_with_a_training_set_that_comes_back(bases, plugin):
+    """tiny_cpu_cppo plus selective rollout: V1 sync (the hooked loop), the guards pass, one prompt per
+    fetch after prepare, 256 training prompts (2 steps of 128 allocated prompts a pass)."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from cppo_megatron.integrations.verl.main import SEARCHPATH
+    from cppo_megatron.integrations.verl.runconfig import check_compatible
+
+    (config,) = (compose(RECIPES, n, [SEARCHPATH]) for n in CPU_SELECTIVE)
+    assert config.cppo.selective_rollout and config.cppo.selective_p_hard == 0.5  # the defaults
+    assert config.trainer.use_v1 and config.trainer.v1.trainer_mode == "sync"
+    assert not config.algorithm.filter_groups.enable and config.data.train_max_samples == 256
+    plan = prepare(config)
+    assert (plan.train_batch_size_before, plan.train_batch_size, plan.kept_per_step) == (16, 128, 256)
+    assert config.data.gen_batch_size == 1
+    check_compatible(config)
     validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
 
 
