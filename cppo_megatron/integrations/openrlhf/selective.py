@@ -209,7 +209,7 @@ class _KeptPrompts(Iterator):
     """The iterator OpenRLHF's ``_collect_prompt_batch`` draws from: each ``next`` takes candidates
     from the dataloader's iterator until the core keeps one, and returns that one's batch."""
 
-    def __init__(self, state: OpenRLHFSelective, source: Iterator, draw: SelectiveDraw) -> None:
+    def __init__(self, state: OpenRLHFSelective, source: Any, draw: SelectiveDraw) -> None:
         self.state, self.source, self.draw = state, source, draw
         self.num_drawn = 0
 
