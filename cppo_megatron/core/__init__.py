@@ -11,7 +11,7 @@ library; ``tests/core/test_layering.py`` keeps it so).
 - ``loss``: clipped surrogate, KL estimators, loss aggregation over the kept set
 - ``pipeline``: ``prune`` = advantages + selection in one call
 - ``selective``: selective rollout (GRESO): per-prompt history, pre-rollout skip decisions,
-  adaptive exploration rates, batch filling
+  adaptive exploration rates, batch filling, a step's ``selective/*`` metrics
 """
 
 from ._checks import check_int  # public: the int check adapters share with the core
@@ -45,13 +45,18 @@ from .selective import (
     ExplorationRates,
     FilledBatch,
     GroupOutcomes,
+    OutcomeCounts,
+    RoundCounts,
     SelectiveHistory,
     SkipDecision,
     adapt_exploration,
+    adapt_from_config,
+    count_rounds,
     decide_skips,
+    estimate_tokens_saved,
     fill_batch,
     group_outcomes,
-    selective_metrics,
+    step_metrics,
     target_shares,
 )
 from .settings import DEFAULT_PRUNING_RATE, METRICS, SCOPES, CPPOConfig, keep_count
@@ -69,20 +74,25 @@ __all__ = [
     "KL_KINDS",
     "LOSS_AGG_MODES",
     "METRICS",
+    "OutcomeCounts",
     "Partition",
     "PromptSampler",
     "PruneResult",
+    "RoundCounts",
     "SCOPES",
     "Selection",
     "SelectiveHistory",
     "SkipDecision",
     "adapt_exploration",
+    "adapt_from_config",
     "advantages_from_stats",
     "aggregate_loss",
     "balance_partitions",
     "check_int",
     "clipped_surrogate",
+    "count_rounds",
     "decide_skips",
+    "estimate_tokens_saved",
     "fill_batch",
     "group_outcomes",
     "group_advantages",
@@ -98,7 +108,7 @@ __all__ = [
     "prune",
     "seeded_generator",
     "select_completions",
-    "selective_metrics",
+    "step_metrics",
     "target_shares",
     "sequence_workload",
     "token_logprobs",

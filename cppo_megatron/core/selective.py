@@ -23,9 +23,11 @@ The pieces, each pure and CPU-only (identical on every rank from identical input
 - ``SelectiveHistory``: per-prompt trace keyed by the dataset's stable prompt index
   (never by batch position), with ``state_dict`` / ``load_state_dict``
 - ``decide_skips``: the skip decision for a set of candidates (``SkipDecision``)
-- ``adapt_exploration``: the next ``ExplorationRates``
+- ``adapt_exploration``: the next ``ExplorationRates``; ``adapt_from_config`` with a
+  ``CPPOConfig``'s ``selective_*`` targets, step and bounds
 - ``fill_batch``: draw candidates in order until ``wanted`` are kept (``FilledBatch``)
-- ``selective_metrics``: plain floats with ``selective/`` keys
+- ``step_metrics``: one step's ``selective/*`` plain floats over its rounds (``count_rounds``),
+  its recorded outcomes (``OutcomeCounts``) and ``estimate_tokens_saved``
 
 Parameters (defaults): ``p_easy = p_hard = 0.5`` initially, target zero-variance share
 ``alpha = 0.25`` split as ``alpha / 3`` for easy and ``2 alpha / 3`` for hard groups, step
@@ -70,6 +72,7 @@ import torch
 
 from ._checks import as_1d_float, check_float, check_int
 from .selection import seeded_generator
+from .settings import CPPOConfig
 
 __all__ = [
     "DEFAULT_EXPLORATION",
@@ -88,16 +91,21 @@ __all__ = [
     "FilledBatch",
     "GroupOutcomes",
     "HistoryView",
+    "OutcomeCounts",
+    "RoundCounts",
     "SelectiveHistory",
     "SkipDecision",
     "adapt_exploration",
+    "adapt_from_config",
+    "count_rounds",
     "decide_skips",
+    "estimate_tokens_saved",
     "fill_batch",
     "group_outcomes",
     "load_run_state",
     "prompt_uniforms",
     "run_state",
-    "selective_metrics",
+    "step_metrics",
     "target_shares",
 ]
 
@@ -921,54 +929,208 @@ def fill_batch(
     return FilledBatch(decision=decision, wanted=wanted, exhausted=exhausted)
 
 
-# ---------------------------------------------------------------------- metrics
-def selective_metrics(
-    decision: SkipDecision | FilledBatch,
-    rates: ExplorationRates,
-    outcomes: GroupOutcomes | None = None,
-    *,
-    prefix: str = "selective/",
-) -> dict[str, float]:
-    """Plain floats a user would plot.
+# ---------------------------------------------------------------------- a step's counts and metrics
+@dataclass(frozen=True)
+class RoundCounts:
+    """Prompts taken over the generation rounds of one step (``count_rounds``).
+
+    Attributes:
+        drawn: int, candidates taken from the stream, every round.
+        skipped: int, of them skipped; ``drawn = skipped + generated``.
+        generated: int, of them kept (generated).
+        skipped_easy, skipped_hard: int, the skipped ones by the kind of their last group.
+    """
+
+    drawn: int
+    skipped: int
+    generated: int
+    skipped_easy: int
+    skipped_hard: int
+
+
+def _check_rounds(rounds: Any) -> list[FilledBatch]:
+    if isinstance(rounds, FilledBatch):
+        raise ValueError("rounds is one FilledBatch; pass the step's rounds as a list ([fb] for a single round)")
+    if isinstance(rounds, (str, bytes)) or not isinstance(rounds, Sequence):
+        raise ValueError(
+            f"rounds must be a sequence of FilledBatch (one per generation round of the step), got "
+            f"{type(rounds).__name__}"
+        )
+    for i, fb in enumerate(rounds):
+        if not isinstance(fb, FilledBatch):
+            raise ValueError(f"rounds[{i}] is a {type(fb).__name__}, not a FilledBatch; pass what fill_batch returned")
+    return list(rounds)
+
+
+def count_rounds(rounds: Sequence[FilledBatch]) -> RoundCounts:
+    """Sum the draws of one step over its rounds.
 
     Args:
-        decision: the step's ``SkipDecision`` or ``FilledBatch`` (every candidate drawn).
-        rates: the exploration rates to report (after ``adapt_exploration``, if it ran).
-        outcomes: the ``GroupOutcomes`` of the groups generated this step (their shares
-            are reported when given).
+        rounds: the step's ``FilledBatch`` es, one per generation round (may be empty).
+
+    Returns:
+        a ``RoundCounts`` over every round.
+    """
+    ds = [fb.decision for fb in _check_rounds(rounds)]
+    return RoundCounts(
+        drawn=sum(d.num_candidates for d in ds),
+        skipped=sum(d.num_skipped for d in ds),
+        generated=sum(d.num_kept for d in ds),
+        skipped_easy=sum(d.num_skipped_easy for d in ds),
+        skipped_hard=sum(d.num_skipped_hard for d in ds),
+    )
+
+
+@dataclass(frozen=True)
+class OutcomeCounts:
+    """How many groups a step generated and recorded, and how many of them had zero variance.
+
+    Attributes:
+        num_groups: int >= 0, groups recorded.
+        num_easy: int >= 0, of them zero-variance and all correct.
+        num_hard: int >= 0, of them zero-variance and not all correct; ``num_easy + num_hard <=
+            num_groups``.
+    """
+
+    num_groups: int
+    num_easy: int
+    num_hard: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_groups", "num_easy", "num_hard"):
+            check_int(name, getattr(self, name), minimum=0)
+        if self.num_easy + self.num_hard > self.num_groups:
+            raise ValueError(
+                f"num_easy ({self.num_easy}) + num_hard ({self.num_hard}) exceeds num_groups ({self.num_groups}): "
+                "count the zero-variance groups among the recorded ones"
+            )
+
+    @property
+    def num_zero_variance(self) -> int:
+        return self.num_easy + self.num_hard
+
+    @classmethod
+    def from_flags(cls, zero_variance: torch.Tensor, easy: torch.Tensor) -> OutcomeCounts:
+        """From per-group flags aligned with each other: zero_variance [M] bool, easy [M] bool
+        (easy implies zero variance; what ``group_outcomes`` gives)."""
+        zv, ez = torch.as_tensor(zero_variance), torch.as_tensor(easy)
+        for name, x in (("zero_variance", zv), ("easy", ez)):
+            if x.dim() != 1 or x.dtype != torch.bool:
+                raise ValueError(f"{name} must be a 1-D bool tensor [M], got shape {tuple(x.shape)} dtype {x.dtype}")
+        if ez.numel() != zv.numel():
+            raise ValueError(f"easy has {ez.numel()} entries but zero_variance has {zv.numel()}: one per group")
+        bad = ez & ~zv
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"easy[{i}] is True but zero_variance[{i}] is False: an easy group is a zero-variance "
+                             "group; take both from group_outcomes")
+        return cls(num_groups=int(zv.numel()), num_easy=int(ez.sum()), num_hard=int((zv & ~ez).sum()))
+
+
+def _as_counts(outcomes: Any) -> OutcomeCounts:
+    if isinstance(outcomes, OutcomeCounts):
+        return outcomes
+    if isinstance(outcomes, GroupOutcomes):
+        return OutcomeCounts(num_groups=outcomes.num_groups, num_easy=outcomes.num_easy, num_hard=outcomes.num_hard)
+    raise ValueError(
+        f"outcomes must be a GroupOutcomes (group_outcomes) or an OutcomeCounts, got {type(outcomes).__name__}"
+    )
+
+
+def adapt_from_config(rates: ExplorationRates, cfg: CPPOConfig, outcomes: GroupOutcomes | OutcomeCounts
+                      ) -> ExplorationRates:
+    """``adapt_exploration`` with the targets, step and bounds of a ``CPPOConfig``'s ``selective_*`` fields.
+
+    Args:
+        rates: the current ``ExplorationRates``.
+        cfg: the run's ``CPPOConfig`` (``selective_target_zero_variance`` gives the targets through
+            ``target_shares``; ``selective_step_size``, ``selective_p_min``, ``selective_p_max``).
+        outcomes: the groups generated and recorded this step (``GroupOutcomes`` or ``OutcomeCounts``).
+
+    Returns:
+        the next ``ExplorationRates`` (``rates`` when no group was recorded).
+    """
+    if not isinstance(cfg, CPPOConfig):
+        raise ValueError(f"cfg must be a CPPOConfig (its selective_* fields), got {type(cfg).__name__}")
+    o = _as_counts(outcomes)
+    target_easy, target_hard = target_shares(cfg.selective_target_zero_variance)
+    return adapt_exploration(
+        rates, num_generated=o.num_groups, num_easy=o.num_easy, num_hard=o.num_hard,
+        target_easy=target_easy, target_hard=target_hard, step_size=cfg.selective_step_size,
+        p_min=cfg.selective_p_min, p_max=cfg.selective_p_max,
+    )
+
+
+def estimate_tokens_saved(num_skipped: int, group_size: int, completion_lengths: torch.Tensor) -> float:
+    """Tokens the skipped prompts would have generated, estimated as ``num_skipped x group_size x``
+    the mean length of this step's generated completions (their own length is unknown: they were
+    never generated).
+
+    Args:
+        num_skipped: int >= 0, prompts skipped this step.
+        group_size: int >= 1, G, completions per prompt.
+        completion_lengths: [N] int or float, tokens generated per completion this step (may be
+            empty: the estimate is then 0).
+
+    Returns:
+        float >= 0.
+    """
+    check_int("num_skipped", num_skipped, minimum=0)
+    check_int("group_size", group_size, minimum=1)
+    lengths = as_1d_float("completion_lengths", completion_lengths, allow_empty=True)
+    if lengths.numel() and bool((lengths < 0).any()):
+        i = int((lengths < 0).nonzero()[0])
+        raise ValueError(f"completion_lengths[{i}] = {lengths[i].item()} is negative; give tokens per completion")
+    n = int(lengths.numel())
+    # summed in float64 from the given values (an int64 count stays exact)
+    mean_length = float(torch.as_tensor(completion_lengths).detach().cpu().double().sum()) / n if n else 0.0
+    return num_skipped * group_size * mean_length
+
+
+def step_metrics(
+    rounds: Sequence[FilledBatch],
+    rates: ExplorationRates,
+    outcomes: GroupOutcomes | OutcomeCounts,
+    *,
+    tokens_saved: float | None = None,
+    prefix: str = "selective/",
+) -> dict[str, float]:
+    """The ``selective/*`` metrics of one training step, plain floats; hosts add their own keys.
+
+    Args:
+        rounds: the step's ``FilledBatch`` es, one per generation round (every candidate drawn).
+        rates: the exploration rates to report (after this step's ``adapt_exploration``, if it ran).
+        outcomes: the groups generated and recorded this step (``GroupOutcomes`` or ``OutcomeCounts``);
+            the shares are of ``outcomes.num_groups`` (0 when it is 0).
+        tokens_saved: float >= 0, this step's ``estimate_tokens_saved``; None leaves the key out.
         prefix: key prefix.
 
     Returns:
-        ``prompts_drawn``, ``prompts_skipped``, ``prompts_kept``, ``skip_ratio``,
-        ``skipped_easy``, ``skipped_hard``, ``prompts_unseen``, ``p_easy``, ``p_hard``;
-        with ``outcomes``: ``groups_generated``, ``zero_variance_share``, ``easy_share``,
-        ``hard_share`` (shares of the generated groups).
+        ``prompts_drawn``, ``prompts_skipped``, ``prompts_generated`` (drawn = skipped + generated,
+        summed over the rounds), ``skipped_easy``, ``skipped_hard``, ``skip_ratio`` (skipped / drawn,
+        0 when nothing was drawn), ``zero_variance_share``, ``easy_share``, ``hard_share``,
+        ``tokens_saved_estimate`` (with ``tokens_saved``), ``p_easy``, ``p_hard``.
     """
-    d = decision.decision if isinstance(decision, FilledBatch) else decision
-    if not isinstance(d, SkipDecision):
-        raise ValueError(f"decision must be a SkipDecision or FilledBatch, got {type(decision).__name__}")
+    c = count_rounds(rounds)
     if not isinstance(rates, ExplorationRates):
         raise ValueError(f"rates must be an ExplorationRates, got {type(rates).__name__}")
-    n = d.num_candidates
+    o = _as_counts(outcomes)
+    if not isinstance(prefix, str):
+        raise ValueError(f"prefix must be a str such as 'selective/', got {type(prefix).__name__}")
+    m = o.num_groups
     out = {
-        f"{prefix}prompts_drawn": float(n),
-        f"{prefix}prompts_skipped": float(d.num_skipped),
-        f"{prefix}prompts_kept": float(d.num_kept),
-        f"{prefix}skip_ratio": d.num_skipped / n if n else 0.0,
-        f"{prefix}skipped_easy": float(d.num_skipped_easy),
-        f"{prefix}skipped_hard": float(d.num_skipped_hard),
-        f"{prefix}prompts_unseen": float(d.num_unseen),
-        f"{prefix}p_easy": float(rates.p_easy),
-        f"{prefix}p_hard": float(rates.p_hard),
+        f"{prefix}prompts_drawn": float(c.drawn),
+        f"{prefix}prompts_skipped": float(c.skipped),
+        f"{prefix}prompts_generated": float(c.generated),
+        f"{prefix}skipped_easy": float(c.skipped_easy),
+        f"{prefix}skipped_hard": float(c.skipped_hard),
+        f"{prefix}skip_ratio": c.skipped / c.drawn if c.drawn else 0.0,
+        f"{prefix}zero_variance_share": o.num_zero_variance / m if m else 0.0,
+        f"{prefix}easy_share": o.num_easy / m if m else 0.0,
+        f"{prefix}hard_share": o.num_hard / m if m else 0.0,
     }
-    if outcomes is not None:
-        if not isinstance(outcomes, GroupOutcomes):
-            raise ValueError(f"outcomes must be a GroupOutcomes, got {type(outcomes).__name__}")
-        m = outcomes.num_groups
-        out.update({
-            f"{prefix}groups_generated": float(m),
-            f"{prefix}zero_variance_share": outcomes.num_zero_variance / m if m else 0.0,
-            f"{prefix}easy_share": outcomes.num_easy / m if m else 0.0,
-            f"{prefix}hard_share": outcomes.num_hard / m if m else 0.0,
-        })
+    if tokens_saved is not None:
+        out[f"{prefix}tokens_saved_estimate"] = check_float("tokens_saved", tokens_saved, minimum=0.0)
+    out[f"{prefix}p_easy"] = float(rates.p_easy)
+    out[f"{prefix}p_hard"] = float(rates.p_hard)
     return out

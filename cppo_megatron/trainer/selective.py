@@ -27,13 +27,16 @@ import torch
 from ..core import (
     ExplorationRates,
     FilledBatch,
+    OutcomeCounts,
     PromptSampler,
     SelectiveHistory,
-    adapt_exploration,
+    adapt_from_config,
     check_int,
+    count_rounds,
+    estimate_tokens_saved,
     fill_batch,
     group_outcomes,
-    target_shares,
+    step_metrics,
 )
 from ..core.selective import load_run_state, run_state
 from ..core.settings import CPPOConfig
@@ -128,51 +131,27 @@ class SelectiveRollout:
         """
         if self._step < 0:
             raise RuntimeError("SelectiveRollout.end_step before begin_step(step, sampler)")
-        generated = sum(int(fb.kept.numel()) for fb in self.rounds)
-        if prompt_ids.numel() != generated:
+        counts = count_rounds(self.rounds)
+        if prompt_ids.numel() != counts.generated:
             raise ValueError(
                 f"step {self._step}: {prompt_ids.numel()} groups were generated but the selective draws kept "
-                f"{generated}: every round must draw through SelectiveRollout.draw"
+                f"{counts.generated}: every round must draw through SelectiveRollout.draw"
             )
         zv, easy = record_outcomes(self.history, prompt_ids, rewards, correct, group_size=self.group_size,
                                    step=self._step)
+        outcomes = OutcomeCounts.from_flags(zv, easy)
         if self._adapt:
-            c = self.cfg
-            target_easy, target_hard = target_shares(c.selective_target_zero_variance)
-            self.rates = adapt_exploration(
-                self.rates, num_generated=generated, num_easy=int(easy.sum()), num_hard=int((zv & ~easy).sum()),
-                target_easy=target_easy, target_hard=target_hard, step_size=c.selective_step_size,
-                p_min=c.selective_p_min, p_max=c.selective_p_max)
-        return self._metrics(generated, zv, easy, completion_lengths)
-
-    def _metrics(self, generated: int, zv: torch.Tensor, easy: torch.Tensor,
-                 completion_lengths: torch.Tensor) -> dict[str, float]:
-        drawn = sum(fb.decision.num_candidates for fb in self.rounds)
-        skipped = sum(fb.decision.num_skipped for fb in self.rounds)
-        n = int(completion_lengths.numel())
-        mean_length = float(completion_lengths.double().sum()) / n if n else 0.0
+            self.rates = adapt_from_config(self.rates, self.cfg, outcomes)
         # an estimate: the skipped prompts' completions would not have had this step's mean length
-        saved = skipped * self.group_size * mean_length
-        for key, v in zip(_TOTALS, (drawn, skipped, generated, saved), strict=True):
+        saved = estimate_tokens_saved(counts.skipped, self.group_size, completion_lengths)
+        for key, v in zip(_TOTALS, (counts.drawn, counts.skipped, counts.generated, saved), strict=True):
             self.totals[key] += float(v)
-        m = max(generated, 1)
-        out = {
-            "selective/prompts_drawn": float(drawn),
-            "selective/prompts_skipped": float(skipped),
-            "selective/prompts_generated": float(generated),
-            "selective/skipped_easy": float(sum(fb.decision.num_skipped_easy for fb in self.rounds)),
-            "selective/skipped_hard": float(sum(fb.decision.num_skipped_hard for fb in self.rounds)),
-            "selective/skip_ratio": skipped / drawn if drawn else 0.0,
+        out = step_metrics(self.rounds, self.rates, outcomes, tokens_saved=saved)
+        out.update({
             "selective/short_rounds": float(self.short_rounds),
-            "selective/zero_variance_share": float(zv.sum()) / m,
-            "selective/easy_share": float(easy.sum()) / m,
-            "selective/hard_share": float((zv & ~easy).sum()) / m,
-            "selective/tokens_saved_estimate": saved,
-            "selective/p_easy": self.rates.p_easy,
-            "selective/p_hard": self.rates.p_hard,
             "selective/adapted": float(self._adapt),
             "selective/history_prompts": float(self.history.num_prompts),
-        }
+        })
         out.update({f"selective/total_{k}": v for k, v in self.totals.items()})
         return out
 

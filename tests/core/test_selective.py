@@ -19,15 +19,22 @@ from cppo_megatron.core.selective import (
     UNSEEN,
     ExplorationRates,
     FilledBatch,
+    OutcomeCounts,
+    RoundCounts,
     SelectiveHistory,
+    SkipDecision,
     adapt_exploration,
+    adapt_from_config,
+    count_rounds,
     decide_skips,
+    estimate_tokens_saved,
     fill_batch,
     group_outcomes,
     prompt_uniforms,
-    selective_metrics,
+    step_metrics,
     target_shares,
 )
+from cppo_megatron.core.settings import CPPOConfig
 
 M64 = (1 << 64) - 1
 
@@ -362,27 +369,101 @@ def test_fill_batch_with_a_sampler_and_a_draw_cap():
 
 
 # ---------------------------------------------------------------------- metrics
-def test_selective_metrics_values():
+def test_step_metrics_of_one_filled_round():
     h = pinned_history()
     fb = fill_batch(iter(PINNED_CANDIDATES), 7, h, seed=1234, step=5, rates=PINNED_RATES)
     o = group_outcomes(torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0]), t([10, 10, 11, 11, 17, 17, 30, 30]))
-    m = selective_metrics(fb, ExplorationRates(0.19, 0.51), o)
+    m = step_metrics([fb], ExplorationRates(0.19, 0.51), o)
     assert m == {
         "selective/prompts_drawn": 16.0,
         "selective/prompts_skipped": 9.0,
-        "selective/prompts_kept": 7.0,
-        "selective/skip_ratio": 9 / 16,
+        "selective/prompts_generated": 7.0,
         "selective/skipped_easy": 4.0,
         "selective/skipped_hard": 5.0,
-        "selective/prompts_unseen": 2.0,
-        "selective/p_easy": 0.19,
-        "selective/p_hard": 0.51,
-        "selective/groups_generated": 4.0,
+        "selective/skip_ratio": 9 / 16,
         "selective/zero_variance_share": 0.5,
         "selective/easy_share": 0.25,
         "selective/hard_share": 0.25,
+        "selective/p_easy": 0.19,
+        "selective/p_hard": 0.51,
     }
-    assert set(selective_metrics(fb.decision, PINNED_RATES, prefix="x/")) >= {"x/prompts_skipped", "x/p_easy"}
+    assert set(step_metrics([fb], PINNED_RATES, o, prefix="x/")) >= {"x/prompts_skipped", "x/p_easy"}
+
+
+def decided(ids, skip, last, wanted):
+    """A FilledBatch whose decisions are given (not drawn): the metrics only count them."""
+    n = len(ids)
+    return FilledBatch(
+        decision=SkipDecision(prompt_ids=t(ids), skip=b(skip), skip_prob=torch.zeros(n, dtype=torch.float64),
+                              draws=torch.zeros(n, dtype=torch.float64), streak=t([1] * n),
+                              last_outcome=t(last, torch.int8), rates=ExplorationRates(), seed=0, step=3),
+        wanted=wanted, exhausted=False)
+
+
+# two rounds of one step, by hand: round 1 draws 10 (hard, skipped), 20 (easy, skipped), 30, 40 (unseen), 11
+# and keeps 30, 40, 11; round 2 draws 21, 22 (easy, skipped), 12 (hard, skipped), 41 and keeps 41
+TWO_ROUNDS = [
+    decided([10, 20, 30, 40, 11], [1, 1, 0, 0, 0], [HARD, EASY, INFORMATIVE, UNSEEN, HARD], wanted=3),
+    decided([21, 22, 12, 41], [1, 1, 1, 0], [EASY, EASY, HARD, UNSEEN], wanted=1),
+]
+# the 4 generated groups at G = 2: 30 all right (easy), 40 varied, 11 and 41 all wrong (hard)
+TWO_ROUNDS_OUTCOMES = group_outcomes(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]),
+                                     t([30, 30, 40, 40, 11, 11, 41, 41]))
+TWO_ROUNDS_LENGTHS = t([3, 5, 2, 6, 4, 4, 1, 7])  # 32 tokens over 8 completions: mean 4
+
+
+def test_step_metrics_sum_every_round_of_the_step():
+    assert count_rounds(TWO_ROUNDS) == RoundCounts(drawn=9, skipped=5, generated=4, skipped_easy=3, skipped_hard=2)
+    assert count_rounds([]) == RoundCounts(0, 0, 0, 0, 0)
+    saved = estimate_tokens_saved(5, 2, TWO_ROUNDS_LENGTHS)
+    assert saved == 40.0  # 5 skipped x G = 2 x 4 tokens
+    m = step_metrics(TWO_ROUNDS, ExplorationRates(0.53, 0.47), TWO_ROUNDS_OUTCOMES, tokens_saved=saved)
+    assert m == {
+        "selective/prompts_drawn": 9.0,
+        "selective/prompts_skipped": 5.0,
+        "selective/prompts_generated": 4.0,
+        "selective/skipped_easy": 3.0,
+        "selective/skipped_hard": 2.0,
+        "selective/skip_ratio": 5 / 9,
+        "selective/zero_variance_share": 0.75,
+        "selective/easy_share": 0.25,
+        "selective/hard_share": 0.5,
+        "selective/tokens_saved_estimate": 40.0,
+        "selective/p_easy": 0.53,
+        "selective/p_hard": 0.47,
+    }
+    # counts instead of the groups give the same shares
+    counts = OutcomeCounts(num_groups=4, num_easy=1, num_hard=2)
+    assert step_metrics(TWO_ROUNDS, ExplorationRates(0.53, 0.47), counts, tokens_saved=saved) == m
+    assert OutcomeCounts.from_flags(TWO_ROUNDS_OUTCOMES.zero_variance, TWO_ROUNDS_OUTCOMES.easy) == counts
+    # nothing drawn, nothing recorded: ratios 0, no division
+    empty = step_metrics([], ExplorationRates(), OutcomeCounts(0, 0, 0))
+    assert empty["selective/skip_ratio"] == empty["selective/zero_variance_share"] == 0.0
+    assert "selective/tokens_saved_estimate" not in empty
+
+
+def test_estimate_tokens_saved_values():
+    assert estimate_tokens_saved(3, 16, t([10, 20])) == 720.0  # 3 x 16 x 15
+    assert estimate_tokens_saved(0, 16, t([10, 20])) == 0.0
+    assert estimate_tokens_saved(4, 8, t([], torch.int64)) == 0.0  # nothing generated: no length to go by
+    assert estimate_tokens_saved(1, 3, torch.tensor([1.5, 2.0])) == 5.25
+
+
+def test_adapt_from_config_uses_the_configs_targets_step_and_bounds():
+    o = OutcomeCounts(num_groups=4, num_easy=1, num_hard=2)  # shares 0.25 easy, 0.5 hard
+    # the defaults: targets 1/12 and 1/6, both exceeded: both rates down by 0.01
+    assert adapt_from_config(ExplorationRates(), CPPOConfig(), o) == ExplorationRates(0.49, 0.49)
+    assert adapt_from_config(ExplorationRates(), CPPOConfig(), TWO_ROUNDS_OUTCOMES) == ExplorationRates(0.49, 0.49)
+    # alpha 0.9: targets 0.3 and 0.6, neither reached: both up by the step 0.05, easy capped at p_max 0.53
+    cfg = CPPOConfig(selective_target_zero_variance=0.9, selective_step_size=0.05, selective_p_max=0.53,
+                     selective_p_easy=0.5, selective_p_hard=0.45)
+    assert adapt_from_config(ExplorationRates(0.5, 0.45), cfg, o) == ExplorationRates(0.53, 0.5)
+    # what adapt_exploration gives with the same numbers spelled out
+    assert adapt_from_config(ExplorationRates(0.5, 0.45), cfg, o) == adapt_exploration(
+        ExplorationRates(0.5, 0.45), num_generated=4, num_easy=1, num_hard=2, target_easy=0.3, target_hard=0.6,
+        step_size=0.05, p_min=0.05, p_max=0.53)
+    # nothing recorded: unchanged
+    assert adapt_from_config(ExplorationRates(0.3, 0.7), cfg, OutcomeCounts(0, 0, 0)) == ExplorationRates(0.3, 0.7)
 
 
 def test_target_shares_split_alpha_a_third_easy_two_thirds_hard():
@@ -429,7 +510,20 @@ def test_bad_inputs_raise_naming_the_value():
         (lambda: fill_batch(iter([1]), -1, h, seed=0, step=0, rates=r), "wanted must be an integer >= 0, got -1"),
         (lambda: group_outcomes(torch.tensor([1.0, float("nan")]), t([0, 0])), r"rewards\[1\] = nan is not finite"),
         (lambda: group_outcomes(torch.tensor([1.0, 0.0]), t([0])), "prompt_ids has 1 entries but rewards has 2"),
-        (lambda: selective_metrics("x", r), "decision must be a SkipDecision or FilledBatch, got str"),
+        (lambda: step_metrics(TWO_ROUNDS[0], r, OutcomeCounts(0, 0, 0)),
+         r"rounds is one FilledBatch; pass the step's rounds as a list \(\[fb\] for a single round\)"),
+        (lambda: step_metrics("x", r, OutcomeCounts(0, 0, 0)), "rounds must be a sequence of FilledBatch"),
+        (lambda: step_metrics([TWO_ROUNDS[0], 3], r, OutcomeCounts(0, 0, 0)), r"rounds\[1\] is a int, not a FilledBatch"),
+        (lambda: step_metrics(TWO_ROUNDS, r, (4, 1, 2)), "outcomes must be a GroupOutcomes .* or an OutcomeCounts, got tuple"),
+        (lambda: step_metrics(TWO_ROUNDS, r, OutcomeCounts(0, 0, 0), tokens_saved=-1.0),
+         "tokens_saved must be >= 0.0, got -1.0"),
+        (lambda: OutcomeCounts(num_groups=2, num_easy=2, num_hard=1), r"num_easy \(2\) \+ num_hard \(1\) exceeds num_groups \(2\)"),
+        (lambda: OutcomeCounts(num_groups=-1, num_easy=0, num_hard=0), "num_groups must be an integer >= 0, got -1"),
+        (lambda: OutcomeCounts.from_flags(b([0, 1]), b([1, 0])), r"easy\[0\] is True but zero_variance\[0\] is False"),
+        (lambda: adapt_from_config(r, {"selective_step_size": 0.1}, OutcomeCounts(0, 0, 0)),
+         "cfg must be a CPPOConfig .* got dict"),
+        (lambda: estimate_tokens_saved(2, 0, t([1])), "group_size must be an integer >= 1, got 0"),
+        (lambda: estimate_tokens_saved(2, 4, t([3, -1])), r"completion_lengths\[1\] = -1.0 is negative"),
     ]
     for fn, match in cases:
         _raises(fn, match)
@@ -443,5 +537,6 @@ def test_core_exports_the_selective_api():
     import cppo_megatron.core as core
 
     for name in ("SelectiveHistory", "ExplorationRates", "decide_skips", "adapt_exploration", "fill_batch",
-                 "group_outcomes", "selective_metrics"):
+                 "group_outcomes", "step_metrics", "count_rounds", "adapt_from_config", "estimate_tokens_saved",
+                 "OutcomeCounts", "RoundCounts"):
         assert getattr(core, name) is getattr(__import__("cppo_megatron.core.selective", fromlist=[name]), name)

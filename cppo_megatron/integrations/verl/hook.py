@@ -110,6 +110,15 @@ def _row_rewards(rm_scores) -> torch.Tensor:
     return t.sum(dim=-1) if t.dim() > 1 else t
 
 
+def _row_tokens(response_mask) -> torch.Tensor:
+    """[N] int64 tokens generated per row: ``response_mask`` summed per row (a jagged nested tensor in
+    TransferQueue, or [N, T]); a tool's tokens inside a multi-turn response are masked out."""
+    if getattr(response_mask, "is_nested", False):
+        return response_mask.to_padded_tensor(0).sum(dim=-1).to(torch.int64)
+    t = torch.as_tensor(response_mask)
+    return (t.sum(dim=-1) if t.dim() > 1 else t).to(torch.int64)
+
+
 def prune_kv_batch(trainer, batch, metrics: dict):
     """V1: prune a ``KVBatchMeta`` before ``_balance_batch``; returns the survivors' meta.
 
@@ -126,11 +135,14 @@ def prune_kv_batch(trainer, batch, metrics: dict):
     pads = [i for i, p in enumerate(padding) if p]
     keys = [batch.keys[i] for i in real]
     _check_single_output_sessions(keys)
-    data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["uid", "rm_scores"])
+    # selective rollout (off unless cppo.selective_rollout) also reads the rows' response lengths
+    with_lengths = selective.enabled(trainer.config)
+    data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id,
+                           select_fields=["uid", "rm_scores"] + (["response_mask"] if with_lengths else []))
     uids = [str(u) for u in list(data["uid"])]
     rewards = _row_rewards(data["rm_scores"]).to(torch.float32)
-    # selective rollout (off unless cppo.selective_rollout): every finished group of the step is here
-    selective.record(trainer, uids, rewards, metrics)
+    if with_lengths:  # every finished group of the step is here: file their outcomes
+        selective.record(trainer, uids, rewards, _row_tokens(data["response_mask"]), metrics)
     result, records = decide(uids, rewards, cfg, getattr(trainer, "global_steps", 0))
     kept = [real[j] for j in result.selection.kept.tolist()] + pads
     pruned_keys = [batch.keys[real[j]] for j in result.selection.pruned.tolist()]

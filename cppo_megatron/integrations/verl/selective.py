@@ -15,7 +15,8 @@ The seams, all on ``verl.trainer.ppo.v1.trainer_base.PPOTrainer`` and inert unle
   finished group's rewards of the sync step (without ``algorithm.filter_groups`` nothing is evicted
   before it): ``record`` files each group's outcome (zero variance, easy, hard) under its prompt
   index, adapts the rates (after the first pass over the data set, by default) and writes the
-  step's ``selective/*`` metrics into veRL's metrics dict.
+  step's ``selective/*`` metrics into veRL's metrics dict, with ``tokens_saved_estimate`` = skipped
+  x G x the mean of the rows' generated tokens (``response_mask`` summed, read with the rewards).
 - ``_save_checkpoint`` / ``_load_checkpoint`` (trainer_base.py:948, 850): the history, rates and
   counters go to ``global_step_N/cppo_selective.pt`` beside veRL's own files (written before veRL
   writes its tracker file) and come back on resume.
@@ -37,11 +38,15 @@ import torch
 from ...core import (
     ExplorationRates,
     FilledBatch,
+    GroupOutcomes,
+    OutcomeCounts,
     SelectiveHistory,
-    adapt_exploration,
+    adapt_from_config,
+    count_rounds,
+    estimate_tokens_saved,
     fill_batch,
     group_outcomes,
-    target_shares,
+    step_metrics,
 )
 from ...core.selective import load_run_state, run_state
 from ...core.settings import CPPOConfig
@@ -67,7 +72,8 @@ TARGET = ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer")
 SEAMS = ("_fetch_one_gen_batch", "_save_checkpoint", "_load_checkpoint")
 WRAP_TAG = __name__
 enabled = selective_enabled
-_TOTALS = ("prompts_drawn", "prompts_skipped", "prompts_generated", "groups_recorded", "groups_unrecorded")
+_TOTALS = ("prompts_drawn", "prompts_skipped", "prompts_generated", "groups_recorded", "groups_unrecorded",
+           "tokens_saved_estimate")
 
 
 # ---------------------------------------------------------------------------------- the state
@@ -77,13 +83,17 @@ class VerlSelective:
     Args:
         cfg: the run's ``CPPOConfig`` (``selective_*`` fields; ``seed`` seeds the draws).
         num_prompts: rows in the train dataset (one pass = one epoch; bounds one fetch's draws).
+        group_size: G, veRL's ``actor_rollout_ref.rollout.n`` (the tokens-saved estimate).
     """
 
-    def __init__(self, cfg: CPPOConfig, *, num_prompts: int) -> None:
+    def __init__(self, cfg: CPPOConfig, *, num_prompts: int, group_size: int) -> None:
         if num_prompts < 1:
             raise ValueError(f"selective rollout needs a non-empty train dataset, got {num_prompts} prompts")
+        if group_size < 1:
+            raise ValueError(f"selective rollout needs actor_rollout_ref.rollout.n >= 1, got {group_size}")
         self.cfg = cfg
         self.num_prompts = int(num_prompts)
+        self.group_size = int(group_size)
         self.history = SelectiveHistory()
         self.rates = ExplorationRates(p_easy=cfg.selective_p_easy, p_hard=cfg.selective_p_hard)
         self.totals = dict.fromkeys(_TOTALS, 0.0)
@@ -162,7 +172,8 @@ class VerlSelective:
         return index
 
     # ------------------------------------------------------------------ after rewards
-    def record(self, step: int, uids: list[str], rewards: torch.Tensor) -> dict[str, float]:
+    def record(self, step: int, uids: list[str], rewards: torch.Tensor,
+               response_tokens: torch.Tensor) -> dict[str, float]:
         """File every finished group of the step under its prompt index, adapt the rates, count;
         returns the step's ``selective/*`` metrics.
 
@@ -170,7 +181,12 @@ class VerlSelective:
             step: veRL's ``global_steps``.
             uids: [N] veRL's prompt uid of each completion row (padding excluded).
             rewards: [N] float, each row's reward (rm_scores summed).
+            response_tokens: [N] int64, each row's generated tokens (``response_mask`` summed): the
+                skipped prompts' tokens are estimated as skipped x G x their mean.
         """
+        if len(response_tokens) != len(uids):
+            raise ValueError(f"selective rollout: {len(response_tokens)} response lengths for {len(uids)} rows "
+                             "at the CPPO seam: give one per row (response_mask summed)")
         if step != self.step:  # no prompt was drawn through the hook in this step
             self._begin(step)
         order: dict[str, list[int]] = {}
@@ -179,48 +195,30 @@ class VerlSelective:
         known = [u for u in order if u in self.generated]
         unknown = len(order) - len(known)
         ids = torch.tensor([self.generated[u] for u in known], dtype=torch.int64)
-        zv = torch.zeros(len(known), dtype=torch.bool)
-        easy = torch.zeros(len(known), dtype=torch.bool)
+        outcomes: GroupOutcomes | OutcomeCounts = OutcomeCounts(num_groups=0, num_easy=0, num_hard=0)
         if known:
             rows = [r for u in known for r in order[u]]
             pos = torch.tensor([j for j, u in enumerate(known) for _ in order[u]], dtype=torch.int64)
             # per-group position keys keep a prompt generated twice in one step apart
-            o = group_outcomes(rewards[rows].to(torch.float64), pos, easy_threshold=1.0)
-            zv, easy = o.zero_variance, o.easy
-            self.history.update(ids, zv, easy, step=step)
+            outcomes = group_outcomes(rewards[rows].to(torch.float64), pos, easy_threshold=1.0)
+            self.history.update(ids, outcomes.zero_variance, outcomes.easy, step=step)
         unrecorded = len(self.generated) - len(known)  # generated but never reached the seam (failed)
-        num_easy, num_hard = int(easy.sum()), int((zv & ~easy).sum())
         if self.adapt:
-            c = self.cfg
-            target_easy, target_hard = target_shares(c.selective_target_zero_variance)
-            self.rates = adapt_exploration(
-                self.rates, num_generated=len(known), num_easy=num_easy, num_hard=num_hard,
-                target_easy=target_easy, target_hard=target_hard, step_size=c.selective_step_size,
-                p_min=c.selective_p_min, p_max=c.selective_p_max)
-        drawn = sum(fb.decision.num_candidates for fb in self.rounds)
-        skipped = sum(fb.decision.num_skipped for fb in self.rounds)
-        generated = sum(fb.decision.num_kept for fb in self.rounds)
-        for key, v in zip(_TOTALS, (drawn, skipped, generated, len(known), unrecorded), strict=True):
+            self.rates = adapt_from_config(self.rates, self.cfg, outcomes)
+        counts = count_rounds(self.rounds)
+        # an estimate: the skipped prompts' completions would not have had this step's mean length
+        saved = estimate_tokens_saved(counts.skipped, self.group_size, response_tokens)
+        for key, v in zip(_TOTALS, (counts.drawn, counts.skipped, counts.generated, len(known), unrecorded, saved),
+                          strict=True):
             self.totals[key] += float(v)
-        m = max(len(known), 1)
-        out = {
-            "selective/prompts_drawn": float(drawn),
-            "selective/prompts_skipped": float(skipped),
-            "selective/prompts_generated": float(generated),
-            "selective/skipped_easy": float(sum(fb.decision.num_skipped_easy for fb in self.rounds)),
-            "selective/skipped_hard": float(sum(fb.decision.num_skipped_hard for fb in self.rounds)),
-            "selective/skip_ratio": skipped / drawn if drawn else 0.0,
+        out = step_metrics(self.rounds, self.rates, outcomes, tokens_saved=saved)
+        out.update({
             "selective/groups_recorded": float(len(known)),
             "selective/groups_unrecorded": float(unrecorded),
             "selective/groups_unknown": float(unknown),
-            "selective/zero_variance_share": float(zv.sum()) / m,
-            "selective/easy_share": num_easy / m,
-            "selective/hard_share": num_hard / m,
-            "selective/p_easy": self.rates.p_easy,
-            "selective/p_hard": self.rates.p_hard,
             "selective/adapted": float(self.adapt),
             "selective/history_prompts": float(self.history.num_prompts),
-        }
+        })
         out.update({f"selective/total_{k}": v for k, v in self.totals.items()})
         # the step is filed: a second call in the same step (none in the sync loop) starts empty
         self.rounds, self.generated = [], {}
@@ -240,7 +238,8 @@ class VerlSelective:
 def state_of(trainer: Any) -> VerlSelective:
     """The trainer's ``VerlSelective``, created on first use from its config and train dataset."""
     if trainer not in _STATES:
-        _STATES[trainer] = VerlSelective(cppo_config_from(trainer.config), num_prompts=len(trainer.train_dataset))
+        _STATES[trainer] = VerlSelective(cppo_config_from(trainer.config), num_prompts=len(trainer.train_dataset),
+                                         group_size=int(trainer.config.actor_rollout_ref.rollout.n))
     return _STATES[trainer]
 
 
@@ -249,11 +248,13 @@ def has_state(trainer: Any) -> bool:
     return trainer in _STATES
 
 
-def record(trainer: Any, uids: list[str], rewards: torch.Tensor, metrics: dict) -> None:
-    """The CPPO seam's call (``hook.prune_kv_batch``): file the step's groups, add the metrics."""
+def record(trainer: Any, uids: list[str], rewards: torch.Tensor, response_tokens: torch.Tensor, metrics: dict) -> None:
+    """The CPPO seam's call (``hook.prune_kv_batch``): file the step's groups, add the metrics.
+    ``response_tokens``: [N] each row's generated tokens (``response_mask`` summed)."""
     if not enabled(trainer.config):
         return
-    metrics.update(state_of(trainer).record(int(getattr(trainer, "global_steps", 0)), uids, rewards))
+    metrics.update(state_of(trainer).record(int(getattr(trainer, "global_steps", 0)), uids, rewards,
+                                            response_tokens))
 
 
 # ---------------------------------------------------------------------------------- checkpoints

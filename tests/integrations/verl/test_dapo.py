@@ -105,6 +105,8 @@ class FakeTQ:
         out = {f: [r[f] for r in rows] for f in select_fields}
         if "rm_scores" in out:
             out["rm_scores"] = torch.stack(out["rm_scores"]) if rows else torch.zeros(0, 1)
+        if "response_mask" in out and rows:  # jagged, as TransferQueue holds it
+            out["response_mask"] = torch.nested.as_nested_tensor(out["response_mask"], layout=torch.jagged)
         return out
 
     def kv_clear(self, keys, partition_id):
