@@ -58,8 +58,19 @@ from typing import Any
 
 import torch
 
-from ...core import ExplorationRates, FilledBatch, SelectiveHistory, adapt_exploration, fill_batch, target_shares
-from ...core.selective import group_outcomes, load_run_state, run_state
+from ...core import (
+    ExplorationRates,
+    FilledBatch,
+    OutcomeCounts,
+    SelectiveHistory,
+    adapt_from_config,
+    count_rounds,
+    estimate_tokens_saved,
+    fill_batch,
+    group_outcomes,
+    step_metrics,
+)
+from ...core.selective import load_run_state, run_state
 from ...core.settings import CPPOConfig
 from ..importhook import after_import, remove
 from ..wrap import unwrap, wrap
@@ -302,49 +313,28 @@ class OpenRLHFSelective:
             raise RuntimeError(f"selective rollout: the prompts of hook step {step} were drawn for step(s) {wrong}; "
                                "one generation call per step is required (leave --rollout.vllm_generate_batch_size "
                                "unset)")
-        drawn = sum(fb.decision.num_candidates for d in draws for fb in d.rounds)
-        skipped = sum(fb.decision.num_skipped for d in draws for fb in d.rounds)
-        generated = sum(len(d.kept) for d in draws)
-        if len(rows) != generated:
+        rounds = [fb for d in draws for fb in d.rounds]
+        counts = count_rounds(rounds)
+        if len(rows) != counts.generated:
             raise ValueError(
-                f"selective rollout, step {step}: the rollout holds {len(rows)} groups but the draws kept {generated} "
-                f"prompts ({drawn} drawn = {skipped} skipped + {generated} kept): every kept prompt must come back as "
-                "one group"
+                f"selective rollout, step {step}: the rollout holds {len(rows)} groups but the draws kept "
+                f"{counts.generated} prompts ({counts.drawn} drawn = {counts.skipped} skipped + {counts.generated} "
+                "kept): every kept prompt must come back as one group"
             )
-        ids = torch.as_tensor(list(rows), dtype=torch.int64)
-        self.history.update(ids, zero_variance, easy, step=step)
-        num_easy, num_hard = int(easy.sum()), int((zero_variance & ~easy).sum())
+        self.history.update(torch.as_tensor(list(rows), dtype=torch.int64), zero_variance, easy, step=step)
+        outcomes = OutcomeCounts.from_flags(zero_variance, easy)
         adapt = bool(self._adapt)
         if adapt:
-            c = self.cfg
-            target_easy, target_hard = target_shares(c.selective_target_zero_variance)
-            self.rates = adapt_exploration(
-                self.rates, num_generated=generated, num_easy=num_easy, num_hard=num_hard,
-                target_easy=target_easy, target_hard=target_hard, step_size=c.selective_step_size,
-                p_min=c.selective_p_min, p_max=c.selective_p_max)
-        n = int(completion_lengths.numel())
-        mean_length = float(completion_lengths.double().sum()) / n if n else 0.0
+            self.rates = adapt_from_config(self.rates, self.cfg, outcomes)
         # an estimate: the skipped prompts' completions were never generated, their length is unknown
-        saved = skipped * group_size * mean_length
-        for key, v in zip(_TOTALS, (drawn, skipped, generated, saved), strict=True):
+        saved = estimate_tokens_saved(counts.skipped, group_size, completion_lengths)
+        for key, v in zip(_TOTALS, (counts.drawn, counts.skipped, counts.generated, saved), strict=True):
             self.totals[key] += float(v)
-        m = max(generated, 1)
-        out = {
-            "selective/prompts_drawn": float(drawn),
-            "selective/prompts_skipped": float(skipped),
-            "selective/prompts_generated": float(generated),
-            "selective/skipped_easy": float(sum(fb.decision.num_skipped_easy for d in draws for fb in d.rounds)),
-            "selective/skipped_hard": float(sum(fb.decision.num_skipped_hard for d in draws for fb in d.rounds)),
-            "selective/skip_ratio": skipped / drawn if drawn else 0.0,
-            "selective/zero_variance_share": float(zero_variance.sum()) / m,
-            "selective/easy_share": num_easy / m,
-            "selective/hard_share": num_hard / m,
-            "selective/tokens_saved_estimate": saved,
-            "selective/p_easy": self.rates.p_easy,
-            "selective/p_hard": self.rates.p_hard,
+        out = step_metrics(rounds, self.rates, outcomes, tokens_saved=saved)
+        out.update({
             "selective/adapted": float(adapt),
             "selective/history_prompts": float(self.history.num_prompts),
-        }
+        })
         out.update({f"selective/total_{k}": v for k, v in self.totals.items()})
         self.pending, self._adapt = [], None
         self.step = step + 1
