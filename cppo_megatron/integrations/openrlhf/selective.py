@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import warnings
 import weakref
 from collections import deque
@@ -503,9 +504,16 @@ def _wrap_generator_init(original):
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
+        if not enabled():
+            return
         dataset = getattr(getattr(self, "prompts_dataloader", None), "dataset", None)
-        if enabled() and dataset is not None:
+        if dataset is not None:
             _TRAIN_DATASETS.add(dataset)
+        # the hook installs with the experience maker, which ppo_trainer imports before it defines
+        # BasePPOTrainer: the trainer's seams are wrapped here if they could not be then
+        trainer_module = sys.modules.get(TRAINER_MODULE)
+        if trainer_module is not None:
+            _patch_trainer(trainer_module)
 
     return __init__
 
@@ -557,20 +565,28 @@ def _wrap_init_states(original):
     return init_checkpoint_states
 
 
+# Each patch is called by ``after_import`` when its module has been imported, or at once when it is
+# in ``sys.modules`` already, which can be while it is still executing (ppo_trainer imports the
+# experience maker, whose import installs the hook, before it defines BasePPOTrainer): a class not
+# defined yet is left for later (``_wrap_generator_init`` wraps the trainer's seams).
 def _patch_dataset(module) -> None:
-    wrap(module.PromptDataset, "__getitem__", _wrap_getitem, tag=WRAP_TAG)
+    cls = getattr(module, "PromptDataset", None)
+    if cls is not None:
+        wrap(cls, "__getitem__", _wrap_getitem, tag=WRAP_TAG)
 
 
 def _patch_generator(module) -> None:
-    cls = module.SamplesGenerator
-    wrap(cls, "__init__", _wrap_generator_init, tag=WRAP_TAG)
-    wrap(cls, "_generate_vllm", _wrap_generate, tag=WRAP_TAG)
+    cls = getattr(module, "SamplesGenerator", None)
+    if cls is not None:
+        wrap(cls, "__init__", _wrap_generator_init, tag=WRAP_TAG)
+        wrap(cls, "_generate_vllm", _wrap_generate, tag=WRAP_TAG)
 
 
 def _patch_trainer(module) -> None:
-    cls = module.BasePPOTrainer
-    wrap(cls, "save_logs_and_checkpoints", _wrap_save, tag=WRAP_TAG)
-    wrap(cls, "init_checkpoint_states", _wrap_init_states, tag=WRAP_TAG)
+    cls = getattr(module, "BasePPOTrainer", None)
+    if cls is not None:
+        wrap(cls, "save_logs_and_checkpoints", _wrap_save, tag=WRAP_TAG)
+        wrap(cls, "init_checkpoint_states", _wrap_init_states, tag=WRAP_TAG)
 
 
 _PATCHES = ((DATASET_MODULE, _patch_dataset), (GENERATOR_MODULE, _patch_generator), (TRAINER_MODULE, _patch_trainer))
@@ -591,22 +607,18 @@ def install(cfg: CPPOConfig) -> bool:
     return True
 
 
+_SEAMS = {DATASET_MODULE: ("PromptDataset", ("__getitem__",)),
+          GENERATOR_MODULE: ("SamplesGenerator", ("__init__", "_generate_vllm")),
+          TRAINER_MODULE: ("BasePPOTrainer", ("save_logs_and_checkpoints", "init_checkpoint_states"))}
+
+
 def uninstall() -> None:
     """Remove the wrappers and forget the config (tests; a run without selective rollout)."""
     global _CONFIG
-    import sys
-
     _CONFIG = None
     for module_name, patch in _PATCHES:
         remove(patch)
-        module = sys.modules.get(module_name)
-        if module is None:
-            continue
-        if patch is _patch_dataset:
-            unwrap(module.PromptDataset, "__getitem__", tag=WRAP_TAG)
-        elif patch is _patch_generator:
-            for name in ("__init__", "_generate_vllm"):
-                unwrap(module.SamplesGenerator, name, tag=WRAP_TAG)
-        else:
-            for name in ("save_logs_and_checkpoints", "init_checkpoint_states"):
-                unwrap(module.BasePPOTrainer, name, tag=WRAP_TAG)
+        cls_name, methods = _SEAMS[module_name]
+        cls = getattr(sys.modules.get(module_name), cls_name, None)
+        for name in methods if cls is not None else ():
+            unwrap(cls, name, tag=WRAP_TAG)

@@ -173,21 +173,21 @@ def _oracle(records, cfg):
     p the draw's rate for that kind; the history is rebuilt from the prune records (rows, outcomes)."""
     streak: dict[int, tuple[int, int]] = {}  # row -> (kind code, z)
     prunes = {r["step"]: r for r in _prunes(records)}
-    for draw in _draws(records):
-        u = prompt_uniforms(torch.tensor(draw["drawn"]), seed=cfg.seed, step=draw["step"]).tolist()
-        want = []
-        for row, ui in zip(draw["drawn"], u, strict=True):
-            code, z = streak.get(row, (0, 0))
-            p = draw["p_easy"] if code == 1 else draw["p_hard"]
-            if z and ui < 1 - max(p**z, 0.01):
-                want.append(row)
-        assert draw["skipped"] == want, (draw["step"], draw["skipped"], want)
-        account = prunes[draw["step"]]["selective"]
-        if draw["kept"] and account["rows"][-len(draw["kept"]):] == draw["kept"]:  # the step's last draw
-            for row, zv, easy in zip(account["rows"], account["zero_variance"], account["easy"], strict=True):
-                code = 1 if easy else 2 if zv else 0
-                old = streak.get(row, (0, 0))
-                streak[row] = (code, old[1] + 1 if code and old[0] == code else int(code > 0))
+    for step in sorted({d["step"] for d in _draws(records)}):
+        for draw in (d for d in _draws(records) if d["step"] == step):
+            u = prompt_uniforms(torch.tensor(draw["drawn"]), seed=cfg.seed, step=step).tolist()
+            want = []
+            for row, ui in zip(draw["drawn"], u, strict=True):
+                code, z = streak.get(row, (0, 0))
+                p = draw["p_easy"] if code == 1 else draw["p_hard"]
+                if z and ui < 1 - max(p**z, 0.01):
+                    want.append(row)
+            assert draw["skipped"] == want, (step, draw["skipped"], want)
+        account = prunes[step]["selective"]
+        for row, zv, easy in zip(account["rows"], account["zero_variance"], account["easy"], strict=True):
+            code = 1 if easy else 2 if zv else 0
+            old = streak.get(row, (0, 0))
+            streak[row] = (code, old[1] + 1 if code and old[0] == code else int(code > 0))
 
 
 def test_the_loop_skips_what_the_core_decides_per_data_row(run_fit):
@@ -342,3 +342,29 @@ def test_a_batch_without_its_row_is_refused_with_the_fix():
         selective._row_of((["default"], ["q0"], ["easy-0"], [None]), 0)
     row, batch = selective._row_of(([selective.IndexedSource("default", 5)], ["q5"], ["hard-5"], [None]), 0)
     assert row == 5 and batch == (["default"], ["q5"], ["hard-5"], [None]) and type(batch[0][0]) is str
+
+
+def test_the_trainer_seams_are_wrapped_even_when_the_hook_installs_inside_ppo_trainers_import(orl, make_args):
+    """OpenRLHF's ppo_trainer imports the experience maker (whose import installs the hook) before it
+    defines BasePPOTrainer: the patch leaves the half-imported module alone, and the generator's
+    __init__ (inside PPOTrainer.__init__) wraps the trainer's seams then."""
+    import openrlhf.trainer.ppo_trainer as pt
+
+    from cppo_megatron.integrations import wrap
+
+    hook.install(CFG)
+    try:
+        for name in ("save_logs_and_checkpoints", "init_checkpoint_states"):
+            wrap.unwrap(pt.BasePPOTrainer, name, tag=selective.WRAP_TAG)
+        selective._patch_trainer(types.ModuleType(selective.TRAINER_MODULE))  # half-imported: no class yet
+        assert not wrap.is_wrapped(pt.BasePPOTrainer.init_checkpoint_states, selective.WRAP_TAG)
+        args = make_args()
+        orl.SamplesGenerator(strategy=types.SimpleNamespace(args=args), prompts_dataloader=None,
+                             eval_dataloader=None, tokenizer=None, vllm_engines=[])
+        for name in ("save_logs_and_checkpoints", "init_checkpoint_states"):
+            assert wrap.is_wrapped(getattr(pt.BasePPOTrainer, name), selective.WRAP_TAG)
+    finally:
+        hook.uninstall()
+    for owner, name in ((pt.BasePPOTrainer, "save_logs_and_checkpoints"), (pt.BasePPOTrainer, "init_checkpoint_states"),
+                        (orl.SamplesGenerator, "__init__"), (orl.SamplesGenerator, "_generate_vllm")):
+        assert not wrap.is_wrapped(getattr(owner, name), selective.WRAP_TAG)  # uninstall took them out
