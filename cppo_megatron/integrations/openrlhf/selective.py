@@ -25,18 +25,25 @@ The seams (OpenRLHF 0.11.2, each pinned by source hash in ``pinned.SEAMS``):
   skipped ones are used up (the dataloader moved past them: its checkpointed state includes them),
   so the call still dispatches ``--rollout.batch_size`` prompts unless the epoch ends first. The
   returned ``prompts_consumed`` counts the skipped ones too. Each generated sample is tagged with
-  its prompt's index (its group matched to the kept prompt by prompt and label, in draw order).
+  its prompt's index (its group matched to a kept prompt with the same prompt and label: OpenRLHF
+  returns groups in the order vLLM finishes them; two kept rows with identical prompt and label are
+  the same problem and may swap outcomes).
 - **The record**: the CPPO hook (``hook.prune_rollout_samples``, the start of
   ``make_experience_batch``) sees every generated group's rewards before pruning; ``record_step``
   files each group's outcome under its prompt index (zero variance on the rewards the advantage
   uses, after OpenRLHF's length penalties; easy = zero variance and every reward as returned
   ``>= 1.0``), adapts the rates (after the first pass over the data set, by default) and returns
   the step's ``selective/*`` metrics, which ride on the survivors' ``info`` into OpenRLHF's logs.
-- **The checkpoint**: ``BasePPOTrainer.save_logs_and_checkpoints`` (``ppo_trainer.py:384``) is
-  handed the trainer's ``client_states``, which every actor rank saves inside its DeepSpeed
-  checkpoint (``ppo_actor.py:661-674``, ``deepspeed.py:685``); the history, rates and counters go
-  in under ``STATE_KEY``. ``BasePPOTrainer.init_checkpoint_states`` (``ppo_trainer.py:433``)
-  returns them from actor rank 0's loaded checkpoint when OpenRLHF resumes; they are restored there.
+- **The checkpoint**: the history is prompt-draw state, so it rides where OpenRLHF keeps its own:
+  ``PPOTrainer.fit`` puts ``prompts_dataloader.state_dict()`` into the client states of every
+  checkpoint (``ppo_trainer.py:553-560``; each actor rank's ``save_checkpoint`` stores them inside
+  its DeepSpeed checkpoint, ``ppo_actor.py:661-674``) and, when it resumes, hands them back to
+  ``prompts_dataloader.load_state_dict`` (``ppo_trainer.py:514-518``). The train dataloader's
+  ``StatefulDataLoader.state_dict`` / ``load_state_dict`` (torchdata) are wrapped: the history,
+  rates and counters ride in that dict under ``STATE_KEY`` and come back with it. (The trainer's own
+  methods cannot be wrapped: Ray copies every method of an actor class onto the class it ships when
+  ``@ray.remote`` runs, ``ray/util/tracing/tracing_helper.py``, so ``BasePPOTrainer``'s methods in
+  the trainer actor are those copies.)
 
 Refused (``check_args``, by the launcher and again at the first draw): ``--train.async_enable``
 (prompts are drawn in another actor, ahead of the step that records them),
@@ -85,19 +92,21 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-STATE_KEY = "cppo_selective"  # its entry in OpenRLHF's checkpoint client states
+STATE_KEY = "cppo_selective"  # its entry in the train dataloader's state (OpenRLHF's checkpoint client states)
 INDEX_ATTR = "_cppo_prompt_index"  # on each generated rollout Experience: its prompt's row in the train data set
 DRAW_ATTR = "_cppo_selective_draw"  # on each: the SelectiveDraw of the generation call that made it
 DATASET_MODULE = "openrlhf.datasets.prompts_dataset"
 GENERATOR_MODULE = "openrlhf.trainer.ppo_utils.samples_generator"
-TRAINER_MODULE = "openrlhf.trainer.ppo_trainer"
+LOADER_MODULE = "torchdata.stateful_dataloader.stateful_dataloader"  # OpenRLHF's prompt dataloader class
 WRAP_TAG = __name__
 _TOTALS = ("prompts_drawn", "prompts_skipped", "prompts_generated", "tokens_saved_estimate")
 EASY_THRESHOLD = 1.0  # a zero-variance group is easy when every reward (as returned) is >= this
 
 _CONFIG: CPPOConfig | None = None
-# the train data sets whose items carry their row (registered by SamplesGenerator.__init__)
+# the train data sets whose items carry their row, and the train dataloaders whose state carries the
+# history (both registered by SamplesGenerator.__init__; the dataloader maps to its generator)
 _TRAIN_DATASETS: weakref.WeakSet[Any] = weakref.WeakSet()
+_TRAIN_LOADERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 # each SamplesGenerator's run state, kept beside the host object (it dies with it)
 _STATES: weakref.WeakKeyDictionary[Any, OpenRLHFSelective] = weakref.WeakKeyDictionary()
 
@@ -506,14 +515,12 @@ def _wrap_generator_init(original):
         original(self, *args, **kwargs)
         if not enabled():
             return
-        dataset = getattr(getattr(self, "prompts_dataloader", None), "dataset", None)
+        loader = getattr(self, "prompts_dataloader", None)
+        dataset = getattr(loader, "dataset", None)
         if dataset is not None:
             _TRAIN_DATASETS.add(dataset)
-        # the hook installs with the experience maker, which ppo_trainer imports before it defines
-        # BasePPOTrainer: the trainer's seams are wrapped here if they could not be then
-        trainer_module = sys.modules.get(TRAINER_MODULE)
-        if trainer_module is not None:
-            _patch_trainer(trainer_module)
+        if loader is not None:
+            _TRAIN_LOADERS[loader] = self
 
     return __init__
 
@@ -530,45 +537,50 @@ def _wrap_getitem(original):
     return __getitem__
 
 
-def _wrap_save(original):
+def _wrap_loader_state(original):
     @functools.wraps(original)
-    def save_logs_and_checkpoints(self, global_step, logs_dict=None, client_states=None):
-        generator = getattr(self, "samples_generator", None)
-        if enabled() and generator is not None and generator in _STATES:
-            # the same dict goes on to save_best_checkpoint (PPOTrainer.fit): both checkpoints carry it
-            client_states = {} if client_states is None else client_states
-            client_states[STATE_KEY] = _STATES[generator].state_dict()
-        return original(self, global_step, logs_dict, client_states)
+    def state_dict(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        generator = _TRAIN_LOADERS.get(self) if enabled() else None
+        if generator is not None and generator in _STATES and isinstance(out, dict):
+            out = {**out, STATE_KEY: _STATES[generator].state_dict()}
+        return out
 
-    return save_logs_and_checkpoints
+    return state_dict
 
 
-def _wrap_init_states(original):
+def _wrap_loader_load(original):
     @functools.wraps(original)
-    def init_checkpoint_states(self):
-        states = original(self)
-        generator = getattr(self, "samples_generator", None)
-        step = int(states.get("global_step", 0) or 0)
-        if enabled() and generator is not None and step > 0:
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        generator = _TRAIN_LOADERS.get(self) if enabled() else None
+        if isinstance(state_dict, dict) and STATE_KEY in state_dict:
+            saved = state_dict[STATE_KEY]
+            state_dict = {k: v for k, v in state_dict.items() if k != STATE_KEY}
+        else:
+            saved = None
+        out = original(self, state_dict, *args, **kwargs)
+        if generator is not None:
+            # OpenRLHF restores the dataloader exactly when it resumes (PPOTrainer.fit, ppo_trainer.py:514-518)
             state = state_of(generator)
-            saved = states.get(STATE_KEY)
+            step = resumed_step(generator.args)
             if saved is None:
                 warnings.warn(f"cppo: the checkpoint of global step {step} has no selective-rollout state "
-                              f"({STATE_KEY}); resuming with an empty history and the initial rates", stacklevel=2)
+                              f"({STATE_KEY} in its data_loader_state_dict); resuming with an empty history and "
+                              "the initial rates", stacklevel=2)
                 state.step = step
             else:
                 state.load_state_dict(saved, step=step)
                 logger.info("selective rollout: resumed at step %d with the history of %d prompts", step,
                             state.history.num_prompts)
-        return states
+        return out
 
-    return init_checkpoint_states
+    return load_state_dict
 
 
 # Each patch is called by ``after_import`` when its module has been imported, or at once when it is
-# in ``sys.modules`` already, which can be while it is still executing (ppo_trainer imports the
-# experience maker, whose import installs the hook, before it defines BasePPOTrainer): a class not
-# defined yet is left for later (``_wrap_generator_init`` wraps the trainer's seams).
+# in ``sys.modules`` already, which can be while it is still executing (the hook installs with the
+# experience maker, imported from inside other modules' imports): a class not defined yet is left
+# alone, and its module's own callback wraps it when the import ends.
 def _patch_dataset(module) -> None:
     cls = getattr(module, "PromptDataset", None)
     if cls is not None:
@@ -582,14 +594,14 @@ def _patch_generator(module) -> None:
         wrap(cls, "_generate_vllm", _wrap_generate, tag=WRAP_TAG)
 
 
-def _patch_trainer(module) -> None:
-    cls = getattr(module, "BasePPOTrainer", None)
+def _patch_loader(module) -> None:
+    cls = getattr(module, "StatefulDataLoader", None)
     if cls is not None:
-        wrap(cls, "save_logs_and_checkpoints", _wrap_save, tag=WRAP_TAG)
-        wrap(cls, "init_checkpoint_states", _wrap_init_states, tag=WRAP_TAG)
+        wrap(cls, "state_dict", _wrap_loader_state, tag=WRAP_TAG)
+        wrap(cls, "load_state_dict", _wrap_loader_load, tag=WRAP_TAG)
 
 
-_PATCHES = ((DATASET_MODULE, _patch_dataset), (GENERATOR_MODULE, _patch_generator), (TRAINER_MODULE, _patch_trainer))
+_PATCHES = ((DATASET_MODULE, _patch_dataset), (GENERATOR_MODULE, _patch_generator), (LOADER_MODULE, _patch_loader))
 
 
 def install(cfg: CPPOConfig) -> bool:
@@ -609,7 +621,7 @@ def install(cfg: CPPOConfig) -> bool:
 
 _SEAMS = {DATASET_MODULE: ("PromptDataset", ("__getitem__",)),
           GENERATOR_MODULE: ("SamplesGenerator", ("__init__", "_generate_vllm")),
-          TRAINER_MODULE: ("BasePPOTrainer", ("save_logs_and_checkpoints", "init_checkpoint_states"))}
+          LOADER_MODULE: ("StatefulDataLoader", ("state_dict", "load_state_dict"))}
 
 
 def uninstall() -> None:

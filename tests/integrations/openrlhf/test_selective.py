@@ -105,7 +105,9 @@ def run_fit(orl, make_args, make_maker, data_file, tmp_path, monkeypatch):
         strategy = types.SimpleNamespace(
             args=args, print=lambda *a, **k: None, is_rank_0=lambda: True,
             setup_dataloader=functools.partial(DeepspeedStrategy.setup_dataloader, types.SimpleNamespace()))
-        trainer_cls = pt.PPOTrainer.__ray_actor_class__  # the class Ray runs as the trainer actor
+        # the class Ray runs as the trainer actor: @ray.remote copied every method onto it (tracing
+        # wrappers), so BasePPOTrainer's methods there are those copies, as in the real trainer process
+        trainer_cls = pt.PPOTrainer.__ray_metadata__.modified_class
         trainer = trainer_cls.__new__(trainer_cls)
         torch.manual_seed(seed)  # OpenRLHF's unseeded RandomSampler takes its seed from torch's global RNG
         trainer.prompts_dataloader, trainer.eval_dataloader, trainer.max_steps = pt.prepare_datasets(strategy, None)
@@ -213,10 +215,10 @@ def test_the_loop_skips_what_the_core_decides_per_data_row(run_fit):
         assert [1 if e else 2 if z else 0 for z, e in zip(acc["zero_variance"], acc["easy"], strict=True)] == \
             [CODE[KINDS[r]] for r in rows]
         assert acc["drawn"] == acc["skipped"] + acc["generated"] and acc["generated"] == len(rows)
-    # the history in OpenRLHF's checkpoint after episode 1 (global_step3): every row, in draw order,
-    # with its outcome: keyed by the data row, not by its place in a batch
+    # the history in OpenRLHF's checkpoint after episode 1 (global_step3), inside the dataloader state it
+    # saves: every row, in draw order, with its outcome: keyed by the data row, not by its place in a batch
     saved = torch.load(out["group"].ckpt / "global_step3" / "client_states.pt", weights_only=False)
-    hist = saved[selective.STATE_KEY]["history"]
+    hist = saved["data_loader_state_dict"][selective.STATE_KEY]["history"]
     assert hist["prompt_ids"].tolist() == [2, 5, 4, 6, 1, 7, 0, 3]
     assert hist["outcomes"].tolist() == [CODE[KINDS[r]] for r in [2, 5, 4, 6, 1, 7, 0, 3]]
     # OpenRLHF counts every drawn prompt as consumed (its progress bar and checkpoint)
@@ -263,7 +265,8 @@ def test_two_runs_decide_alike(run_fit):
 
 def test_a_resumed_run_restores_the_history_from_openrlhfs_checkpoint(run_fit, tmp_path):
     """Resumed from global_step4 (mid episode 2) through OpenRLHF's own resume (--ckpt.load_enable: the
-    client states of actor rank 0's checkpoint, the dataloader state), the run decides steps 4-6 exactly
+    client states of actor rank 0's checkpoint, whose dataloader state carries the history), the run
+    decides steps 4-6 exactly
     as the run that never stopped: the history and rates came back keyed by data row. Without them (a
     checkpoint with no selective state) step 4 skips nothing."""
     import shutil
@@ -276,7 +279,7 @@ def test_a_resumed_run_restores_the_history_from_openrlhfs_checkpoint(run_fit, t
         if drop:
             path = ckpt / "_actor" / "global_step4" / "client_states.pt"
             states = torch.load(path, weights_only=False)
-            del states[selective.STATE_KEY]
+            del states["data_loader_state_dict"][selective.STATE_KEY]
             torch.save(states, path)
         if not drop:
             resumed = run_fit(name, CFG, "--ckpt.load_enable", ckpt=ckpt)
@@ -344,27 +347,15 @@ def test_a_batch_without_its_row_is_refused_with_the_fix():
     assert row == 5 and batch == (["default"], ["q5"], ["hard-5"], [None]) and type(batch[0][0]) is str
 
 
-def test_the_trainer_seams_are_wrapped_even_when_the_hook_installs_inside_ppo_trainers_import(orl, make_args):
-    """OpenRLHF's ppo_trainer imports the experience maker (whose import installs the hook) before it
-    defines BasePPOTrainer: the patch leaves the half-imported module alone, and the generator's
-    __init__ (inside PPOTrainer.__init__) wraps the trainer's seams then."""
+def test_the_history_rides_on_the_dataloader_state_because_the_trainer_actor_cannot_be_wrapped(orl):
+    """Ray copies every method of an actor class onto the class it ships (its tracing wrappers) when
+    @ray.remote runs, so wrapping BasePPOTrainer later does not reach the trainer actor: the seam is the
+    train dataloader's state, which PPOTrainer.fit checkpoints and restores itself. A module still being
+    imported (the hook installs inside other modules' imports) is left for its own import callback."""
     import openrlhf.trainer.ppo_trainer as pt
 
-    from cppo_megatron.integrations import wrap
-
-    hook.install(CFG)
-    try:
-        for name in ("save_logs_and_checkpoints", "init_checkpoint_states"):
-            wrap.unwrap(pt.BasePPOTrainer, name, tag=selective.WRAP_TAG)
-        selective._patch_trainer(types.ModuleType(selective.TRAINER_MODULE))  # half-imported: no class yet
-        assert not wrap.is_wrapped(pt.BasePPOTrainer.init_checkpoint_states, selective.WRAP_TAG)
-        args = make_args()
-        orl.SamplesGenerator(strategy=types.SimpleNamespace(args=args), prompts_dataloader=None,
-                             eval_dataloader=None, tokenizer=None, vllm_engines=[])
-        for name in ("save_logs_and_checkpoints", "init_checkpoint_states"):
-            assert wrap.is_wrapped(getattr(pt.BasePPOTrainer, name), selective.WRAP_TAG)
-    finally:
-        hook.uninstall()
-    for owner, name in ((pt.BasePPOTrainer, "save_logs_and_checkpoints"), (pt.BasePPOTrainer, "init_checkpoint_states"),
-                        (orl.SamplesGenerator, "__init__"), (orl.SamplesGenerator, "_generate_vllm")):
-        assert not wrap.is_wrapped(getattr(owner, name), selective.WRAP_TAG)  # uninstall took them out
+    ray_class = pt.PPOTrainer.__ray_metadata__.modified_class
+    assert "save_logs_and_checkpoints" in ray_class.__dict__  # Ray's copy, bound to the original function
+    assert ray_class.save_logs_and_checkpoints is not pt.BasePPOTrainer.save_logs_and_checkpoints
+    for patch in (selective._patch_dataset, selective._patch_generator, selective._patch_loader):
+        patch(types.ModuleType("half_imported"))  # no class defined yet: nothing to wrap, no error

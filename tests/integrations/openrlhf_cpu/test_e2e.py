@@ -501,7 +501,7 @@ def selective_run(workdir):
     run = run_openrlhf(workdir, "selective", "--cppo.pruning_rate", str(P), "--cppo.selective_rollout", "true",
                        "--cppo.selective_p_easy", str(SELECTIVE_P), "--cppo.selective_p_hard", str(SELECTIVE_P),
                        "--reward.remote_url", str(workdir / "reward_selective.py"), "--data.max_samples",
-                       str(allocated), "--train.num_episodes", "2", max_steps=None)
+                       str(allocated), "--train.num_episodes", "2", "--ckpt.save_steps", "1", max_steps=None)
     return {**run, "data": rows, "allocated": allocated}
 
 
@@ -565,5 +565,12 @@ def test_selective_rollout_skips_seen_zero_variance_prompts_and_accounts_for_eve
     saved = metrics[2]["selective/tokens_saved_estimate"]
     assert 1 * len(want) * G <= saved <= 6 * len(want) * G
     assert metrics[2]["selective/total_prompts_drawn"] == 2 * n
+    # the history rides in DeepSpeed's checkpoint, inside the dataloader state of OpenRLHF's client
+    # states: after step 1, every row with its step-1 outcome, keyed by the data row
+    states = torch.load(selective_run["run_dir"] / "ckpt" / "checkpoints" / "_actor" / "global_step1" /
+                        "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    hist = states["data_loader_state_dict"]["cppo_selective"]["history"]
+    assert hist["prompt_ids"].tolist() == first["rows"] and hist["steps"].tolist() == [0] * n
+    assert hist["outcomes"].tolist() == [{"mixed": 0, "easy": 1, "hard": 2}[outcome[r]] for r in first["rows"]]
     print(f"selective: step 2 drew {len(draws[1]['drawn'])}, skipped {draws[1]['skipped']}, "
           f"generated {len(draws[1]['kept'])}; ~{saved:.0f} tokens saved")  # -rP
