@@ -266,9 +266,8 @@ def test_two_runs_decide_alike(run_fit):
 def test_a_resumed_run_restores_the_history_from_openrlhfs_checkpoint(run_fit, tmp_path):
     """Resumed from global_step4 (mid episode 2) through OpenRLHF's own resume (--ckpt.load_enable: the
     client states of actor rank 0's checkpoint, whose dataloader state carries the history), the run
-    decides steps 4-6 exactly
-    as the run that never stopped: the history and rates came back keyed by data row. Without them (a
-    checkpoint with no selective state) step 4 skips nothing."""
+    decides steps 4-6 exactly as the run that never stopped: the history and rates came back keyed by
+    data row. Without them (a checkpoint with no selective state) step 4 skips nothing."""
     import shutil
 
     straight = run_fit("s", CFG)
