@@ -6,11 +6,15 @@ makes each process append JSON lines to ``DIR/<role>-<pid>.jsonl``:
 - ``filter`` (OpenRLHF's samples generator, with ``--algo.dynamic_filtering_enable``): one per
   generation call, every prompt it drew with its G scores and rewards and whether the filter
   passed it (``filtering.FilterLedger``);
+- ``selective`` (OpenRLHF's samples generator, with ``cppo.selective_rollout``): one per generation
+  call, every prompt index it drew for its step, which were skipped and which kept, with their skip
+  probabilities and the rates (``selective.SelectiveDraw``);
 - ``prune`` (the hook, in the trainer): every rollout sample of the step — its row id (its
   index in the rollout), prompt, reward — the core's selection and the survivors in the order
   passed on; each survivor carries its row id in ``info["cppo_row"]`` from here on; with the
   filter, the step's account (prompts drawn / filtered / passed, completions kept / pruned:
-  ``filtering.StepAccount``) and the serials of its ``filter`` records;
+  ``filtering.StepAccount``) and the serials of its ``filter`` records; with selective rollout, the
+  step's account (drawn = skipped + generated, each generated group's prompt index and outcome);
 - ``train`` (``ActorPPOTrainer.training_step``, every actor rank, every micro-batch): the row
   ids that reached the loss, each row's advantage (mean over its action tokens), the largest
   difference between the rollout engine's log-probs and the actor's old-policy log-probs, and
@@ -95,15 +99,17 @@ def _fingerprint(model) -> float:
 # ------------------------------------------------------------------------------ trainer side (hook)
 def record_prune(samples: list, rewards: torch.Tensor, group_ids: torch.Tensor, selected: torch.Tensor,
                  survivors: list[int], step: int, account: dict | None = None,
-                 ledgers: list[str] | None = None) -> None:
+                 ledgers: list[str] | None = None, selective: dict | None = None) -> None:
     """Called by the hook for every rollout batch it prunes (audit mode only). With DAPO's filter,
     ``account`` is the step's ``filtering.StepAccount`` record and ``ledgers`` the serials of the
-    ``filter`` records whose passed groups this rollout is."""
+    ``filter`` records whose passed groups this rollout is. With selective rollout, ``selective`` is
+    the step's account (prompts drawn / skipped / generated, each group's prompt index and outcome,
+    the serials of its ``selective`` records)."""
     for i, sample in enumerate(samples):
         sample.info[ROW_KEY] = torch.tensor([float(i)])
     record("prune", "trainer", step=step, rows=list(range(len(samples))), prompts=[s.prompts[0] for s in samples],
            rewards=rewards.tolist(), group_ids=group_ids.tolist(), selected=selected.tolist(), survivors=survivors,
-           account=account, ledgers=ledgers or [])
+           account=account, ledgers=ledgers or [], selective=selective)
 
 
 # ------------------------------------------------------------------------------ actor side

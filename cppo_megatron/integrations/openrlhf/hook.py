@@ -52,7 +52,7 @@ from ...core import (
 )
 from ..importhook import after_import, remove
 from ..wrap import is_wrapped, unwrap, wrap
-from . import audit, filtering
+from . import audit, filtering, selective
 from .checkpoint import resumed_step
 
 logger = logging.getLogger(__name__)
@@ -165,12 +165,6 @@ def check_settings(values: dict[str, Any], estimator: str) -> list[str]:
             "and cannot draw replacement prompts; remove it and use OpenRLHF's own "
             "--algo.dynamic_filtering_enable, which replaces filtered prompts before the hook sees the rollout"
         )
-    if values.get("selective_rollout"):
-        raise ValueError(
-            "cppo.selective_rollout=true is not supported under OpenRLHF: selective rollout (GRESO) is built only "
-            "in the embedded trainer so far (cppo-megatron train); OpenRLHF would generate every prompt anyway. "
-            "Remove it"
-        )
     if values.get("equal_size") is False:
         raise ValueError(
             "cppo.equal_size=false cannot be honoured under OpenRLHF: each actor gets an equal consecutive "
@@ -189,9 +183,10 @@ def check_settings(values: dict[str, Any], estimator: str) -> list[str]:
     if "max_refill_rounds" in values and not values.get("dynamic_sampling"):
         notes.append(f"cppo.max_refill_rounds={values['max_refill_rounds']} has no effect under OpenRLHF: refill "
                      "rounds belong to cppo.dynamic_sampling, which OpenRLHF runs do not support; remove it")
-    notes += [f"cppo.{name}={values[name]} has no effect under OpenRLHF: it belongs to cppo.selective_rollout, "
-              "which is built only in the embedded trainer; remove it"
-              for name in SELECTIVE_PARAMETERS if name in values]
+    if not values.get("selective_rollout"):
+        notes += [f"cppo.{name}={values[name]} has no effect: it belongs to cppo.selective_rollout, which is off; "
+                  "set cppo.selective_rollout=true or remove it"
+                  for name in SELECTIVE_PARAMETERS if name in values]
     return notes
 
 
@@ -236,6 +231,7 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
             raise ValueError(f"rollout sample {i} holds {sample.sequences.shape[0]} rows; expected one")
         # as OpenRLHF's advantage step: at least fp32 for penalties and group statistics
         sample.rewards = sample.rewards.to(torch.promote_types(sample.rewards.dtype, torch.float32))
+    raw_rewards = torch.cat([s.rewards.reshape(1) for s in rollout_samples])  # as returned, before penalties
 
     group_ids = group_ids_from_samples(rollout_samples, args.rollout.n_samples_per_prompt)
     filter_on = filtering.enabled(args)
@@ -251,6 +247,9 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
     # OpenRLHF's global step before this one (0-based): a resumed run continues the count
     step = int(maker._cppo_step) if hasattr(maker, "_cppo_step") else resumed_step(args)
     maker._cppo_step = step + 1
+    # selective rollout (GRESO): every generated group's outcome, under its prompt index, before pruning
+    recorded = selective.record_step(rollout_samples, raw_rewards, rewards, group_ids, step=step,
+                                     group_size=int(args.rollout.n_samples_per_prompt))
     run_cfg = cfg if cfg.adv_norm == adv_norm else dataclasses.replace(cfg, adv_norm=adv_norm)
     result = prune(rewards, group_ids, run_cfg, step=step)
     selection = result.selection
@@ -283,6 +282,8 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
     )
     order_out, balance_metrics = _balanced_order(kept, rollout_samples, args, cfg)
     metrics.update(balance_metrics)
+    if recorded is not None:
+        metrics.update(recorded[0])
     account = None
     if filter_on:
         ledgers = filtering.ledgers_of(rollout_samples)
@@ -316,7 +317,8 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
     if audit.enabled():
         audit.record_prune(rollout_samples, rewards, group_ids, selection.kept, order_out.tolist(), step,
                            account=None if account is None else account.to_record(),
-                           ledgers=[led.serial for led in filtering.ledgers_of(rollout_samples)])
+                           ledgers=[led.serial for led in filtering.ledgers_of(rollout_samples)],
+                           selective=None if recorded is None else recorded[1])
     for sample in rollout_samples:  # accounted: the ledger need not travel on to the model actors
         sample.__dict__.pop(filtering.FILTER_ATTR, None)
     return survivors
@@ -447,6 +449,8 @@ def install(cfg: CPPOConfig, maker_class: Any = None) -> None:
         raise ValueError(f"install expects a CPPOConfig, got {type(cfg).__name__}")
     maker_class = _experience_maker(maker_class)
     _CONFIG = _check_config(cfg)
+    # GRESO's seams (prompt index, draw, checkpoint) when cfg asks for it, else removed (selective.py)
+    selective.install(_CONFIG)
     if is_installed(maker_class):
         return
     wrap(maker_class, "make_experience_batch", _pruning_make_batch, tag=WRAP_TAG)
@@ -463,6 +467,7 @@ def uninstall(maker_class: Any = None) -> None:
     for name in WRAPPED:
         unwrap(maker_class, name, tag=WRAP_TAG)
     remove(filtering.install_generator)
+    selective.uninstall()
     generator = sys.modules.get(filtering.GENERATOR_MODULE)
     if generator is not None:
         filtering.uninstall_generator(generator)

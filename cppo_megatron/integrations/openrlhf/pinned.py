@@ -56,6 +56,14 @@ SEAMS: dict[tuple[str, str], str] = {
     ("trainer/ppo_utils/samples_generator.py",
      "SamplesGenerator._process_response_into_experience"): "ccbffe0f5e3c5d25",
     ("trainer/ppo_utils/samples_generator.py", "_collect_prompt_batch"): "df02f677c3805745",
+    # selective rollout (selective.py): the train PromptDataset's item access (the row index rides on
+    # its datasource), its one-prompt batches, the generator that names the train data set, and the
+    # draw in _generate_vllm / _collect_prompt_batch above; the checkpoint rides on
+    # save_logs_and_checkpoints / init_checkpoint_states above
+    ("datasets/prompts_dataset.py", "PromptDataset.__getitem__"): "e040191a679e8c60",
+    ("datasets/prompts_dataset.py", "PromptDataset.collate_fn"): "e0b652b353e5f100",
+    ("trainer/ppo_trainer.py", "prepare_datasets"): "55832fcd023e6916",
+    ("trainer/ppo_utils/samples_generator.py", "SamplesGenerator.__init__"): "9165efcf7c1099ff",
 }
 
 

@@ -293,6 +293,11 @@ def run_argv(argv: list[str], cpu_num_gpus: int | None = None) -> int:
             args = parse_openrlhf_args(forwarded)
     for note in checkpoint_warnings(args):
         print(f"warning: {note}", file=sys.stderr)
+    if cfg is not None and cfg.selective_rollout:  # GRESO before generation: refused where not built, else explained
+        from .selective import check_args as check_selective
+
+        for note in check_selective(args):
+            print(f"note: {note}")
     if cfg is not None:  # DAPO's filter before CPPO: refused where it cannot be honoured, else explained
         from .filtering import check_args as check_filtering
 

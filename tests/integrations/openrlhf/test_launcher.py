@@ -176,9 +176,10 @@ def test_launch_runs_openrlhfs_own_main_with_the_forwarded_arguments(monkeypatch
      "error: cppo.dynamic_sampling=true is not supported under OpenRLHF: the hook prunes a finished rollout and "
      "cannot draw replacement prompts; remove it and use OpenRLHF's own --algo.dynamic_filtering_enable, which "
      "replaces filtered prompts before the hook sees the rollout"),
-    (["--cppo.selective_rollout", "true"],
-     "error: cppo.selective_rollout=true is not supported under OpenRLHF: selective rollout (GRESO) is built only "
-     "in the embedded trainer so far (cppo-megatron train); OpenRLHF would generate every prompt anyway. Remove it"),
+    (["--cppo.selective_rollout", "true", "--train.async_enable"],
+     "error: cppo.selective_rollout=true with --train.async_enable: the asynchronous trainer draws prompts in "
+     "another actor, steps ahead of the one that records their groups, so the skip decisions could not see the "
+     "history they depend on (not built); remove --train.async_enable or cppo.selective_rollout"),
     (["--cppo.equal_size", "false"],
      "error: cppo.equal_size=false cannot be honoured under OpenRLHF: each actor gets an equal consecutive chunk "
      "of the survivors, so they are always balanced into equal-size parts; remove it"),
@@ -200,6 +201,6 @@ def test_settings_openrlhf_cannot_honour_are_refused(flags, message, capsys):
         "cppo.dynamic_sampling, which OpenRLHF runs do not support; remove it")
     assert main(["--cppo.selective_p_easy", "0.2", "--dry-run", *recipe]) == 0
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "warning: cppo.selective_p_easy=0.2 has no effect under OpenRLHF: it belongs to cppo.selective_rollout, "
-        "which is built only in the embedded trainer; remove it")
+        "warning: cppo.selective_p_easy=0.2 has no effect: it belongs to cppo.selective_rollout, which is off; "
+        "set cppo.selective_rollout=true or remove it")
     assert main(["--cppo.equal_size", "true", "--cppo.adv_norm", "std", "--dry-run", *recipe]) == 0  # honoured

@@ -454,3 +454,123 @@ def test_dapo_filter_then_cppo_accounts_for_every_prompt_and_completion(dapo_run
     assert all(not any(g["passed"] for g in f["groups"]) for f in filters if f["serial"] not in linked)
     print(f"dapo: {len(groups)} prompts drawn, {sum(not g['passed'] for g in groups)} filtered, "
           f"{len(prunes)} steps")  # -rP
+
+
+# ------------------------------------------------------------------------------ selective rollout (GRESO)
+# A reward with known verdicts (scores = rewards): the answer's digit sum decides the class of a
+# problem. 0 mod 3: always solved (every completion 1: an easy zero-variance group); 1 mod 3: never
+# solved (all 0: hard); 2 mod 3: a completion scores 1 when its character codes sum to an odd number
+# (a random model's groups vary; all G alike about 1 group in 128).
+REWARD_SELECTIVE = '''
+import torch
+
+
+def reward_func(queries, prompts, labels):
+    out = []
+    for q, p, label in zip(queries, prompts, labels):
+        text = q[len(p):].split("<|im_end|>")[0]
+        kind = sum(int(c) for c in str(label) if c.isdigit()) % 3
+        out.append(1.0 if kind == 0 else 0.0 if kind == 1 else float(sum(map(ord, text)) % 2))
+    r = torch.tensor(out, dtype=torch.float32)
+    return {"rewards": r, "scores": r, "extra_logs": {}}
+'''
+SELECTIVE_P = 0.05  # p_easy = p_hard = p_min: a prompt after one zero-variance group is skipped with 0.95
+
+
+def verdict(label) -> str:
+    """REWARD_SELECTIVE's class of a problem, from its label alone."""
+    return ("easy", "hard", "mixed")[sum(int(c) for c in str(label) if c.isdigit()) % 3]
+
+
+@pytest.fixture(scope="module")
+def selective_run(workdir):
+    """tiny_cpu_cppo.yaml with cppo.selective_rollout at P = 0.75 with allocation (16 prompts per step),
+    on the first 16 prompts of the data set for 2 episodes (--train.num_episodes 2): step 1 generates
+    all 16, step 2 draws all 16 again in a new order and skips the zero-variance ones with p 0.95."""
+    import json
+
+    from cppo_megatron.integrations.openrlhf.cpu.prepare import write_jsonl
+
+    base = yaml.safe_load((ROOT / "recipes" / "openrlhf" / "tiny_cpu_cppo.yaml").read_text())
+    data = workdir / "data"
+    if not (data / "train.jsonl").is_file():  # what the launcher writes for the other runs
+        write_jsonl(base["cpu"]["warmup_recipe"], data, EVAL_PROBLEMS)
+    allocated = PROMPTS * G // round(G * (1 - P))
+    rows = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()][:allocated]
+    (workdir / "reward_selective.py").write_text(REWARD_SELECTIVE)
+    run = run_openrlhf(workdir, "selective", "--cppo.pruning_rate", str(P), "--cppo.selective_rollout", "true",
+                       "--cppo.selective_p_easy", str(SELECTIVE_P), "--cppo.selective_p_hard", str(SELECTIVE_P),
+                       "--reward.remote_url", str(workdir / "reward_selective.py"), "--data.max_samples",
+                       str(allocated), "--train.num_episodes", "2", "--ckpt.save_steps", "1", max_steps=None)
+    return {**run, "data": rows, "allocated": allocated}
+
+
+def test_selective_rollout_skips_seen_zero_variance_prompts_and_accounts_for_every_prompt(selective_run):
+    """From the audit records and metrics.jsonl: step 1 draws and generates every prompt; step 2 draws
+    every prompt again (OpenRLHF's second episode) and skips exactly the core's choice among those whose
+    step-1 group had zero variance, each recorded under its data row (its label's verdict); drawn =
+    skipped + generated per step; the rows trained come from the generated groups; the selective/*
+    metrics and the adapted rates in OpenRLHF's log agree."""
+    from cppo_megatron.core.selective import prompt_uniforms
+
+    records, data, n = selective_run["audit"], selective_run["data"], selective_run["allocated"]
+    draws = [r for r in by_kind(records, "selective") if r["drawn"]]
+    prunes, trains = by_kind(records, "prune"), by_kind(records, "train")
+    assert [d["step"] for d in draws] == [0, 1] and [p["step"] for p in prunes] == [0, 1]
+    assert sorted(draws[0]["drawn"]) == sorted(draws[1]["drawn"]) == list(range(n))  # each episode: every row
+    assert draws[0]["skipped"] == [] and draws[0]["kept"] == draws[0]["drawn"]  # no history yet
+    first = prunes[0]["selective"]
+    # every group filed under its data row: the outcome is its label's verdict (a mixed group all alike
+    # by chance is zero-variance too, and hard or easy by its value); the rollout holds the groups in
+    # the order vLLM finished them
+    assert sorted(first["rows"]) == sorted(draws[0]["kept"])
+    outcome = {}
+    for row, zv, easy in zip(first["rows"], first["zero_variance"], first["easy"], strict=True):
+        outcome[row] = "easy" if easy else "hard" if zv else "mixed"
+        if verdict(data[row]["answer"]) != "mixed":
+            assert outcome[row] == verdict(data[row]["answer"]), (row, data[row])
+    # step 2: skipped = the zero-variance rows of step 1 whose uniform u(seed 0, step 1, row) < 1 - 0.05
+    u = dict(zip(draws[1]["drawn"], prompt_uniforms(torch.tensor(draws[1]["drawn"]), seed=0, step=1).tolist(),
+                 strict=True))
+    want = [r for r in draws[1]["drawn"] if outcome[r] != "mixed" and u[r] < 1 - SELECTIVE_P]
+    assert draws[1]["skipped"] == want and want, (draws[1], outcome)
+    # independent of chance in the mixed groups: the easy and hard problems skipped are these
+    fixed = sorted(r for r in range(n) if verdict(data[r]["answer"]) != "mixed" and u[r] < 1 - SELECTIVE_P)
+    assert sorted(r for r in want if verdict(data[r]["answer"]) != "mixed") == fixed
+    assert draws[1]["kept"] == [r for r in draws[1]["drawn"] if r not in want]
+    metrics = {m["step"]: m for m in selective_run["metrics"]}
+    for d, pr in zip(draws, prunes, strict=True):
+        acc = pr["selective"]
+        assert acc["drawn"] == len(d["drawn"]) == acc["skipped"] + acc["generated"]
+        assert acc["skipped"] == len(d["skipped"]) and acc["generated"] == len(d["kept"]) == len(acc["rows"])
+        assert sorted(acc["rows"]) == sorted(d["kept"]) and len(pr["rows"]) == acc["generated"] * G
+        assert pr["group_ids"] == independent_groups(pr["prompts"])
+        trained = sorted(row for t in trains if t["step"] == pr["step"] + 1 for row in t["rows"])
+        assert trained == sorted(pr["survivors"]) and set(pr["selected"]) <= set(pr["survivors"])
+        m = metrics[pr["step"] + 1]
+        assert (m["selective/prompts_drawn"], m["selective/prompts_skipped"], m["selective/prompts_generated"]) == (
+            acc["drawn"], acc["skipped"], acc["generated"])
+        zv, easy = sum(acc["zero_variance"]), sum(acc["easy"])
+        assert m["selective/zero_variance_share"] == pytest.approx(zv / acc["generated"], abs=1e-6)
+        assert m["selective/easy_share"] == pytest.approx(easy / acc["generated"], abs=1e-6)
+    # step 1: the rates stay (first pass); step 2: each moves 0.01 toward its target share (alpha = 0.25:
+    # 1/12 easy, 1/6 hard), clamped to [0.05, 0.95]
+    assert (metrics[1]["selective/p_easy"], metrics[1]["selective/p_hard"]) == pytest.approx((0.05, 0.05))
+    acc = prunes[1]["selective"]
+    easy_share = sum(acc["easy"]) / acc["generated"]
+    hard_share = (sum(acc["zero_variance"]) - sum(acc["easy"])) / acc["generated"]
+    assert metrics[2]["selective/p_easy"] == pytest.approx(0.05 if easy_share >= 0.25 / 3 else 0.06, abs=1e-6)
+    assert metrics[2]["selective/p_hard"] == pytest.approx(0.05 if hard_share >= 0.25 * 2 / 3 else 0.06, abs=1e-6)
+    # the estimate: skipped x G x the step's mean completion length (1..6 new tokens)
+    saved = metrics[2]["selective/tokens_saved_estimate"]
+    assert 1 * len(want) * G <= saved <= 6 * len(want) * G
+    assert metrics[2]["selective/total_prompts_drawn"] == 2 * n
+    # the history rides in DeepSpeed's checkpoint, inside the dataloader state of OpenRLHF's client
+    # states: after step 1, every row with its step-1 outcome, keyed by the data row
+    states = torch.load(selective_run["run_dir"] / "ckpt" / "checkpoints" / "_actor" / "global_step1" /
+                        "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    hist = states["data_loader_state_dict"]["cppo_selective"]["history"]
+    assert hist["prompt_ids"].tolist() == first["rows"] and hist["steps"].tolist() == [0] * n
+    assert hist["outcomes"].tolist() == [{"mixed": 0, "easy": 1, "hard": 2}[outcome[r]] for r in first["rows"]]
+    print(f"selective: step 2 drew {len(draws[1]['drawn'])}, skipped {draws[1]['skipped']}, "
+          f"generated {len(draws[1]['kept'])}; ~{saved:.0f} tokens saved")  # -rP
