@@ -415,7 +415,7 @@ def _plot(fig, rows: list[dict], table: list[dict], target: float) -> None:
         ax2.bar(arms, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax2.set(ylabel="seconds per step (median)", title="where a veRL step goes")
-    ax2.tick_params(axis="x", labelsize=6)
+    ax2.tick_params(axis="x", labelsize=6, labelrotation=25)  # five arms' names would overlap flat
     ax2.legend(fontsize=6)
 
 
