@@ -270,12 +270,16 @@ def time_to_target(curve: list, target: float) -> float | None:
 
 def default_target(start: float, table: list[dict]) -> float:
     """Halfway from the start accuracy to the lowest arm's mean accuracy at the budget, if
-    every arm gained; else halfway to the best arm's (rounded down to 0.01): a level the
-    arms reach inside the budget, so their times to it can be compared."""
+    every arm gained; else halfway to the best arm's (rounded down to 0.01, but never to the
+    start or below it: every arm would "reach" that at 0 s): a level the arms reach inside the
+    budget, so their times to it can be compared."""
     finals = [t["final acc (mean)"] for t in table]
     low, high = min(finals), max(finals)
     end = low if low > start else high
-    return math.floor(100 * (start + 0.5 * (end - start))) / 100 if end > start else round(start + 0.01, 2)
+    above_start = (math.floor(100 * start + 1e-9) + 1) / 100  # the first 0.01 step above the start
+    if end <= start:
+        return round(start + 0.01, 2)
+    return max(math.floor(100 * (start + 0.5 * (end - start))) / 100, above_start)
 
 
 def sd_or_zero(x: float) -> float:

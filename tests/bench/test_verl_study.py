@@ -120,6 +120,10 @@ def test_time_to_target_and_the_default_target():
     assert verl_study.default_target(0.20, table) == 0.25  # halfway to the lowest arm
     table = [{"final acc (mean)": 0.40}, {"final acc (mean)": 0.18}]
     assert verl_study.default_target(0.20, table) == 0.30  # one arm lost ground: halfway to the best
+    # every arm gained a little: halfway (0.2475) rounds down below the start (0.246); the target is the
+    # first 0.01 step above the start instead, which no arm has reached at 0 s (the veRL generation study)
+    assert verl_study.default_target(0.246, [{"final acc (mean)": 0.249}, {"final acc (mean)": 0.28}]) == 0.25
+    assert verl_study.default_target(0.25, [{"final acc (mean)": 0.2502}]) == 0.26
 
 
 # ------------------------------------------------------------------------------ one run, read back
