@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
 import traceback
 from collections.abc import Callable
@@ -106,10 +107,15 @@ def run_local(
             errors.append(f"workers exited without reporting; exit codes {[p.exitcode for p in procs]}")
             break
         time.sleep(0.02)
+    reported = set(results) | {int(e.split()[1]) for e in errors if e.startswith("rank ")}
     for p in procs:
         if errors and p.is_alive():
             p.terminate()
         p.join(timeout=10)
     if errors:
-        raise RuntimeError("\n".join(errors))
+        # a rank killed by a signal (a crash in native code) reports nothing: its peers then fail with
+        # "connection closed by peer"; name it, with its exit code, so the first cause is on record
+        silent = [f"rank {r} exited with code {p.exitcode} without reporting" for r, p in enumerate(procs)
+                  if r not in reported and p.exitcode not in (None, 0, -signal.SIGTERM)]
+        raise RuntimeError("\n".join(silent + errors))
     return [results[r] for r in range(world_size)]
