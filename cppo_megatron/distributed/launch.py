@@ -85,6 +85,7 @@ def run_local(
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    failed: set[int] = set()  # ranks that reported an error
     import time
 
     deadline = time.monotonic() + timeout
@@ -95,6 +96,7 @@ def run_local(
                 results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
+                failed.add(rank)
                 # peers usually fail too (closed connections) or block in a collective:
                 # give them a moment to report, then stop them below
                 deadline = min(deadline, time.monotonic() + 5.0)
@@ -107,7 +109,7 @@ def run_local(
             errors.append(f"workers exited without reporting; exit codes {[p.exitcode for p in procs]}")
             break
         time.sleep(0.02)
-    reported = set(results) | {int(e.split()[1]) for e in errors if e.startswith("rank ")}
+    reported = set(results) | failed
     for p in procs:
         if errors and p.is_alive():
             p.terminate()
