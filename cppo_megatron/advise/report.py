@@ -52,6 +52,10 @@ def _header(split: PhaseSplit) -> list[str]:
     return lines
 
 
+def _sec(x: float) -> str:
+    return f"{x:,.0f} s" if x >= 100 else f"{x:.3g} s"
+
+
 def _table(rows: list[RateAdvice]) -> list[str]:
     head = (f"{'P':>7} {'S_max':>7} {'speedup/prompt':>15} {'step no-alloc':>14} {'step alloc':>11} "
             f"{'prompts/step':>13} {'generated':>10} {'trained':>8}  allocation")
@@ -59,8 +63,8 @@ def _table(rows: list[RateAdvice]) -> list[str]:
     for r in rows:
         def n(x):
             return f"{x:,.0f}" if x is not None else "-"
-        out.append(f"{r.P:>7g} {r.s_max:>6.2f}x {r.speedup_per_prompt:>14.2f}x {r.step_noalloc_s:>12.3g} s "
-                   f"{r.step_alloc_s:>9.3g} s {n(r.prompts):>13} {n(r.generated):>10} {n(r.trained):>8}  "
+        out.append(f"{r.P:>7g} {r.s_max:>6.2f}x {r.speedup_per_prompt:>14.2f}x {_sec(r.step_noalloc_s):>14} "
+                   f"{_sec(r.step_alloc_s):>11} {n(r.prompts):>13} {n(r.generated):>10} {n(r.trained):>8}  "
                    f"{r.allocation}")
     return out
 

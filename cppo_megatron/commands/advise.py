@@ -42,7 +42,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", default=None,
                         help="the run's recipe (veRL, OpenRLHF or embedded trainer): its batch, and whether its "
                              "rollout holds allocation's larger batch")
-    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--override", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="a recipe override (veRL / embedded trainer), repeatable")
     parser.add_argument("--device-gb", type=float, default=80.0,
                         help="GPU memory of one rollout replica's devices, GB, for veRL/OpenRLHF recipes (default 80)")
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if args.skip is not None and args.skip < 0:
         raise ValueError(f"--skip must be >= 0, got {args.skip}")
     split = phase_split(read_run(args.log), skip=args.skip)
-    facts = read_recipe(args.recipe, args.override, args.device_gb) if args.recipe else None
+    facts = read_recipe(args.recipe, args.overrides, args.device_gb) if args.recipe else None
     rows = advise_rates(split, rates, facts)
     print(format_advice(split, rows, facts))
     if args.json:

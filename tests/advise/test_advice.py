@@ -14,26 +14,16 @@ from cppo_megatron.advise.logs import RunLog
 from cppo_megatron.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
-DATA = REPO / "tests" / "data" / "advise"
+DATA = REPO / "examples" / "advise"
 VERL_RECIPE = REPO / "recipes" / "verl" / "tiny_cpu_grpo.yaml"
 
 
-def _verl_line(step: int, gen: float, old: float, update: float, other: float, extra: str = "") -> str:
-    """One line of veRL's console logger (utils/logger/aggregate_logger.py), Ray-prefixed."""
-    total = gen + old + update + other
-    return (f"(TaskRunner pid=1) step:{step} - actor/pg_loss:np.float64(-0.01) - timing_s/gen:{gen} - "
-            f"timing_s/reward:0.0 - timing_s/old_log_prob:{old} - timing_s/adv:{other / 2} - timing_s/update_actor:"
-            f"{update} - timing_s/update_weights:{other / 2} - timing_s/step:{total}{extra} - training/epoch:0")
-
-
-def test_the_published_verl_split_hand_written(tmp_path):
-    """veRL's fully-async doc, Qwen2.5-Math-7B DAPO on 32 H20, colocated sync: a step of 790 s, 357 s
-    generating, old log-prob 108 s, update 270 s (/work/shared/docs/platform-notes.md, "Where users
-    spend a step"); the other 55 s (advantages, weight sync) are not prunable. Step 1 is a slower
-    warm-up."""
-    lines = [_verl_line(1, 600.0, 150.0, 330.0, 60.0)] + [_verl_line(s, 357.0, 108.0, 270.0, 55.0) for s in range(2, 6)]
-    (tmp_path / "train.log").write_text("\n".join(lines) + "\n")
-    split = phase_split(read_run(tmp_path / "train.log"))
+def test_the_published_verl_split_hand_written():
+    """examples/advise/verl_fully_async_32xH20.log, hand-written in veRL's console format from veRL's
+    fully-async doc, Qwen2.5-Math-7B DAPO on 32 H20, colocated sync: a step of 790 s, 357 s generating,
+    old log-prob 108 s, update 270 s (/work/shared/docs/platform-notes.md, "Where users spend a step");
+    the other 55 s (advantages, weight sync) are not prunable. Step 1 is a slower warm-up."""
+    split = phase_split(read_run(DATA / "verl_fully_async_32xH20.log"))
     assert split.steps_used == (2, 3, 4, 5) and split.steps_skipped == (1,)
     assert (split.step_s, split.generation_s, split.prunable_s, split.fixed_s) == (790.0, 357.0, 378.0, 412.0)
     rows = {r.P: r for r in advise_rates(split)}
@@ -47,7 +37,7 @@ def test_the_published_verl_split_hand_written(tmp_path):
                                   "cppo.allocation=true")
     text = format_advice(split, list(rows.values()))
     assert "generation 357 s (45%)" in text and "WARNING" not in text
-    assert "skipped step 1 (the first step pays" in text
+    assert "skipped step 1 (the first step pays" in text and "  0.875   1.72x           1.72x          459 s" in text
 
 
 def test_a_generation_bound_run_is_flagged():

@@ -1,7 +1,7 @@
 """advise reads every host's metrics in the formats the hosts write them: veRL's console, file and
 TensorBoard loggers and OpenRLHF's console line and TensorBoard logger (driven here through the
 hosts' own logger classes, as a run that never loaded this package writes them), this package's
-JSON lines, a real veRL CPU run's console and JSONL (an excerpt kept in tests/data/advise), and
+JSON lines, a real veRL CPU run's console and JSONL (an excerpt kept in examples/advise), and
 TensorBoard files read without TensorBoard (``advise/tfevents.py``)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from cppo_megatron.advise import NoTimingKeys, read_run
 from cppo_megatron.advise.logs import detect_host, parse_console, parse_jsonl
 from cppo_megatron.advise.tfevents import read_scalars
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "advise"
+DATA = Path(__file__).resolve().parents[2] / "examples" / "advise"
 
 
 def _verl_steps(n: int = 3) -> list[dict]:
@@ -61,7 +61,7 @@ def test_verl_file_and_tensorboard_loggers(tmp_path, monkeypatch):
 
 
 def test_a_real_verl_cpu_run_console_and_jsonl_agree():
-    """tests/data/advise: the step lines and metrics.jsonl of a real 4-step `cppo-megatron verl`
+    """examples/advise: the step lines and metrics.jsonl of a real 4-step `cppo-megatron verl`
     GRPO run on CPU (recipes/verl/tiny_cpu_grpo.yaml, hf rollout), unedited."""
     console = read_run(DATA / "verl_cpu_grpo_console.log")
     jsonl = read_run(DATA / "verl_cpu_grpo_metrics.jsonl")
