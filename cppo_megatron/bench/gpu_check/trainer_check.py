@@ -17,7 +17,7 @@ from .common import finite
 if TYPE_CHECKING:
     from .settings import GpuCheckSettings
 
-__all__ = ["check_trainer", "trainer_overrides"]
+__all__ = ["check_trainer", "count_params", "trainer_overrides"]
 
 
 def trainer_overrides(device: str, quick: bool, seed: int) -> list[str]:
@@ -56,7 +56,7 @@ def check_trainer(s: GpuCheckSettings, ctx: dict) -> tuple[dict, list[str]]:
     warm = warm_start(recipe, out, None)
     t_warm = time.perf_counter() - t0
     rates, allocations = [0.0, P], [True, False]
-    params = _count_params(warm)
+    params = count_params(warm)
     try:
         records = measure(recipe, rates, allocations, steps, repeats, warm, out, progress=False,
                           warmup_steps=warm_steps, same_batch=True)
@@ -141,7 +141,7 @@ def _bound(P: float, split: dict) -> float:
     return speedup_bound(P, split["t_gen_per_prompt_s"], split["t_rest_per_prompt_s"])
 
 
-def _count_params(path: Path) -> int:
+def count_params(path: Path) -> int:
     """Parameters in a saved state dict (tied tensors counted once), read memory-mapped."""
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     seen, total = set(), 0
