@@ -86,6 +86,13 @@ def test_table_from_reused_runs(tmp_path):
     assert no_alloc["speedup same batch"] is None and grpo["speedup same batch"] is None
     assert report.extras["phase_split_same_batch"]["t_rest_per_prompt_s"] == pytest.approx(24 / 128)
     assert any(n.startswith("GRPO at allocation's 128 prompts a step: 1.23x GRPO per prompt") for n in report.notes)
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure()
+    report.plot(fig)  # the same-batch GRPO's bar says what it is instead of a bound
+    assert "1.23x (GRPO, larger batch)" in [t.get_text() for t in fig.axes[0].texts]
 
 
 def test_summarize_refuses_runs_without_the_cppo_counters():
