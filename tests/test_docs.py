@@ -41,6 +41,7 @@ NOT_RUN_SCRIPTS = {
     "setup_vllm.sh": "builds .venv-vllm (a 2.5 GB install from PyPI)",
     "setup_bridge.sh": "builds .venv-bridge (Python 3.12, Megatron-Bridge; a 6.4 GB cached install)",
     "gpu_wheels.sh": "downloads wheels from PyPI",
+    "gpu_study_files.sh": "downloads wheels from PyPI and copies the 94 MB model for a GPU machine",
     "gpu_check.sh": "installs into a GPU machine's environment and runs the device checks (needs a GPU)",
     "verl_gpu_smoke.sh": "needs a GPU",
 }
