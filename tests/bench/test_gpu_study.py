@@ -156,3 +156,19 @@ def test_command_options(tmp_path, monkeypatch, capsys):
     assert main(["gpu-check", "--study", "--device", "cpu", "--study-model", str(tmp_path / "nope.gguf")]) == 2
     assert "does not exist: give a GGUF file" in capsys.readouterr().err
     assert gc.budgets(False)["study"] + gc.budgets(False)["environment"] <= 480  # --study fits 8 minutes
+
+
+def test_model_directories_and_the_random_model_need_no_conversion(tmp_path):
+    assert sc._hf_model_dir("hf_dir", str(tmp_path), tmp_path, "float32") == str(tmp_path)
+    assert sc._hf_model_dir("random", None, tmp_path, "float32") is None
+    rows = {"grpo": _row(16, 256), "cppo_alloc": _row(128, 256, **{"speedup same batch": 2.0, "bound same batch": 2.1}),
+            "grpo_same_batch": _row(128, 2048), "cppo_noalloc": _row(16, 256)}
+    assert sc._failures(rows, 16) == ["without allocation: 16 prompts, 256 trained a step"]  # nothing was pruned
+
+
+def test_same_batch_note_needs_both_runs():
+    from cppo_megatron.bench.samebatch import same_batch_note
+
+    grpo = {"run": "grpo", "speedup same batch": None}
+    assert same_batch_note([grpo]) == []
+    assert same_batch_note([grpo, {"run": "grpo same batch", "speedup same batch": None}]) == []
