@@ -103,6 +103,10 @@ def _hf_model_dir(kind: str, path: str | None, out: Path, dtype: str) -> str | N
     import torch
     import transformers
 
+    from ..._optional import require
+
+    require("gguf", "reading the study's GGUF model")  # transformers' GGUF loader needs both
+    require("accelerate", "loading the study's GGUF model")
     assert path is not None
     gguf = Path(path)
     target = out / "model_hf"
