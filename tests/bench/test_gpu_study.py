@@ -85,7 +85,7 @@ def test_the_study_on_a_gguf_model(tmp_path):
 
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
     s = gc.GpuCheckSettings(device="cpu", quick=True, out=str(tmp_path / "out"), study_model=str(gguf),
-                            study_seconds=8.0, only=("study",)).validate()
+                            study_seconds=15.0, only=("study",)).validate()
     assert sc.study_model(s) == ("gguf", str(gguf))
     nums, failures = gc.check_study(s, {})
     assert failures == [], failures

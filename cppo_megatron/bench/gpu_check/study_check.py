@@ -111,8 +111,14 @@ def _hf_model_dir(kind: str, path: str | None, out: Path, dtype: str) -> str | N
     gguf = Path(path)
     target = out / "model_hf"
     tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                              dtype=getattr(torch, dtype))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # transformers >= 5.17 marks a GGUF-loaded model as quantized and will not save it: the dequantized
+    # weights go into a plain model of the same config
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.load_state_dict(loaded.state_dict())
     model.save_pretrained(target)
     tok.save_pretrained(target)
     return str(target)
