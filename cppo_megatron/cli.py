@@ -40,6 +40,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "benchmarks (speedup, rollout, overhead, balance, verl, openrlhf, gradient): JSON + markdown + PNG "
               "into --out"),
     "simulate": ("cppo_megatron.commands.simulate", "cost model of GRPO/CPPO steps on GPU clusters; --check-paper"),
+    "advise": ("cppo_megatron.commands.advise",
+               "what CPPO would do for your run: S_max, step time, allocation and the recipe change per P, from a "
+               "veRL / OpenRLHF / trainer log"),
     "example-data": ("cppo_megatron.commands.example_data",
                      "write a small GSM8K-format train/test pair (word problems, offline) to try bring-your-own data"),
     "gpu-check": ("cppo_megatron.commands.gpu_check",
@@ -65,6 +68,7 @@ examples:
   cppo-megatron study recipes/tiny_cpu.yaml --seeds 3 --budget 75
   cppo-megatron example-data runs/byod_data          (GSM8K-format files for recipes/byod_gsm8k_cpu.yaml)
   cppo-megatron simulate --model 7B --gpu H100-SXM --dp 8
+  cppo-megatron advise runs/verl_tiny/tiny_cpu_grpo/metrics.jsonl   (S_max and the recipe change for your run)
   cppo-megatron gpu-check --out runs/gpu_check          (on a GPU machine; --device cpu --quick anywhere)
   cppo-megatron COMMAND --help      (options of one command)
 

@@ -2,7 +2,8 @@
 # Download exactly the wheels an offline GPU machine needs for `cppo-megatron gpu-check`,
 # for Python 3.12 on manylinux x86-64 (docs/gpu.md):
 #   this package (built here as a wheel), megatron-core, omegaconf and omegaconf's
-#   pure-Python antlr4 runtime.
+#   pure-Python antlr4 runtime, and gguf (pure Python: `gpu-check --study` reads SmolLM2's GGUF
+#   file with it; its numpy, PyYAML and tqdm are there, requests is imported only to download).
 # Not included, because the GPU machine already has them: torch (CUDA), transformers
 # (and its dependencies: packaging, PyYAML, ...), numpy, safetensors, pytest, tqdm.
 #
@@ -19,6 +20,7 @@ PYVER=${PYTHON_VERSION:-3.12}
 LIMIT_MIB=${LIMIT_MIB:-60}
 MEGATRON_CORE=0.16.1   # the version the megatron path is tested with (tests/megatron)
 OMEGACONF=2.3.1
+GGUF=0.19.0           # transformers' GGUF loader needs it (the train extra's gguf>=0.10)
 ANTLR=4.9.3            # omegaconf pins antlr4-python3-runtime==4.9.*; PyPI has only its sdist
 MARK=.cppo-gpu-wheels
 
@@ -40,7 +42,7 @@ echo "gpu_wheels.sh: wheels for CPython $PYVER manylinux x86-64 -> $DIR"
 #    the tag torch's own Linux wheels carry)
 "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp \
   --abi "$abi" --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$DIR" \
-  "megatron-core==$MEGATRON_CORE" "omegaconf==$OMEGACONF"
+  "megatron-core==$MEGATRON_CORE" "omegaconf==$OMEGACONF" "gguf==$GGUF"
 # 3. the antlr runtime exists only as an sdist: build its (pure-Python, py3-none-any) wheel here
 "$PY" -m pip wheel --quiet --no-deps -w "$DIR" "antlr4-python3-runtime==$ANTLR"
 

@@ -4,7 +4,8 @@
   be lines of PATH, in order, and PATH itself runs (test_megatron_example_runs_under_torchrun).
 - Shell command lines: cheap ones run as written, in a scratch directory that links the
   repository's recipes and scripts (``--help``, ``--dry-run``, ``--cppo-dry-run``,
-  ``--check``, ``--print-recipe``, ``demo``, ``doctor``, ``simulate``, ``example-data``, ``recipes``).
+  ``--check``, ``--print-recipe``, ``demo``, ``doctor``, ``simulate``, ``example-data``, ``recipes``,
+  ``advise``).
   Commands that train or benchmark for minutes are checked up to the expensive part: ``train`` with
   ``--print-recipe`` (recipe and every override validated), ``verl`` / ``openrlhf`` with their
   dry run, ``bench`` / ``study`` / ``megatron-check`` through the real argument parser and
@@ -30,7 +31,7 @@ from tests.doc_snippets import ROOT, Snippet, snippets
 
 ALL = snippets()
 CHEAP_FLAGS = {"--help", "-h", "--dry-run", "--cppo-dry-run", "--check", "--print-recipe"}
-RUN_COMMANDS = {"demo", "doctor", "simulate", "example-data", "recipes"}
+RUN_COMMANDS = {"demo", "doctor", "simulate", "example-data", "recipes", "advise"}
 LINKED = ("recipes", "scripts", "examples", "patches", "requirements", "constraints")
 CLI_PREFIXES = ("cppo-megatron", ".venv/bin/cppo-megatron", ".venv-vllm/bin/cppo-megatron", ".venv-bridge/bin/cppo-megatron")
 NOT_RUN_SCRIPTS = {
@@ -40,6 +41,7 @@ NOT_RUN_SCRIPTS = {
     "setup_vllm.sh": "builds .venv-vllm (a 2.5 GB install from PyPI)",
     "setup_bridge.sh": "builds .venv-bridge (Python 3.12, Megatron-Bridge; a 6.4 GB cached install)",
     "gpu_wheels.sh": "downloads wheels from PyPI",
+    "gpu_study_files.sh": "downloads wheels from PyPI and copies the 94 MB model for a GPU machine",
     "gpu_check.sh": "installs into a GPU machine's environment and runs the device checks (needs a GPU)",
     "verl_gpu_smoke.sh": "needs a GPU",
 }

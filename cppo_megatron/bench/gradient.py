@@ -156,7 +156,7 @@ def _sample_batch(trainer, sampler, prompts: int):
     rewards = []
     for j, toks in enumerate(out.tokens):
         s = trainer.task.score(trainer.tok.decode(toks), problems[j // G])
-        rewards.append(combine_reward(s, r.task.reward.correct, r.task.reward.format))
+        rewards.append(combine_reward(s, r.task.reward.correct, r.task.reward.format, r.task.reward.step))
     prompts_rep = [p_ids[j // G] for j in range(len(out.tokens))]
     return prompts_rep, list(out.tokens), torch.tensor(rewards, dtype=torch.float32)
 

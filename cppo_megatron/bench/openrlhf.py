@@ -9,7 +9,11 @@ the other in this command:
   allocation, and each logs its prompt count (``cppo/num_groups``);
 - ``cppo P alloc``: P with allocation (prompts per step x 1/(1-P));
 - ``cppo P no-alloc``: the same P with the GRPO prompt count (the update batch and its
-  micro-batches shrink to k/G of GRPO's, so the survivors are not topped back up).
+  micro-batches shrink to k/G of GRPO's, so the survivors are not topped back up);
+- ``grpo same batch``: GRPO at the prompts allocation draws (``rollout.batch_size`` x G/k, and
+  ``train.batch_size`` x G/k: one optimizer step per rollout, as the recipe's GRPO): the same
+  generation batch as ``cppo P alloc``, whose row also reports its speedup against this run with
+  S_max from this run's split (``bench/samebatch.py``).
 
 From each run's ``metrics.jsonl`` (OpenRLHF's ``timing/*``; the first ``--skip`` steps dropped,
 then medians) the seconds per prompt of a whole step (``timing/step_total``) and per phase.
@@ -37,8 +41,8 @@ from pathlib import Path
 import yaml
 
 from ..recipes import arg_type as recipe_arg
-from .bound import fraction_of_bound, speedup, speedup_bound
 from .report import Report, median, plot_step_split
+from .samebatch import GRPO, SAME_BATCH, rows_against_both, same_batch_note, same_batch_prompts
 
 GEN_KEYS = ("timing/generation", "timing/broadcast")
 REST_KEYS = ("timing/make_experience", "timing/ppo_train")
@@ -59,16 +63,35 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip", type=int, default=1, help="first steps left out of the medians (default 1)")
     parser.add_argument("--reuse", action="store_true",
                         help="reuse a variant whose run in --out already logged --steps steps (rerun only the others)")
+    parser.add_argument("--no-same-batch", action="store_true",
+                        help="leave out GRPO at allocation's prompts per step (the equal-batch baseline)")
 
 
-def _variants(rate: float, allocation: str, recipe: dict) -> list[tuple[str, list[str]]]:
-    out = [("grpo", ["--cppo.pruning_rate", "0.0"])]
+def _variants(rate: float, allocation: str, recipe: dict, same_batch: bool = False) -> list[tuple[str, list[str]]]:
+    """(name, flags) per run, in running order; ``same_batch`` adds GRPO at allocation's batch
+    right after CPPO with allocation."""
+    grpo = ["--cppo.pruning_rate", "0.0"]
+    out = [(GRPO, grpo)]
     for alloc in ([True, False] if allocation == "both" else [allocation == "on"]):
         flags = ["--cppo.pruning_rate", str(rate), "--cppo.allocation", str(alloc).lower()]
         if not alloc:
             flags += _no_alloc_batches(rate, recipe)
         out.append((f"cppo P={rate:g} {'alloc' if alloc else 'no-alloc'}", flags))
+        if alloc and same_batch:
+            out.append((SAME_BATCH, grpo + _same_batch_flags(rate, recipe)))
     return out
+
+
+def _same_batch_flags(rate: float, recipe: dict) -> list[str]:
+    """GRPO at the prompts allocation draws: rollout and update batch grown by G/k."""
+    from ..core.settings import keep_count
+
+    flags = recipe["openrlhf"]
+    g = int(flags["rollout.n_samples_per_prompt"])
+    keep = keep_count(g, rate, None)
+    b = int(flags["rollout.batch_size"])
+    big = same_batch_prompts(b, g, keep, "rollout.batch_size")
+    return ["--rollout.batch_size", str(big), "--train.batch_size", str(int(flags["train.batch_size"]) * big // b)]
 
 
 def _no_alloc_batches(rate: float, recipe: dict) -> list[str]:
@@ -167,7 +190,8 @@ def run(args: argparse.Namespace) -> Report:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     results = {}
-    for name, extra in _variants(args.rate, args.allocation, yaml.safe_load(Path(args.recipe).read_text())):
+    same = not args.no_same_batch and args.allocation != "off"
+    for name, extra in _variants(args.rate, args.allocation, yaml.safe_load(Path(args.recipe).read_text()), same):
         slug = name.replace(" ", "_").replace("=", "")
         run_dir = out / "openrlhf_runs" / slug
         metrics_file = run_dir / "metrics.jsonl"
@@ -181,37 +205,34 @@ def run(args: argparse.Namespace) -> Report:
             _run_one(python, recipe, [*shlex.split(args.flags), *extra], out / f"openrlhf_{slug}.log")
             done = read(metrics_file)
         results[name] = (done, summarize(done, args.skip))
-    base = results["grpo"][1]
-    t_gen = sum(base[f"{k.split('/')[1]}_s_per_prompt"] for k in GEN_KEYS)
-    t_rest = sum(base[f"{k.split('/')[1]}_s_per_prompt"] for k in REST_KEYS)
-    table = []
-    for name, (_, s) in results.items():
-        rate = 0.0 if name == "grpo" else args.rate
-        bound = speedup_bound(rate, t_gen, t_rest)
-        sp = speedup(base["s_per_prompt"], s["s_per_prompt"])
-        table.append({"run": name, "prompts/step": s["prompts_per_step"], "trained/step": s["trained_per_step"],
-                      "ms/prompt": 1e3 * s["s_per_prompt"], "speedup": sp, "bound": bound,
-                      "of bound": fraction_of_bound(sp, bound) if rate > 0 else 1.0,
-                      "ms/prompt gen": 1e3 * s["generation_s_per_prompt"],
-                      "ms/prompt exp+train": 1e3 * (s["make_experience_s_per_prompt"] + s["ppo_train_s_per_prompt"]),
-                      **{f"raw_{k}": v for k, v in s.items()}})
+    gen, rest = tuple(k.split("/")[1] for k in GEN_KEYS), tuple(k.split("/")[1] for k in REST_KEYS)
+    table, split = rows_against_both({k: v[1] for k, v in results.items()}, args.rate, gen, rest)
+    for row in table:
+        s = results[row["run"]][1]
+        row.update({"ms/prompt gen": 1e3 * s["generation_s_per_prompt"],
+                    "ms/prompt exp+train": 1e3 * (s["make_experience_s_per_prompt"] + s["ppo_train_s_per_prompt"]),
+                    **{f"raw_{k}": v for k, v in s.items()}})
+    t_gen, t_rest = split["t_gen_per_prompt_s"], split["t_rest_per_prompt_s"]
     return Report(
         name="openrlhf_speedup",
         title=f"OpenRLHF train_ppo_ray: GRPO vs CPPO P={args.rate:g}, {Path(args.recipe).name} "
               f"({args.steps} steps per run, first {args.skip} skipped)",
         params={"recipe": args.recipe, "flags": args.flags, "rate": args.rate, "allocation": args.allocation,
-                "steps": args.steps, "skip": args.skip},
+                "steps": args.steps, "skip": args.skip, "same_batch": same},
         columns=["run", "prompts/step", "trained/step", "ms/prompt", "speedup", "bound", "of bound",
-                 "ms/prompt gen", "ms/prompt exp+train"],
+                 "speedup same batch", "bound same batch", "of bound same batch", "ms/prompt gen",
+                 "ms/prompt exp+train"],
         rows=table,
         notes=[
             f"GRPO phase split per prompt: T_gen (timing/generation + timing/broadcast) {1e3 * t_gen:.2f} ms, "
             f"T_rest (timing/make_experience + timing/ppo_train) {1e3 * t_rest:.2f} ms",
             "bound S_max(P) = (T_gen + T_rest) / (T_gen + (1-P) T_rest); 'of bound' = speedup / S_max",
+            *same_batch_note(table),
             "runs are sequential OpenRLHF processes from the same start model and seed (not interleaved)",
             f"total bench time {time.perf_counter() - t0:.0f} s",
         ],
         extras={"phase_split": {"t_gen_per_prompt_s": t_gen, "t_rest_per_prompt_s": t_rest},
+                "phase_split_same_batch": split["same_batch"],
                 "runs": {k: v[0] for k, v in results.items()}},
         plot=lambda fig: plot_step_split(fig, table, gen_label="timing/generation",
                                          title="OpenRLHF step time per prompt"),

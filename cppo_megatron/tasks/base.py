@@ -19,10 +19,13 @@ class Problem:
 @dataclass(frozen=True)
 class Score:
     """correct: 1.0 when the extracted answer matches; formatted: 1.0 when the completion
-    has the expected answer format (whatever its value)."""
+    has the expected answer format (whatever its value); steps: for tasks with worked
+    solutions, the share of the reference's steps written correctly before the first slip
+    (None where a task has no steps)."""
 
     correct: float
     formatted: float
+    steps: float | None = None
 
 
 @dataclass
@@ -53,5 +56,12 @@ class Task:
         return self.scorer(completion, problem)
 
 
-def combine_reward(score: Score, w_correct: float, w_format: float) -> float:
-    return w_correct * score.correct + w_format * score.formatted
+def combine_reward(score: Score, w_correct: float, w_format: float, w_step: float = 0.0) -> float:
+    """``w_correct * correct + w_format * formatted (+ w_step * steps``, for a task that grades
+    steps; a ``w_step`` for a task without them is an error, not a silent zero)."""
+    reward = w_correct * score.correct + w_format * score.formatted
+    if w_step:
+        if score.steps is None:
+            raise ValueError(f"reward weight for steps is {w_step} but this task grades no steps; set it to 0")
+        reward += w_step * score.steps
+    return reward

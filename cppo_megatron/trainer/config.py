@@ -65,19 +65,35 @@ class ArithmeticConfig:
 
 
 @dataclass
+class WorkedArithmeticConfig:
+    """Difficulty mix of the built-in worked_arithmetic task: each problem draws its number of
+    terms and its operand digits uniformly from these ranges (docs/trainer.md, "The worked
+    arithmetic testbed")."""
+
+    min_terms: int = setting(2, "fewest terms of a problem (>= 2; terms - 1 steps)")
+    max_terms: int = setting(6, "most terms of a problem")
+    min_digits: int = setting(1, "fewest digits of an operand (1: 0-9)")
+    max_digits: int = setting(2, "most digits of an operand (2: 10-99)")
+
+
+@dataclass
 class RewardConfig:
-    """reward = correct x (answer right) + format x (answer well-formed)."""
+    """reward = correct x (answer right) + format x (answer well-formed) [+ step x (share of the
+    steps right before the first slip, worked_arithmetic only)]."""
 
     correct: float = setting(1.0, "weight of a correct answer")
     format: float = setting(0.1, "weight of a well-formed answer, right or wrong")
+    step: float = setting(0.0, """weight of the share of a worked solution's steps written right before its first
+        slip (task worked_arithmetic; 0: steps are logged, not rewarded)""", check=">= 0")
 
 
 @dataclass
 class TaskConfig:
     """The verifiable task: problems with reference answers, and their reward."""
 
-    name: str = setting("arithmetic", """arithmetic (built in), gsm8k or math (local files: task.path,
-        task.test_path), or reasoning_gym:<dataset> (extra data)""")
+    name: str = setting("arithmetic", """arithmetic or worked_arithmetic (built in: the bare answer, or a worked
+        solution with every intermediate result), gsm8k or math (local files: task.path, task.test_path), or
+        reasoning_gym:<dataset> (extra data)""")
     path: str | None = setting(None, "gsm8k/math: the training file (.jsonl or .parquet)")
     test_path: str | None = setting(None, """gsm8k/math: the held-out file; without it test_size rows of path
         are held out (seeded)""")
@@ -86,6 +102,8 @@ class TaskConfig:
     seed: int = setting(0, "seed of the problem generator and of the held-out split")
     prompt_template: str = setting("{question}", "the prompt; {question} is replaced by the problem")
     arithmetic: ArithmeticConfig = setting(None, "difficulty knobs", default_factory=ArithmeticConfig)
+    worked: WorkedArithmeticConfig = setting(None, "difficulty mix of worked_arithmetic",
+                                             default_factory=WorkedArithmeticConfig)
     reward: RewardConfig = setting(None, "reward weights", default_factory=RewardConfig)
 
 

@@ -112,7 +112,7 @@ def score_completions(task, tok, problems: Sequence, tokens: Sequence[Sequence[i
     rewards, correct, formatted = [], [], []
     for j, toks in enumerate(tokens):
         s = task.score(tok.decode(toks), problems[j // group_size])
-        rewards.append(combine_reward(s, reward_cfg.correct, reward_cfg.format))
+        rewards.append(combine_reward(s, reward_cfg.correct, reward_cfg.format, reward_cfg.step))
         correct.append(float(s.correct))
         formatted.append(float(s.formatted))
     return rewards, correct, formatted

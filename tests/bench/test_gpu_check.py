@@ -101,9 +101,9 @@ def test_megatron_matches_hf_within_tolerance(quick_run):
 
 def test_trainer_speedup_rows(quick_run):
     tr = _check(quick_run[1], "trainer")["numbers"]
-    rows = {(r["P"], r["allocation"]): r for r in tr["rows"]}
-    assert set(rows) == {(0.0, True), (0.875, True), (0.0, False), (0.875, False)}
-    grpo, alloc, noalloc = rows[(0.0, True)], rows[(0.875, True)], rows[(0.875, False)]
+    rows = {r["run"]: r for r in tr["rows"]}
+    assert list(rows) == ["GRPO", "CPPO P=0.875 alloc", "CPPO P=0.875 no-alloc", "GRPO at P=0.875's batch"]
+    grpo, alloc, noalloc, same = rows.values()
     assert grpo["prompts/step"] == tr["capacity"] / tr["group_size"]
     assert alloc["prompts/step"] == 8 * grpo["prompts/step"] and alloc["trained/step"] == grpo["trained/step"]
     assert noalloc["prompts/step"] == grpo["prompts/step"] and noalloc["trained/step"] == grpo["trained/step"] / 8
@@ -111,6 +111,14 @@ def test_trainer_speedup_rows(quick_run):
     assert tr["bound"] == pytest.approx((g + r) / (g + 0.125 * r))
     assert tr["speedup_alloc"] == pytest.approx(grpo["ms/prompt"] / alloc["ms/prompt"])
     assert tr["of_bound_noalloc"] == pytest.approx(tr["speedup_noalloc"] / tr["bound"])
+    # GRPO at allocation's batch: the same prompts, every completion trained; allocation against it with its own bound
+    assert same["prompts/step"] == alloc["prompts/step"] and same["trained/step"] == 8 * grpo["trained/step"]
+    assert tr["batching_gain"] == pytest.approx(grpo["ms/prompt"] / same["ms/prompt"])
+    assert tr["speedup_alloc_same_batch"] == pytest.approx(same["ms/prompt"] / alloc["ms/prompt"])
+    g2, r2 = tr["t_gen_ms_per_prompt_same_batch"], tr["t_rest_ms_per_prompt_same_batch"]
+    assert tr["bound_same_batch"] == pytest.approx((g2 + r2) / (g2 + 0.125 * r2))
+    assert tr["of_bound_alloc_same_batch"] == pytest.approx(tr["speedup_alloc_same_batch"] / tr["bound_same_batch"])
+    assert same["bound"] is None and noalloc["speedup same batch"] is None
     ro = tr["rollout_ms_per_prompt"]
     assert tr["rollout_per_prompt_alloc_over_grpo"] == pytest.approx(ro["cppo_alloc"] / ro["grpo"])
     assert all(math.isfinite(x) and x > 0 for x in ro.values())

@@ -23,6 +23,12 @@ def test_variants_shrink_the_update_batch_only_without_allocation():
     # 256 x 2/16 = 32 survivors per step; the 64-sample train micro-batch shrinks to 32, the rollout one (32) stays
     assert variants["cppo P=0.875 no-alloc"] == ["--cppo.pruning_rate", "0.875", "--cppo.allocation", "false",
                                                  "--train.batch_size", "32", "--train.micro_batch_size", "32"]
+    # the equal-batch GRPO: 16 x 16/2 = 128 prompts a step, all 2048 completions in one optimizer step
+    same = bench._variants(0.875, "both", recipe, same_batch=True)
+    assert [n for n, _ in same] == ["grpo", "cppo P=0.875 alloc", "grpo same batch", "cppo P=0.875 no-alloc"]
+    assert dict(same)["grpo same batch"] == ["--cppo.pruning_rate", "0.0", "--rollout.batch_size", "128",
+                                             "--train.batch_size", "2048"]
+    assert [n for n, _ in bench._variants(0.875, "off", recipe, same_batch=True)] == ["grpo", "cppo P=0.875 no-alloc"]
 
 
 def test_summarize_takes_medians_per_prompt_after_skipping():

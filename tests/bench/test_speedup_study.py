@@ -30,17 +30,30 @@ def test_speedup_bench_interleaves_runs_and_reports_the_bound(tmp_path):
                  "--repeats", "2", "--out", str(out)]) == 0
     data = json.loads((out / "speedup.json").read_text())
     rows = data["rows"]
-    assert [(r["P"], r["allocation"]) for r in rows] == [(0.0, True), (0.5, True), (0.0, False), (0.5, False)]
+    # GRPO once, P=0.5 with and without allocation, and GRPO at allocation's batch (the equal-batch baseline)
+    assert [r["run"] for r in rows] == ["GRPO", "CPPO P=0.5 alloc", "CPPO P=0.5 no-alloc", "GRPO at P=0.5's batch"]
     t_gen, t_rest = data["phase_split"]["t_gen_per_prompt_s"], data["phase_split"]["t_rest_per_prompt_s"]
+    grpo, alloc, noalloc, same = rows
     for r in rows:
         assert r["steps measured"] == 2  # one step in each of two interleaved rounds
-        expect = (t_gen + t_rest) / (t_gen + (1 - r["P"]) * t_rest)
-        assert r["bound"] == pytest.approx(expect)
-        assert r["of bound"] == pytest.approx(r["speedup"] / r["bound"])
-    alloc = {r["P"]: r for r in rows if r["allocation"]}
-    noalloc = {r["P"]: r for r in rows if not r["allocation"]}
-    assert alloc[0.5]["prompts/step"] == 2 * alloc[0.0]["prompts/step"]  # allocation doubles prompts at P=0.5
-    assert noalloc[0.5]["trained/step"] == alloc[0.0]["trained/step"] / 2
+        if r is not same:
+            expect = (t_gen + t_rest) / (t_gen + (1 - r["P"]) * t_rest)
+            assert r["bound"] == pytest.approx(expect)
+            assert r["of bound"] == pytest.approx(r["speedup"] / r["bound"])
+    assert alloc["prompts/step"] == 2 * grpo["prompts/step"]  # allocation doubles prompts at P=0.5
+    assert noalloc["trained/step"] == grpo["trained/step"] / 2
+    # the same-batch GRPO draws allocation's prompts and trains every completion of them
+    assert same["P"] == 0.0 and same["prompts/step"] == alloc["prompts/step"]
+    assert same["trained/step"] == 2 * grpo["trained/step"] and same["bound"] is None
+    assert same["speedup"] == pytest.approx(grpo["ms/prompt"] / same["ms/prompt"])  # the batching gain
+    # allocation against it, with the bound from that run's own split (read back from its metrics)
+    split = data["phase_split_same_batch"]["0.5"]
+    assert split["t_step_per_prompt_s"] == pytest.approx(same["ms/prompt"] / 1e3)
+    assert alloc["speedup same batch"] == pytest.approx(split["t_step_per_prompt_s"] * 1e3 / alloc["ms/prompt"])
+    assert alloc["bound same batch"] == pytest.approx(speedup.speedup_bound(0.5, split["t_gen_per_prompt_s"],
+                                                                            split["t_rest_per_prompt_s"]))
+    assert noalloc["speedup same batch"] is None  # its generation batch is GRPO's
+    assert any(n.startswith("P=0.5 with allocation: GRPO at its 8 prompts a step") for n in data["notes"])
     assert (out / "speedup.md").exists() and (out / "speedup.png").exists()
     assert missing_keys(data, "speedup.json") == []  # every key docs/benchmarks.md documents
     assert "step_seconds" not in data  # the docs say it comes from train's summary.json instead
@@ -53,7 +66,8 @@ def test_speedup_bench_with_selective_rollout_runs_each_rate_with_skipping(tmp_p
                  "--allocation", "on", "--selective", "--warmup-steps", "6", "--steps", "2", "--repeats", "1",
                  "--out", str(out)]) == 0
     data = json.loads((out / "speedup.json").read_text())
-    assert [(r["P"], r["selective"]) for r in data["rows"]] == [(0.0, False), (0.5, False), (0.0, True), (0.5, True)]
+    assert [(r["P"], r["selective"]) for r in data["rows"]] == [(0.0, False), (0.5, False), (0.0, True), (0.5, True),
+                                                                (0.0, False)]  # the last: GRPO at P=0.5's batch
     for r in data["rows"]:
         assert r["steps measured"] == 2 and r["generated/step"] <= r["prompts/step"]
         if not r["selective"]:

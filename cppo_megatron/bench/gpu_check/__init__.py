@@ -16,7 +16,12 @@ a tolerance or overruns its budget fails, and the next one still runs:
 4. ``trainer``: the embedded trainer on the device: GRPO vs CPPO P = 0.875 with and
    without allocation, side by side in one process (``bench speedup``'s ``measure``):
    time per prompt, speedup, the bound from the GRPO phase split, the fraction of it, and
-   how the rollout time per prompt changes with allocation's larger batch.
+   how the rollout time per prompt changes with allocation's larger batch; and GRPO at the
+   prompts allocation draws, the same-generation-batch baseline.
+5. ``study`` (``--study``, with ``environment``): GRPO, CPPO with and without allocation and
+   the same-batch GRPO on the worked-arithmetic testbed for equal wall time each, a pretrained
+   SmolLM2-135M when its GGUF travels along: phase split, time per prompt, speedups against both
+   GRPO runs and their bounds, held-out accuracy at equal time (``study_check``).
 
 Every check records the peak memory it used (CUDA: ``max_memory_allocated`` reset per
 check; CPU: the process's peak RSS so far). ``run_gpu_check`` writes gpu_check.json and
@@ -38,25 +43,30 @@ from .core_check import check_core
 from .env_check import check_environment
 from .megatron_check import TOLERANCES, check_megatron, judge_megatron, megatron_sizes
 from .output import write_outputs
-from .settings import CHECKS, TITLES, CheckResult, GpuCheckSettings, budgets
+from .settings import ALL_CHECKS, CHECKS, STUDY_CHECKS, TITLES, CheckResult, GpuCheckSettings, budgets
+from .study_check import check_study, study_overrides
 from .trainer_check import check_trainer, trainer_overrides
 
 __all__ = [
+    "ALL_CHECKS",
     "CHECKS",
     "CHECK_FUNCS",
     "CheckResult",
     "GpuCheckSettings",
+    "STUDY_CHECKS",
     "TITLES",
     "TOLERANCES",
     "budgets",
     "check_core",
     "check_environment",
     "check_megatron",
+    "check_study",
     "check_trainer",
     "judge_megatron",
     "megatron_sizes",
     "run_gpu_check",
     "run_one",
+    "study_overrides",
     "trainer_overrides",
     "write_outputs",
 ]
@@ -67,6 +77,7 @@ CHECK_FUNCS: dict[str, Callable[[GpuCheckSettings, dict], tuple[dict, list[str]]
     "core": check_core,
     "megatron": check_megatron,
     "trainer": check_trainer,
+    "study": check_study,
 }
 
 
@@ -101,7 +112,7 @@ def run_gpu_check(s: GpuCheckSettings, *, log: Callable[[str], None] = print,
     s.validate()
     funcs = funcs or CHECK_FUNCS
     b = budgets(s.quick, s.budget_scale, s.parallel)
-    todo = [c for c in CHECKS if c in s.only]
+    todo = [c for c in ALL_CHECKS if c in s.only]
     results = []
     t0 = time.perf_counter()
     for i, name in enumerate(todo, 1):

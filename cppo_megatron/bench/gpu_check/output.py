@@ -81,7 +81,7 @@ def write_outputs(results: list[CheckResult], s: GpuCheckSettings, total_s: floa
             lines += [f"- **FAILED**: {x}" for x in ([r.error] if r.error else []) + list(r.failures)] + [""]
         lines.append(f"- peak memory: {r.peak_memory_mib:.0f} MiB ({r.memory_kind})" if r.peak_memory_mib is not None
                      else "- peak memory: -")
-        if r.name == "trainer" and r.numbers.get("rows"):
+        if r.numbers.get("rows"):  # the trainer's and the study's tables
             rows = r.numbers["rows"]
             lines += ["", markdown_table(list(rows[0]), rows), ""]
             lines += [f"- {k}: {_short(v)}" for k, v in r.numbers.items() if k != "rows"]

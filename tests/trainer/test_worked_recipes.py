@@ -1,0 +1,72 @@
+"""The worked-arithmetic testbed's embedded-trainer recipes (recipes/worked_cpu*.yaml): they load,
+their positions cover prompt + every token a rollout may write, each CPPO recipe has a GRPO
+twin that differs only in P (and where it writes), and both run steps at micro size."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cppo_megatron.tasks import build_task
+from cppo_megatron.trainer import Trainer
+from cppo_megatron.trainer.config import load_recipe, recipe_to_dict
+from cppo_megatron.trainer.preflight import check_inputs
+from tests.recipes import recipe_path
+
+TWINS = [("worked_cpu", "worked_cpu_grpo")]
+
+# micro model, the recipe's task and lengths: a 2-step run in seconds
+MICRO = ["threads=1", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=2",
+         "model.intermediate_size=64", "task.train_size=400", "task.test_size=40", "rollout.group_size=4",
+         "train.capacity=16", "train.steps=2", "train.max_time_s=0", "eval.every=0", "eval.num_problems=16",
+         "warmup.enabled=false", "log.progress=false", "log.tensorboard=false", "log.plots=false",
+         "log.checkpoint_every=0"]
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+@pytest.mark.parametrize("cppo, grpo", TWINS)
+def test_twins_differ_only_in_the_pruning_rate(cppo, grpo):
+    a, b = (_flat(recipe_to_dict(load_recipe(recipe_path(n)))) for n in (cppo, grpo))
+    diff = {k for k in a if a[k] != b[k]}
+    assert diff == {"cppo.pruning_rate", "out_dir"}
+    assert a["cppo.pruning_rate"] == 0.875 and b["cppo.pruning_rate"] == 0.0
+
+
+@pytest.mark.parametrize("name", [n for pair in TWINS for n in pair])
+def test_positions_cover_prompt_and_every_new_token(name):
+    r = load_recipe(recipe_path(name))
+    assert r.task.name == "worked_arithmetic"
+    inputs = check_inputs(r)
+    assert not inputs.warnings
+    task = inputs.task
+    longest_prompt = max(len(inputs.tokenizer.prompt_ids(p.question)) for p in list(task.train) + list(task.test))
+    assert longest_prompt + r.rollout.max_new_tokens <= r.model.max_position
+    assert inputs.fit.longest_answer < r.rollout.max_new_tokens  # room beyond the longest reference
+
+
+@pytest.mark.parametrize("name", [n for pair in TWINS for n in pair])
+def test_recipe_runs_two_steps(name, tmp_path):
+    recipe = load_recipe(recipe_path(name), [*MICRO, f"out_dir={tmp_path}"])
+    summary = Trainer(recipe).run()
+    assert summary["steps"] == 2
+    rows = [json.loads(x) for x in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r.get("kind") == "step"]
+    assert len(steps) == 2
+    for s in steps:
+        assert s["rollout/completions"] == s["alloc/prompts_drawn"] * 4
+        assert 1 <= s["rollout/mean_length"] <= recipe.rollout.max_new_tokens
+
+
+def test_the_task_has_the_regime_of_the_issue():
+    """Median reference completion >= 40 tokens, a difficulty mix from 2 to 6 terms."""
+    r = load_recipe(recipe_path("worked_cpu"))
+    task = build_task(r.task)
+    lengths = sorted(len(task.sft_target(p)) + 1 for p in task.train)
+    assert lengths[len(lengths) // 2] >= 40
+    assert {p.meta["level"][0] for p in task.train} == {2, 3, 4, 5, 6}
