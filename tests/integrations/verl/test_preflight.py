@@ -1,6 +1,8 @@
 """Preflight of host configs in ``cppo-megatron verl``: each check fed its bad value, through the
 real launcher (hydra composition, allocation, then the check), in-process: one line on stderr
-naming the key and the fix, exit status 2, before Ray or any worker starts."""
+naming the key and the fix, exit status 2, before Ray or any worker starts. The launch itself
+(``main.launch``: the vLLM re-exec, the CPU mode's start model, veRL's main_ppo) is stubbed to fail
+the test: a check that let a bad config through cannot start anything (tests/launch_guard.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,15 @@ import json
 
 import pytest
 
+from ...launch_guard import forbid
 from .conftest import RECIPES, compose
 
 pytestmark = pytest.mark.verl
+
+
+@pytest.fixture(autouse=True)
+def no_launch(monkeypatch):
+    return forbid(monkeypatch, "verl")
 
 MEGATRON = RECIPES / "tiny_cpu_megatron_cppo.yaml"
 FSDP = RECIPES / "tiny_cpu_cppo.yaml"
