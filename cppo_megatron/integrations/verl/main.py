@@ -133,6 +133,7 @@ def launch(config, plan, phases) -> None:
         load()  # VERL_PLATFORM=cpu is set now: install the CPU mode in this process too
     preflight.check(config)
     print(_describe(plan))
+    _remove_recorded_shm("a run before this one")  # its driver was killed before it could
     from verl.trainer.main_ppo import main as verl_main
 
     # a CPU run says how long Ray took to start and when the first step was logged
@@ -154,6 +155,17 @@ def launch(config, plan, phases) -> None:
             watcher.stop()
         if dog is not None:
             dog.stop()
+        _remove_recorded_shm("this run")
+
+
+def _remove_recorded_shm(whose: str) -> None:
+    # vLLM's CPU communicator removes its segments only at a normal exit, which its killed workers never
+    # reach (integrations/vllm_shm.py): what the run's processes recorded is removed here
+    from ..vllm_shm import clean_registered
+
+    line = clean_registered(whose)
+    if line:
+        print(line, flush=True)
 
 
 # where a recipe file's defaults are found: this package's configs (cppo_trainer, the CPU

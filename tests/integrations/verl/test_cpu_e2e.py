@@ -33,6 +33,7 @@ import math
 import os
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -40,7 +41,7 @@ import torch
 
 from .conftest import ROOT
 
-pytestmark = pytest.mark.verl
+pytestmark = [pytest.mark.verl, pytest.mark.usefixtures("shm_registry")]  # nothing of ours left in /dev/shm
 
 G, PROMPTS, P = 8, 4, 0.75  # 4 prompts x G=8; CPPO keeps 2 of 8 and allocates 16 prompts
 STEPS = 2
@@ -270,9 +271,18 @@ def v1_cppo(tiny_model, tmp_path_factory):
 
 
 @needs_vllm
-def test_v1_cppo_on_vllm_trains_the_core_survivors_and_serves_the_actors_weights(v1_cppo):
+def test_v1_cppo_on_vllm_trains_the_core_survivors_and_serves_the_actors_weights(v1_cppo, shm_registry):
+    from cppo_megatron.integrations import vllm_shm
+
     check_run(v1_cppo, pruning_rate=P, loop="v1", syncs=check_vllm_syncs)
     assert check_rollout_logprobs(v1_cppo) == [1, 2]
+    # what the run made outside its directory was recorded (vLLM TP 1: its FileStore and its message queues'
+    # segments; veRL's weight buckets) and removed by the launcher at its end
+    recorded = vllm_shm.recorded(shm_registry)
+    assert any(kind == "file" and Path(name).name.startswith("vllm_dist_") for kind, name in recorded), recorded
+    assert any(kind == "shm" and name.startswith("psm_") for kind, name in recorded), recorded
+    assert any(kind == "shm" and name.startswith("verl_weights_") for kind, name in recorded), recorded
+    assert vllm_shm.left(shm_registry) == []
 
 
 # --------------------------------------------------------------------------------- a dead worker, resume
