@@ -102,6 +102,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for note in [*inputs.warnings, *notes]:
         print(f"cppo-megatron train: {note}", file=sys.stderr)
+    return start(recipe, args, inputs)
+
+
+def start(recipe, args: argparse.Namespace, inputs) -> int:
+    """Everything after the checks: torchrun for ``backend: megatron`` or ``--nproc`` > 1, else the
+    in-process Trainer (warm-up, RL steps, report). The boundary a test of a refusal stubs."""
     if recipe.backend == "megatron" or args.nproc > 1:
         from ..trainer.launch import launch
 

@@ -25,7 +25,7 @@ import warnings
 from datetime import timedelta
 from pathlib import Path
 
-__all__ = ["launch", "main", "torchrun_command"]
+__all__ = ["launch", "main", "run_torchrun", "torchrun_command"]
 
 
 def torchrun_command(recipe: str, overrides: list[str], nproc: int) -> list[str]:
@@ -83,9 +83,15 @@ def launch(args: argparse.Namespace) -> int:
     cmd = torchrun_command(args.recipe, overrides + (["--resume"] if getattr(args, "resume", False) else []), nproc)
     print(f"launching {nproc} processes (tp={tp} pp={pp} dp={nproc // (tp * pp)}): {' '.join(cmd[1:])}",
           file=sys.stderr, flush=True)
+    return run_torchrun(cmd, env, Path(recipe.out_dir))
+
+
+def run_torchrun(cmd: list[str], env: dict[str, str], out_dir: Path) -> int:
+    """Run the torchrun command (the boundary a test of a refusal stubs) and return its exit status, 130
+    when the ranks stopped on SIGINT / SIGTERM after a checkpoint (``out_dir``'s interrupted marker)."""
     from .loop import INTERRUPTED_MARKER
 
-    marker = Path(recipe.out_dir) / INTERRUPTED_MARKER
+    marker = out_dir / INTERRUPTED_MARKER
     started = time.time()
     proc = subprocess.Popen(cmd, env=env)
     stopped = []

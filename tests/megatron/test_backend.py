@@ -13,6 +13,7 @@ pytest.importorskip("megatron.core")
 from cppo_megatron.trainer.launch import launch  # noqa: E402
 from cppo_megatron.trainer.config import load_recipe  # noqa: E402
 
+from tests.launch_guard import forbid  # noqa: E402
 from tests.recipes import MICRO as COMMON  # noqa: E402
 
 from ._common import REPO, train_nproc  # noqa: E402
@@ -98,7 +99,8 @@ def _args(*overrides, nproc=4, recipe=RECIPE, resume=False):
     return argparse.Namespace(recipe=recipe, overrides=list(overrides), nproc=nproc, resume=resume)
 
 
-def test_launch_refuses_bad_layouts(capsys, tmp_path):
+def test_launch_refuses_bad_layouts(capsys, tmp_path, monkeypatch):
+    forbid(monkeypatch, "train")  # a check that lets a layout through fails here, before torchrun starts
     assert launch(_args(nproc=3)) == 2
     assert "not divisible by megatron.tp * megatron.pp" in capsys.readouterr().err
     assert launch(_args("backend=hf")) == 2
@@ -114,7 +116,8 @@ def test_launch_refuses_bad_layouts(capsys, tmp_path):
         assert "device=cuda but no CUDA device" in capsys.readouterr().err
 
 
-def test_launch_without_vllm_says_how_to_install_before_starting_ranks(capsys):
+def test_launch_without_vllm_says_how_to_install_before_starting_ranks(capsys, monkeypatch):
+    forbid(monkeypatch, "train")
     from cppo_megatron.rollout.vllm import vllm_distribution
 
     if vllm_distribution() is not None:

@@ -61,11 +61,21 @@ def test_sigterm_mid_update_exits_130_and_resume_skips_a_truncated_checkpoint(tm
             assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-6), (ra["step"], key)
 
 
-def test_resume_without_a_checkpoint_is_one_line_exit_2(tmp_path):
-    proc = _cli(tmp_path / "empty", "--resume")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().startswith("cppo-megatron train: --resume: no checkpoint under")
-    assert "Traceback" not in proc.stderr
+def test_resume_without_a_checkpoint_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    """In-process with the launch stubbed (tests/launch_guard.py): a check that let the resume through
+    fails the test instead of starting a fresh run."""
+    from cppo_megatron import cli
+
+    from ..launch_guard import forbid
+
+    forbid(monkeypatch, "train")
+    out = tmp_path / "empty"
+    code = cli.main(["train", recipe_path("tiny_cpu"), *RUN, "log.checkpoint_every=1", f"out_dir={out}", "--resume"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.splitlines() == [f"cppo-megatron train: --resume: no checkpoint under {out / 'checkpoints'}; check "
+                                "out_dir, or drop --resume to start a new run"]
+    assert not out.exists()
 
 
 def _in_process(out, *extra):

@@ -1,14 +1,15 @@
 """User errors end in one line and exit status 2 before any work starts (issues 13 and 16).
 
-The CLI runs in a subprocess, as a user runs it: the exact message, the exit status, no
-traceback, and no trace of a started run (no out_dir, no torchrun launch).
+The CLI runs in-process (``cli.main``), as a user's command does past its interpreter start: the
+exact message on stderr, the exit status, no traceback, and no trace of a started run (no out_dir).
+The launch itself (``commands.train.start``: the in-process Trainer or torchrun, and
+``trainer.launch.run_torchrun``) is stubbed to fail the test, so a check that let a bad recipe
+through cannot start a run (tests/launch_guard.py).
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,6 +17,8 @@ from cppo_megatron.tasks import Problem, Task, score_math
 from cppo_megatron.trainer.config import RecipeError, load_recipe
 from cppo_megatron.trainer.preflight import FIT_ERROR_FRACTION, check_inputs, describe_fit, measure_fit
 from cppo_megatron.trainer.tokenizer import CharTokenizer
+
+from ..launch_guard import forbid
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
@@ -27,11 +30,23 @@ GSM_ROW = {
 }
 
 
-def _cli(*argv, cwd=None):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "cppo_megatron.cli", "train", *map(str, argv)],
-                          capture_output=True, text=True, env=env, cwd=cwd or ROOT, timeout=300)
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """``cppo-megatron train ARGV`` in-process, its launch stubbed: (returncode, stdout, stderr)."""
+    from cppo_megatron import cli as cppo_cli
+
+    forbid(monkeypatch, "train")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    monkeypatch.chdir(ROOT)
+
+    def run(*argv):
+        capsys.readouterr()
+        code = cppo_cli.main(["train", *map(str, argv)])
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+    return run
 
 
 def _one_line_error(proc, expected: str) -> None:
@@ -45,10 +60,10 @@ def _gsm_file(path: Path, rows: int = 6) -> Path:
     return path
 
 
-def test_gsm8k_data_that_does_not_fit_the_default_recipe_fails_before_the_warmup(tmp_path):
+def test_gsm8k_data_that_does_not_fit_the_default_recipe_fails_before_the_warmup(cli, tmp_path):
     data = _gsm_file(tmp_path / "gsm.jsonl")
     out = tmp_path / "run"
-    proc = _cli(TINY, "task.name=gsm8k", f"task.path={data}", f"task.test_path={data}", f"out_dir={out}")
+    proc = cli(TINY, "task.name=gsm8k", f"task.path={data}", f"task.test_path={data}", f"out_dir={out}")
     # byte-level tokens: BOS + 170 question bytes, answer 126 bytes + EOS = 298
     _one_line_error(proc, (
         "task gsm8k does not fit the model: 12 of 12 rows need more than model.max_position=32 positions for "
@@ -58,37 +73,37 @@ def test_gsm8k_data_that_does_not_fit_the_default_recipe_fails_before_the_warmup
     assert not out.exists()  # nothing started: no warm-up, no metrics, no out_dir
 
 
-def test_malformed_yaml_names_the_file_line_and_column(tmp_path):
+def test_malformed_yaml_names_the_file_line_and_column(cli, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {source: config\n  bad")
-    _one_line_error(_cli(bad), f"recipe {bad} is not valid YAML (line 2, column 6: expected ',' or '}}', "
+    _one_line_error(cli(bad), f"recipe {bad} is not valid YAML (line 2, column 6: expected ',' or '}}', "
                                "but got '<stream end>'); fix the file")
     listy = tmp_path / "list.yaml"
     listy.write_text("- a\n- b\n")
-    _one_line_error(_cli(listy), f"recipe {listy} must be a YAML mapping of keys (model:, task:, ...), got a "
+    _one_line_error(cli(listy), f"recipe {listy} must be a YAML mapping of keys (model:, task:, ...), got a "
                                  "ListConfig; see recipes/tiny_cpu.yaml")
 
 
-def test_missing_data_file_names_the_key(tmp_path):
+def test_missing_data_file_names_the_key(cli, tmp_path):
     missing = tmp_path / "train.jsonl"
-    _one_line_error(_cli(TINY, "task.name=gsm8k", f"task.path={missing}", f"out_dir={tmp_path / 'run'}"),
+    _one_line_error(cli(TINY, "task.name=gsm8k", f"task.path={missing}", f"out_dir={tmp_path / 'run'}"),
                     f"task.path {missing} does not exist; give a .jsonl or .parquet file in GSM8K format "
                     "(docs/trainer.md, Bring your own)")
 
 
-def test_bad_model_directory_is_named_before_torchrun_starts(tmp_path):
+def test_bad_model_directory_is_named_before_torchrun_starts(cli, tmp_path):
     empty = tmp_path / "model"
     empty.mkdir()
     expected = (f"model.path {empty} has no config.json, so it is not an HF model directory; give a directory "
                 "saved by save_pretrained (config.json, *.safetensors, tokenizer files) with model.source=hf_dir")
-    _one_line_error(_cli(TINY, "model.source=hf_dir", f"model.path={empty}"), expected)
+    _one_line_error(cli(TINY, "model.source=hf_dir", f"model.path={empty}"), expected)
     # --nproc: checked in the launcher, before torchrun starts four processes
-    proc = _cli(ROOT / "recipes" / "tiny_cpu_megatron.yaml", "--nproc", "4", "model.source=hf_dir",
+    proc = cli(ROOT / "recipes" / "tiny_cpu_megatron.yaml", "--nproc", "4", "model.source=hf_dir",
                 f"model.path={empty}")
     _one_line_error(proc, expected)
-    # --debug shows where it came from
-    proc = _cli(TINY, "model.source=hf_dir", f"model.path={empty}", "--debug")
-    assert proc.returncode != 0 and "Traceback" in proc.stderr and "RecipeError" in proc.stderr
+    # --debug lets the error through (the CLI then prints its traceback)
+    with pytest.raises(RecipeError, match="has no config.json"):
+        cli(TINY, "model.source=hf_dir", f"model.path={empty}", "--debug")
 
 
 def test_model_directory_checks_in_order(tmp_path):

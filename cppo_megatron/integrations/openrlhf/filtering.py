@@ -23,11 +23,12 @@ prompt drawn, its scores and rewards, passed or filtered) rides on each accepted
 into the step's ``StepAccount``: drawn = filtered + passed, generated = filtered x G + kept +
 pruned.
 
-The semantics CPPO relies on: the filter drops exactly the groups with zero reward variance,
-then CPPO prunes the rest. OpenRLHF's mean-in-range test equals that only when the scores are
-the rewards and take the range's two ends (pass/fail 0/1 with the default ``0 1``);
-``check_passed_groups`` refuses a step where it did not (a score that is not the reward, a group
-without scores, a zero-variance group that passed), before any model forward.
+The semantics with CPPO: OpenRLHF's filter comes first, then CPPO prunes what passed. The filter
+reads the scores and its range, not CPPO's rewards, so a group can pass with all rewards equal:
+scores other than the rewards (like veRL's ``filter_groups.metric=acc``), a group without scores,
+or a mean such as 0.5 strictly inside the range. Such a group has zero advantages (CPPO keeps k of
+it under ``scope=group`` and prunes it first under ``scope=batch``); it is counted, not refused:
+``StepAccount.passed_zero_variance``, ``cppo/filter_passed_zero_variance``.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from ..wrap import unwrap, wrap
 
 __all__ = [
     "FILTER_ATTR", "GENERATOR_MODULE", "FilterLedger", "FilteredGroup", "StepAccount", "account_step",
-    "build_ledger", "check_args", "check_passed_groups", "enabled", "install_generator", "ledgers_of",
+    "build_ledger", "check_args", "enabled", "install_generator", "ledgers_of",
     "uninstall_generator",
 ]  # fmt: skip
 
@@ -179,7 +180,8 @@ class StepAccount:
     ``drawn`` prompts = ``filtered`` + ``passed`` groups; ``drawn x group_size`` completions =
     ``filtered x group_size`` (dropped by the host's filter) + ``kept`` + ``pruned`` (CPPO).
     ``target`` is the prompts per step OpenRLHF asked for (``--rollout.batch_size``, allocated);
-    ``short`` when fewer passed (the dataloader ran out while refilling)."""
+    ``short`` when fewer passed (the dataloader ran out while refilling). ``passed_zero_variance``:
+    the passed groups whose rewards are all equal (no reward signal; see the module doc)."""
 
     drawn: int
     filtered: int
@@ -189,9 +191,10 @@ class StepAccount:
     pruned: int
     target: int
     exhausted: bool
+    passed_zero_variance: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("drawn", "filtered", "passed", "kept", "pruned", "target"):
+        for name in ("drawn", "filtered", "passed", "kept", "pruned", "target", "passed_zero_variance"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"StepAccount: {name} must be an integer >= 0, got {v!r}")
@@ -203,6 +206,9 @@ class StepAccount:
         if self.generated != self.filtered * self.group_size + self.kept + self.pruned:
             raise ValueError(f"StepAccount: {self.generated} completions generated != {self.filtered} filtered x "
                              f"G={self.group_size} + {self.kept} kept + {self.pruned} pruned")
+        if self.passed_zero_variance > self.passed:
+            raise ValueError(f"StepAccount: {self.passed_zero_variance} zero-variance groups passed of only "
+                             f"{self.passed} passed")
 
     @property
     def generated(self) -> int:
@@ -222,10 +228,17 @@ class StepAccount:
             "cppo/filter_completions_generated": float(self.generated),
             "cppo/filter_completions_filtered": float(self.filtered * self.group_size),
             "cppo/filter_short": float(self.short),
+            "cppo/filter_passed_zero_variance": float(self.passed_zero_variance),
         }
 
     def to_record(self) -> dict:
         return {**dataclasses.asdict(self), "generated": self.generated, "short": self.short}
+
+
+def zero_variance(group: FilteredGroup) -> bool:
+    """Whether a group of two or more completions has all its (known) rewards equal."""
+    known = [r for r in group.rewards if r is not None]
+    return len(known) > 1 and min(known) == max(known)
 
 
 def account_step(ledgers: Sequence[FilterLedger], *, num_samples: int, kept: int, target: int) -> StepAccount:
@@ -250,49 +263,12 @@ def account_step(ledgers: Sequence[FilterLedger], *, num_samples: int, kept: int
         raise ValueError(f"account_step: kept={kept} outside 0..{num_samples}")
     return StepAccount(drawn=sum(led.drawn for led in ledgers), filtered=sum(led.num_filtered for led in ledgers),
                        passed=passed, group_size=g, kept=kept, pruned=num_samples - kept, target=target,
-                       exhausted=any(led.exhausted for led in ledgers))
+                       exhausted=any(led.exhausted for led in ledgers),
+                       passed_zero_variance=sum(grp.passed and zero_variance(grp) for led in ledgers
+                                                for grp in led.groups))
 
 
 # ---------------------------------------------------------------------------- guards
-def check_passed_groups(rewards: torch.Tensor, scores: Sequence[float | None], group_ids: torch.Tensor,
-                        prompts: Sequence[str], filter_range: tuple[float, float]) -> None:
-    """Refuse a step whose groups the filter did not reduce to nonzero reward variance.
-
-    ``rewards``: [N] float, the rollout's rewards before OpenRLHF's length penalties (what the
-    reward function returned); ``scores``: N floats or None (the filter's metric); ``group_ids``:
-    [N] int64; ``prompts``: N strings (for the message).
-    """
-    n = rewards.numel()
-    if rewards.dim() != 1 or group_ids.shape != (n,) or len(scores) != n or len(prompts) != n:
-        raise ValueError(f"check_passed_groups: rewards {tuple(rewards.shape)}, group_ids {tuple(group_ids.shape)}, "
-                         f"{len(scores)} scores and {len(prompts)} prompts must all be [N]")
-    lo, hi = filter_range
-    for i, (score, reward) in enumerate(zip(scores, rewards.tolist(), strict=True)):
-        if score is None:
-            raise ValueError(
-                f"dynamic filtering + CPPO: rollout sample {i} ({prompts[i][:60]!r}) has no score, and OpenRLHF passes "
-                "a group without scores unfiltered (samples_generator.py:169); return 'scores' (equal to 'rewards') "
-                "from the reward function"
-            )
-        if score != reward:
-            raise ValueError(
-                f"dynamic filtering + CPPO: rollout sample {i} ({prompts[i][:60]!r}) has score {score} but reward "
-                f"{reward}: OpenRLHF filters on scores and CPPO prunes on rewards, so a group could pass with zero "
-                "reward variance; return 'scores' equal to 'rewards' from the reward function"
-            )
-    for gid in group_ids.unique().tolist():
-        members = rewards[group_ids == gid]
-        if members.numel() > 1 and bool((members == members[0]).all()):
-            first = int((group_ids == gid).nonzero()[0])
-            raise ValueError(
-                f"dynamic filtering + CPPO: group {gid} ({prompts[first][:60]!r}) passed "
-                f"--algo.dynamic_filtering_range {lo:g} {hi:g} with every reward = {float(members[0]):g}: OpenRLHF "
-                "keeps a group when its mean score is strictly inside the range, which drops exactly the "
-                "zero-variance groups only when rewards take the range's two ends (pass/fail 0/1 with the range 0 1); "
-                "use such a reward or set the range to its minimum and maximum"
-            )
-
-
 def check_args(args: Any) -> list[str]:
     """Launch-time: refuse what DAPO + CPPO cannot honour; notes (one line each) for the rest.
     ``args``: OpenRLHF's parsed arguments after allocation."""
@@ -310,8 +286,9 @@ def check_args(args: Any) -> list[str]:
     return [
         f"dynamic filtering: OpenRLHF draws {args.rollout.batch_size} prompts per step, drops each group whose mean "
         f"score is not strictly inside ({lo:g}, {hi:g}) and draws one new prompt for it until "
-        f"{args.rollout.batch_size} groups pass; then CPPO prunes them. Scores must equal rewards and take the "
-        "range's two ends (e.g. 0/1): the hook refuses a step where a zero-variance group passed"
+        f"{args.rollout.batch_size} groups pass; then CPPO prunes them. A group that passes with all rewards equal "
+        "(scores other than the rewards, or a mean inside the range such as 0.5) has no reward signal: it is "
+        "counted as cppo/filter_passed_zero_variance"
     ]
 
 

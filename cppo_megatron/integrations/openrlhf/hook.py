@@ -235,11 +235,6 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
 
     group_ids = group_ids_from_samples(rollout_samples, args.rollout.n_samples_per_prompt)
     filter_on = filtering.enabled(args)
-    if filter_on:  # the host's filter ran on the rewards as returned: check them before the penalties
-        filtering.check_passed_groups(
-            torch.cat([s.rewards.reshape(1) for s in rollout_samples]),
-            [None if s.scores is None else float(s.scores.reshape(-1)[0]) for s in rollout_samples],
-            group_ids, [s.prompts[0] for s in rollout_samples], tuple(args.algo.dynamic_filtering_range))
     # penalties change rewards, so they come before the group statistics (as in OpenRLHF)
     em.apply_length_penalties(rollout_samples, args)
     rewards = torch.cat([s.rewards.reshape(1) for s in rollout_samples])

@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from ...config import CPPOConfig
+from .. import vllm_shm
 from . import hook
 from .checkpoint import checkpoint_warnings, resume_hint
 from .pinned import PINNED_VERSION, installed_version, pinned_parser
@@ -195,7 +196,8 @@ def ray_runtime_env(cfg: CPPOConfig | None) -> dict:
     if cpu.enabled():
         from .cpu.prepare import PATH_VARS
 
-        names = [*cpu.worker_env(), *PATH_VARS.values(), "TORCH_EXTENSIONS_DIR", "PATH", metrics.EVAL_BEFORE_ENV]
+        names = [*cpu.worker_env(), *PATH_VARS.values(), "TORCH_EXTENSIONS_DIR", "PATH", metrics.EVAL_BEFORE_ENV,
+                 vllm_shm.REGISTRY_ENV]
         env.update({k: os.environ[k] for k in names if k in os.environ})
     for name in (audit.ENV, metrics.ENV):
         if os.environ.get(name):
@@ -229,6 +231,7 @@ def launch(forwarded: list[str], cfg: CPPOConfig | None, num_gpus: int | None = 
             kwargs.update(num_gpus=slots, num_cpus=slots, include_dashboard=False)
         ray.init(**kwargs)
     sys.argv = [OPENRLHF_MODULE, *forwarded]
+    _clean_shm("a run before this one")  # its driver was killed before it could
     dog = watchdog.start(resume_hint)
     try:
         runpy.run_module(OPENRLHF_MODULE, run_name="__main__", alter_sys=True)
@@ -245,6 +248,14 @@ def launch(forwarded: list[str], cfg: CPPOConfig | None, num_gpus: int | None = 
             import ray
 
             ray.shutdown()
+        _clean_shm("this run")
+
+
+def _clean_shm(whose: str) -> None:
+    # vLLM's CPU communicator and FileStore outlive its killed workers (integrations/vllm_shm.py)
+    line = vllm_shm.clean_registered(whose)
+    if line:
+        print(line, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

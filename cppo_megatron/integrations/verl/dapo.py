@@ -15,7 +15,16 @@ Semantics with CPPO: the filter runs inside ``replay_buffer.sample``, before ``_
 (the pruning seam, hook.py), so veRL's filter comes first and CPPO prunes the groups that passed
 it to the recipe's kept count. The buffer's batch is ``data.train_batch_size``, read after
 CPPO's allocation grew it, so allocation and the refill agree: the refill draws until the
-allocated number of prompts with reward variance is there.
+allocated number of prompts whose filter metric varies is there.
+
+The filter metric (``algorithm.filter_groups.metric``, ``_dapo_filtered_keys`` 261-314): ``reward``
+is veRL's canonical reward, ``rm_scores`` summed per completion, the quantity CPPO's advantages
+come from; any other name is read from each completion's ``reward_extra_info`` (what the reward
+function returned besides ``score``: ``acc`` in veRL's DAPO scripts), and a finished group without
+it stops the run (veRL raises). A group is dropped when its metric is equal over all its
+completions. Under another metric than ``reward`` a group can pass with all rewards equal (e.g.
+acc varies but the score does not): its advantages are all zero, so CPPO prunes its completions
+first; the hook counts such groups (``cppo/filter_passed_zero_variance``) and the audit names them.
 
 This module holds the guards (``check_filter_groups``, ``filter_groups_warnings``; the launcher
 calls them through ``runconfig.check_compatible``), the audit recorders of every prompt drawn,
@@ -32,18 +41,21 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "FILTER_METRIC",
+    "REWARD_METRIC",
     "StepAccount",
     "account_step",
     "check_filter_groups",
+    "equal_reward_groups",
     "filter_groups_enabled",
     "filter_groups_warnings",
+    "filter_metric",
+    "metric_values",
     "recorders",
 ]
 
-# the only filter metric CPPO can follow: veRL's "reward" reads rm_scores summed per completion
-# (replay_buffer.py:278,292), the same sum CPPO's advantages and survivors come from (hook.py)
-FILTER_METRIC = "reward"
+# veRL's canonical filter metric: rm_scores summed per completion (replay_buffer.py:32,278,292), the
+# same sum CPPO's advantages and survivors come from (hook.py); any other name is a reward_extra_info field
+REWARD_METRIC = "reward"
 REPLAY_BUFFER = ("verl.trainer.ppo.v1.replay_buffer", "ReplayBuffer")
 
 
@@ -60,6 +72,15 @@ def filter_groups_enabled(config: Any) -> bool:
     if not hasattr(config, "get"):
         raise TypeError(f"filter_groups_enabled: expected a veRL config mapping, got {type(config).__name__}")
     return bool(_get(config, "algorithm.filter_groups.enable", False))
+
+
+def filter_metric(config: Any) -> str | None:
+    """The metric veRL's replay buffer filters on (``algorithm.filter_groups.metric``, as a string);
+    None when the filter is off or no metric is set."""
+    if not filter_groups_enabled(config):
+        return None
+    metric = _get(config, "algorithm.filter_groups.metric", None)
+    return str(metric) if metric not in (None, "") else None
 
 
 def check_filter_groups(config: Any) -> None:
@@ -82,13 +103,11 @@ def check_filter_groups(config: Any) -> None:
             "samples per local update), for which the plugin's accounting of prompts drawn, filtered and "
             "discarded is not built; set trainer.v1.trainer_mode=sync"
         )
-    metric = _get(config, "algorithm.filter_groups.metric", None)
-    if str(metric) != FILTER_METRIC:
+    if filter_metric(config) is None:
         raise ValueError(
-            f"algorithm.filter_groups.metric={metric} with cppo: only metric={FILTER_METRIC} is allowed, veRL's "
-            "canonical reward (rm_scores summed per completion), the quantity CPPO's advantages and survivors "
-            "come from; another metric (a reward_extra_info field such as acc) could pass groups whose rewards "
-            f"are all equal or drop groups that carry a signal. Set algorithm.filter_groups.metric={FILTER_METRIC}"
+            "algorithm.filter_groups.enable=True without algorithm.filter_groups.metric: veRL stops in the "
+            "TaskRunner (trainer_base.py:196); set algorithm.filter_groups.metric=reward (rm_scores summed per "
+            "completion, what CPPO prunes by) or the reward_extra_info field your reward returns, e.g. acc"
         )
     sampler = _get(config, "trainer.v1.sampler.custom_sampler", None)
     if sampler is not None and _get(sampler, "path") and _get(sampler, "name"):
@@ -148,50 +167,76 @@ def _record_draws(record: Callable[..., None], original):
     return _submit_batch_to_rollout
 
 
-def _group_rewards(buffer, partition_id: str, uids) -> dict[str, list[float]]:
-    """Each group's per-completion rewards (rm_scores summed), read from TransferQueue before the
-    buffer clears them; a group with no trajectory (a failed one), or none readable, gets []."""
+def metric_values(extra_fields: Any, metric: str) -> list[float | None]:
+    """Each completion's ``reward_extra_info[metric]`` as a float (None where it is missing), from
+    TransferQueue's ``extra_fields`` column (one entry per completion, a dict or an object whose
+    ``data`` is one), read the way veRL's filter reads it (replay_buffer.py:296-302)."""
+    if not isinstance(metric, str) or not metric:
+        raise ValueError(f"metric_values: metric must be a reward_extra_info field name, got {metric!r}")
+    out: list[float | None] = []
+    for value in extra_fields:
+        fields = getattr(value, "data", value)
+        info = fields.get("reward_extra_info", {}) if isinstance(fields, dict) else {}
+        out.append(float(info[metric]) if isinstance(info, dict) and metric in info else None)
+    return out
+
+
+def _group_reads(buffer, partition_id: str, uids) -> tuple[dict[str, list[float]], dict[str, list] | None]:
+    """Each group's per-completion rewards (rm_scores summed) and, when the buffer filters on another
+    metric than ``reward``, that metric's values; read from TransferQueue before the buffer clears
+    them. A group with no trajectory (a failed one), or none readable, gets []."""
     import transfer_queue as tq
 
+    metric = str(getattr(buffer, "filter_groups_metric", None) or REWARD_METRIC)
+    extra = metric != REWARD_METRIC
     rows: dict[str, list[str]] = {uid: [] for uid in sorted(uids)}
     for key in buffer.partitions[partition_id]:
         uid = key.split("_")[0]
         if uid in rows:
             rows[uid].append(key)
     keys = [k for uid in rows for k in rows[uid]]
+    empty: dict[str, list] = {uid: [] for uid in rows}
     if not keys:
-        return {uid: [] for uid in rows}
+        return empty, (dict(empty) if extra else None)
     try:
-        data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["rm_scores"])
-        values = iter(_row_rewards(data["rm_scores"]))
+        data = tq.kv_batch_get(keys=keys, partition_id=partition_id,
+                               select_fields=["rm_scores"] + (["extra_fields"] if extra else []))
+        rewards = iter(_row_rewards(data["rm_scores"]))
+        values = iter(metric_values(list(data["extra_fields"]), metric)) if extra else None
     except Exception:  # noqa: BLE001 - the audit must not stop a run; the account then shows the gap
-        return {uid: [] for uid in rows}
-    return {uid: [next(values) for _ in rows[uid]] for uid in rows}
+        return empty, (dict(empty) if extra else None)
+    by_uid = {uid: [next(rewards) for _ in rows[uid]] for uid in rows}
+    return by_uid, (None if values is None else {uid: [next(values) for _ in rows[uid]] for uid in rows})
 
 
 def _record_evictions(record: Callable[..., None], original):
     # the filter's verdict for one poll of the buffer (replay_buffer.py:344): the groups it drops,
-    # each with its rewards (the accounting checks that they are all equal)
+    # each with its rewards and, under another metric than reward, that metric's values (the
+    # accounting checks that the metric is equal over each)
     @functools.wraps(original)
     def _evict_terminal_groups(self, global_steps, partition_id, eviction_reasons, *args, **kwargs):
         stale, dapo, failed = (set(x) for x in eviction_reasons[:3])
         if partition_id == "train" and (stale or dapo or failed):
-            record("evict", step=int(global_steps), filtered=_group_rewards(self, partition_id, dapo),
-                   failed=sorted(failed), stale=sorted(stale))
+            rewards, values = _group_reads(self, partition_id, dapo)
+            extra = {} if values is None else {"filter_values": values}
+            record("evict", step=int(global_steps), filtered=rewards, failed=sorted(failed), stale=sorted(stale),
+                   metric=self.filter_groups_metric, **extra)
         return original(self, global_steps, partition_id, eviction_reasons, *args, **kwargs)
 
     return _evict_terminal_groups
 
 
 def _record_clears(record: Callable[..., None], original):
-    # every group the sync buffer removes unsampled, with its rewards: the evicted ones and the surplus
-    # it discards once the batch is full (replay_buffer.py:241, called at :380 and :498)
+    # every group the sync buffer removes unsampled, with its rewards (and filter values): the evicted
+    # ones and the surplus it discards once the batch is full (replay_buffer.py:241, called at :380, :498)
     @functools.wraps(original)
     def _clear_groups(self, partition_id, uids, *args, **kwargs):
         if partition_id == "train" and uids:
             steps = self.prompt_global_steps[partition_id]
-            record("clear", rewards=_group_rewards(self, partition_id, set(uids)),
-                   submitted={uid: _jsonable(steps.get(uid)) for uid in sorted(uids)})
+            rewards, values = _group_reads(self, partition_id, set(uids))
+            extra = {} if values is None else {"filter_values": values}
+            record("clear", rewards=rewards, submitted={uid: _jsonable(steps.get(uid)) for uid in sorted(uids)},
+                   **extra)
         return original(self, partition_id, uids, *args, **kwargs)
 
     return _clear_groups
@@ -217,7 +262,14 @@ class StepAccount:
     ``drawn = filtered + failed + surplus + passed + carried``; the sync buffer carries nothing, so
     ``carried`` must be empty, as must ``unexplained`` (groups filtered, discarded or pruned at this
     step that it never drew). Completions: each drawn prompt generated ``group_size``; they end
-    filtered, discarded, or at CPPO's seam, where ``kept + pruned == completions_passed``."""
+    filtered, discarded, or at CPPO's seam, where ``kept + pruned == completions_passed``.
+
+    ``metric`` is the filter's (``algorithm.filter_groups.metric``). Its verdicts are checked on the
+    recorded values: a filtered group whose metric varies (``varied_filtered``) or a group that passed
+    (reached CPPO or was discarded as surplus) whose metric is equal (``constant_passed``) is a
+    problem. Groups that passed with all rewards equal (``zero_variance_passed``, ``_surplus``) are a
+    problem under ``reward`` (the filter should have dropped them) and a count under any other
+    metric (``cppo/filter_passed_zero_variance``: CPPO prunes their zero advantages first)."""
 
     step: int
     group_size: int
@@ -233,12 +285,11 @@ class StepAccount:
     completions_passed: int
     kept: int
     pruned: int
-    # the filter's verdicts checked on the recorded rewards: groups that reached CPPO or were
-    # discarded as surplus (both passed the filter) with equal rewards, and filtered groups whose
-    # rewards differ (all must be empty)
     zero_variance_passed: tuple[str, ...]
     varied_filtered: tuple[str, ...]
     zero_variance_surplus: tuple[str, ...]
+    metric: str = REWARD_METRIC
+    constant_passed: tuple[str, ...] = ()
 
     @property
     def completions_generated(self) -> int:
@@ -252,7 +303,11 @@ class StepAccount:
             out.append(f"step {self.step}: {len(self.drawn)} prompts drawn but filtered {len(self.filtered)} + failed "
                        f"{len(self.failed)} + surplus {len(self.surplus)} + passed {len(self.passed)} + carried "
                        f"{len(self.carried)} = {parts}")
-        for name in ("carried", "unexplained", "zero_variance_passed", "varied_filtered", "zero_variance_surplus"):
+        names = ["carried", "unexplained", "varied_filtered", "constant_passed"]
+        if self.metric == REWARD_METRIC:
+            names[2:2] = ["zero_variance_passed"]
+            names.append("zero_variance_surplus")
+        for name in names:
             if getattr(self, name):
                 out.append(f"step {self.step}: {name} {list(getattr(self, name))[:5]}")
         seen = self.completions_filtered + self.completions_surplus + self.completions_passed
@@ -266,8 +321,29 @@ class StepAccount:
         return out
 
 
-def _varies(values: list[float]) -> bool:
-    return len(values) > 1 and max(values) != min(values)
+def equal_reward_groups(uids: list, rewards: list[float]) -> list[str]:
+    """The groups (by uid, in order of first appearance) of two or more rows whose rewards are all
+    equal: no reward signal, all advantages zero. ``uids`` and ``rewards``: one per row."""
+    if len(uids) != len(rewards):
+        raise ValueError(f"equal_reward_groups: {len(uids)} uids for {len(rewards)} rewards")
+    groups: dict[str, list[float]] = defaultdict(list)
+    for uid, reward in zip(uids, rewards, strict=True):
+        groups[str(uid)].append(float(reward))
+    return [uid for uid, values in groups.items() if len(values) > 1 and not _varies(values)]
+
+
+def _varies(values: list) -> bool:
+    known = [v for v in values if v is not None]  # a missing metric value (veRL stops the run on it)
+    return len(known) > 1 and max(known) != min(known)
+
+
+def _filter_values(records: list[dict], kind: str, key: str) -> dict[str, list]:
+    # the filter metric's values where recorded (another metric than reward), else the rewards
+    out: dict[str, list] = {}
+    for r in records:
+        if r.get("kind") == kind:
+            out.update(r.get("filter_values") or r[key])
+    return out
 
 
 def account_step(records: list[dict], step: int, group_size: int) -> StepAccount:
@@ -284,6 +360,7 @@ def account_step(records: list[dict], step: int, group_size: int) -> StepAccount
     if len(prunes) != 1:
         raise ValueError(f"account_step: step {step} has {len(prunes)} prune records, expected 1 (sync mode)")
     (prune,) = prunes
+    metric = str(prune.get("filter_metric") or REWARD_METRIC)
     drawn = [u for r in records if r.get("kind") == "draw" and r.get("step") == step for u in r["uids"]]
     evicts = [r for r in records if r.get("kind") == "evict" and r.get("step") == step]
     filtered: dict[str, list[float]] = {}
@@ -302,9 +379,14 @@ def account_step(records: list[dict], step: int, group_size: int) -> StepAccount
     rewards: dict[str, list[float]] = defaultdict(list)
     for uid, reward in zip(prune["uids"], prune["rewards"], strict=True):
         rewards[str(uid)].append(float(reward))
+    values: dict[str, list] = defaultdict(list)
+    for uid, value in zip(prune["uids"], prune.get("filter_values") or prune["rewards"], strict=True):
+        values[str(uid)].append(value)
     passed = list(rewards)
     accounted = evicted | set(surplus) | set(passed)
     drawn_set = set(drawn)
+    filtered_values = {u: v for u, v in _filter_values(evicts, "evict", "filtered").items() if u in filtered}
+    cleared_values = _filter_values(records, "clear", "rewards")
     return StepAccount(
         step=step, group_size=group_size, drawn=tuple(drawn), filtered=tuple(sorted(filtered)),
         failed=tuple(sorted(failed | stale)), surplus=tuple(sorted(surplus)), passed=tuple(passed),
@@ -315,6 +397,9 @@ def account_step(records: list[dict], step: int, group_size: int) -> StepAccount
         completions_passed=len(prune["uids"]),
         kept=len(prune["kept"]), pruned=len(prune["uids"]) - len(prune["kept"]),
         zero_variance_passed=tuple(u for u in passed if not _varies(rewards[u])),
-        varied_filtered=tuple(sorted(u for u, v in filtered.items() if _varies(v))),
+        varied_filtered=tuple(sorted(u for u, v in filtered_values.items() if _varies(v))),
         zero_variance_surplus=tuple(u for u in surplus if not _varies(cleared[u])),
+        metric=metric,
+        constant_passed=() if metric == REWARD_METRIC else tuple(
+            [u for u in passed if not _varies(values[u])] + [u for u in surplus if not _varies(cleared_values[u])]),
     )

@@ -258,6 +258,16 @@ VLLM_PINNED = {
     # what the CPU env answers: thread binding (one NUMA node per local worker) and the KV cache size
     "vllm.utils.ompmultiprocessing:OMPProcessManager._get_autobind_cpu_ids": "e24f9d3db4269a5d",
     "vllm.platforms.cpu:CpuPlatform.check_and_update_config": "97a099cf8ed6a5ea",
+    # what integrations/vllm_shm.py records before it is made: the CPU communicator's segments (their
+    # names), the FileStore file's name, the message queues' segments, veRL's weight buckets (not pinned:
+    # vllm.v1.worker.cpu_worker, whose import in a pytest process made the session's end fail with
+    # CPython's "AST constructor recursion depth mismatch"; vllm_shm._patch fails loudly if its
+    # CPUWorker.init_device is gone)
+    "vllm.distributed.device_communicators.cpu_communicator:_CPUSHMDistributed._init_cpu_shm": "1832d7046fab7e55",
+    "vllm.distributed.device_communicators.cpu_communicator:_CPUSHMDistributed.make_group_name": "efdd9336880a1b7f",
+    "vllm.utils.network_utils:get_file_store_init_method": "e2e1339ce3acee6f",
+    "vllm.distributed.device_communicators.shm_broadcast:ShmRingBuffer.__init__": "d272ca6288d3355a",
+    "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer:BucketedWeightSender._init_buffer": "da10d5281fb76e51",
 }
 
 

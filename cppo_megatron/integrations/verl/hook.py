@@ -16,8 +16,10 @@ installed here runs only when ``algorithm.adv_estimator == "cppo"``:
    lowers the largest rank's workload (``cppo.rebalance``), its order replaces veRL's.
 
 Metrics go into veRL's metrics dict under ``cppo/``. With DAPO's filter on (``algorithm.filter_groups``,
-V1 sync only: ``dapo.py``), veRL's replay buffer has already dropped the zero-variance groups and
-refilled the batch when it reaches this seam; the hook prunes what passed.
+V1 sync only: ``dapo.py``), veRL's replay buffer has already dropped the groups whose filter metric
+is equal and refilled the batch when it reaches this seam; the hook prunes what passed and counts
+the groups among them whose rewards are all equal (``cppo/filter_passed_zero_variance``: none under
+``metric=reward``, possible under ``acc`` and the other ``reward_extra_info`` fields).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from ...core import balance_partitions, prune, sequence_workload
 from .. import importhook
 from ..importhook import after_import
 from ..wrap import is_wrapped, unwrap, wrap
-from . import audit, selective
+from . import audit, dapo, selective
 from .runconfig import PREPARED_ENV, cppo_config_from, is_cppo, unprepared_message
 from .stats import GroupRecord, record_groups
 
@@ -146,14 +148,20 @@ def prune_kv_batch(trainer, batch, metrics: dict):
     result, records = decide(uids, rewards, cfg, getattr(trainer, "global_steps", 0))
     kept = [real[j] for j in result.selection.kept.tolist()] + pads
     pruned_keys = [batch.keys[real[j]] for j in result.selection.pruned.tolist()]
+    metric = dapo.filter_metric(trainer.config)  # veRL's filter ran before this seam (dapo.py)
+    extra = {"cppo/rows_cleared": float(len(pruned_keys))}
+    equal = dapo.equal_reward_groups(uids, rewards.tolist()) if metric is not None else []
+    if metric is not None:  # groups that passed the filter with all rewards equal (zero advantages)
+        extra["cppo/filter_passed_zero_variance"] = float(len(equal))
     if audit.enabled():
         audit.record("prune", step=int(getattr(trainer, "global_steps", 0)), loop="v1", rows=[str(k) for k in keys],
                      uids=uids, rewards=rewards.tolist(), kept=result.selection.kept.tolist(),
-                     prompts=audit.v1_prompt_ids(keys, batch), fields=list(batch.fields or []))
+                     prompts=audit.v1_prompt_ids(keys, batch), fields=list(batch.fields or []),
+                     **_filter_record(metric, keys, batch.partition_id, equal))
     if pruned_keys:
         tq.kv_clear(keys=pruned_keys, partition_id=batch.partition_id)
     record_groups(records)
-    metrics.update(_metrics(result, cfg, {"cppo/rows_cleared": float(len(pruned_keys))}))
+    metrics.update(_metrics(result, cfg, extra))
     return KVBatchMeta(
         keys=[batch.keys[i] for i in kept],
         tags=[batch.tags[i] for i in kept],
@@ -161,6 +169,21 @@ def prune_kv_batch(trainer, batch, metrics: dict):
         fields=batch.fields,
         extra_info=batch.extra_info,
     )
+
+
+def _filter_record(metric: str | None, keys: list[str], partition_id: str, equal: list[str]) -> dict:
+    """The audit's view of DAPO's filter at this seam: its metric, the groups it passed with all
+    rewards equal and, under another metric than reward, each row's metric value (read from
+    TransferQueue), so that ``dapo.account_step`` checks the filter's verdicts on what it filtered by."""
+    if metric is None:
+        return {}
+    out: dict = {"filter_metric": metric, "filter_passed_zero_variance": equal}
+    if metric != dapo.REWARD_METRIC:
+        import transfer_queue as tq
+
+        data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["extra_fields"])
+        out["filter_values"] = dapo.metric_values(list(data["extra_fields"]), metric)
+    return out
 
 
 def _check_single_output_sessions(keys: list[str]) -> None:

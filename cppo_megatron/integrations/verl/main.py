@@ -87,14 +87,11 @@ def _in_vllm_environment(config) -> None:
 
 
 def run(config, *, dry_run: bool = False):
-    """Prepare a composed veRL config for CPPO and run veRL's training entry on it."""
+    """Prepare a composed veRL config for CPPO, check it, and (unless ``dry_run``) ``launch`` it."""
     from omegaconf import OmegaConf
 
-    from .. import watchdog
     from . import load, preflight
-    from .checkpoint import resume_hint
-    from .cpu.phases import FirstStepWatcher, Phases, timed_ray_init
-    from .cpu.prepare import prepare_cpu_run
+    from .cpu.phases import Phases
     from .runconfig import prepare
 
     load()
@@ -105,19 +102,38 @@ def run(config, *, dry_run: bool = False):
     # model's (heads, layers, vocabulary, positions) as soon as the model directory exists
     plan = prepare(config)
     preflight.check(config)  # the model part only when its directory exists already
-    from .cpu.prepare import is_cpu_run
+    if dry_run:
+        print(_describe(plan))
+        print(OmegaConf.to_yaml(config))
+        return plan
+    launch(config, plan, phases)
+    return plan
 
-    if not dry_run and is_cpu_run(config):
+
+def _describe(plan) -> str:
+    return plan.describe() if plan is not None else "cppo: algorithm.adv_estimator is not cppo; plain veRL run"
+
+
+def launch(config, plan, phases) -> None:
+    """Everything after the checks that need nothing built: the re-run in the vLLM environment (which
+    may build it and replaces this process), the CPU mode's start model, data and environment, the
+    model's checks once it exists, then veRL's own ``main_ppo`` (Ray, workers, training). The one
+    boundary between checking a config and acting on it: a test of a refusal stubs it."""
+    from .. import watchdog
+    from . import load, preflight
+    from .checkpoint import resume_hint
+    from .cpu.phases import FirstStepWatcher, timed_ray_init
+    from .cpu.prepare import is_cpu_run, prepare_cpu_run
+
+    if is_cpu_run(config):
         _in_vllm_environment(config)  # after the config-only checks: an error stays in this process
-    cpu_run = None if dry_run else prepare_cpu_run(config, phases)
+    cpu_run = prepare_cpu_run(config, phases)
     if cpu_run is not None:
         print(cpu_run.describe())
         load()  # VERL_PLATFORM=cpu is set now: install the CPU mode in this process too
     preflight.check(config)
-    print(plan.describe() if plan is not None else "cppo: algorithm.adv_estimator is not cppo; plain veRL run")
-    if dry_run:
-        print(OmegaConf.to_yaml(config))
-        return plan
+    print(_describe(plan))
+    _remove_recorded_shm("a run before this one")  # its driver was killed before it could
     from verl.trainer.main_ppo import main as verl_main
 
     # a CPU run says how long Ray took to start and when the first step was logged
@@ -139,7 +155,17 @@ def run(config, *, dry_run: bool = False):
             watcher.stop()
         if dog is not None:
             dog.stop()
-    return plan
+        _remove_recorded_shm("this run")
+
+
+def _remove_recorded_shm(whose: str) -> None:
+    # vLLM's CPU communicator removes its segments only at a normal exit, which its killed workers never
+    # reach (integrations/vllm_shm.py): what the run's processes recorded is removed here
+    from ..vllm_shm import clean_registered
+
+    line = clean_registered(whose)
+    if line:
+        print(line, flush=True)
 
 
 # where a recipe file's defaults are found: this package's configs (cppo_trainer, the CPU

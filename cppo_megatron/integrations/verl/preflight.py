@@ -30,6 +30,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .layout import describe_dp, dp_size, megatron_layout_problem, ref_log_probs_on
+
 __all__ = ["PreflightError", "check", "check_config", "check_model", "model_config"]
 
 
@@ -69,15 +71,6 @@ def _model_parallel(config: Any, role: str) -> tuple[int, int, int]:
 
 def _world(config: Any) -> int:
     return max(_int(config, "trainer.nnodes", 1), 1) * max(_int(config, "trainer.n_gpus_per_node", 1), 1)
-
-
-def _dp_size(config: Any) -> int:
-    world = _world(config)
-    if "actor" in _megatron_roles(config):
-        tp, pp, cp = _model_parallel(config, "actor")
-        return max(world // (tp * pp * cp), 1)
-    sp = max(_int(config, "actor_rollout_ref.actor.ulysses_sequence_parallel_size", 1), 1)
-    return max(world // sp, 1)
 
 
 def _total_steps(config: Any) -> int | None:
@@ -152,33 +145,47 @@ def check_config(config: Any) -> list[str]:
                 f"ray_kwargs.ray_init.num_gpus={world}, or start a Ray cluster of {nodes} nodes and pass "
                 f"ray_kwargs.ray_init.address")
 
-    # micro-batches: rows per DP rank per mini-batch (update) and per step (log-prob passes)
+    # a Megatron actor and reference share one parallel state per process (layout.py)
+    shared = megatron_layout_problem(config)
+    if shared:
+        problems.append(shared)
+    # micro-batches: rows per DP rank of each pass's role, per mini-batch (update) and per step (log-prob passes)
     if not bool(_get(config, "actor_rollout_ref.actor.use_dynamic_bsz", False)) and not problems:
-        dp = _dp_size(config)
-        n = max(_int(config, "actor_rollout_ref.rollout.n", 1), 1)
-        mini = _int(config, "actor_rollout_ref.actor.ppo_mini_batch_size", 0) * n
-        step_rows = _rows_per_step(config)
-        checks = [("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", mini,
-                   "mini-batch (ppo_mini_batch_size x n)")]
-        for key in ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-                    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"):
-            checks.append((key, step_rows, "step (the rows entering the log-prob passes)"))
-        for key, rows, what in checks:
-            micro = _get(config, key, None)
-            if micro is None or int(micro) <= 0 or rows <= 0:
-                continue
-            micro = int(micro)
-            if rows % dp:
-                problems.append(f"{rows} rows per {what} do not split over the {dp} data-parallel ranks: make "
-                                f"actor_rollout_ref.actor.ppo_mini_batch_size x rollout.n a multiple of {dp}")
-                break
-            share = rows // dp
-            if share % micro:
-                good = math.gcd(share, micro)
-                problems.append(
-                    f"{key}={micro} does not divide the {share} rows each of the {dp} data-parallel ranks gets per "
-                    f"{what}; veRL asserts it in the worker (engine/utils.py:125): set {key}={good} (a divisor "
-                    f"of {share})")
+        problems.extend(_micro_batch_problems(config))
+    return problems
+
+
+def _micro_batch_problems(config: Any) -> list[str]:
+    """Each fixed micro-batch size against the rows one DP rank of its pass gets (``layout.dp_size``
+    of the role that runs the pass; the reference's key only when a reference engine runs it)."""
+    n = max(_int(config, "actor_rollout_ref.rollout.n", 1), 1)
+    mini = _int(config, "actor_rollout_ref.actor.ppo_mini_batch_size", 0) * n
+    step_rows = _rows_per_step(config)
+    step = "step (the rows entering the log-prob passes)"
+    checks = [("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor", mini,
+               "mini-batch (ppo_mini_batch_size x n)"),
+              ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "actor", step_rows, step)]
+    if ref_log_probs_on(config) == "ref":  # no KL: no reference pass; LoRA: the actor's engine and key
+        checks.append(("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "ref", step_rows, step))
+    problems: list[str] = []
+    for key, role, rows, what in checks:
+        micro = _get(config, key, None)
+        if micro is None or int(micro) <= 0 or rows <= 0:
+            continue
+        micro = int(micro)
+        try:
+            dp = dp_size(config, role)
+        except ValueError as exc:
+            return [str(exc)]
+        layout = f"the {dp} data-parallel ranks of the {role} ({describe_dp(config, role)})"
+        if rows % dp:
+            return [f"{rows} rows per {what} do not split over {layout}: make "
+                    f"actor_rollout_ref.actor.ppo_mini_batch_size x rollout.n a multiple of {dp}"]
+        share = rows // dp
+        if share % micro:
+            problems.append(
+                f"{key}={micro} does not divide the {share} rows each of {layout} gets per {what}; veRL asserts it "
+                f"in the worker (engine/utils.py:125): set {key}={math.gcd(share, micro)} (a divisor of {share})")
     return problems
 
 

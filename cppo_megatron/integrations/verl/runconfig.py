@@ -17,6 +17,7 @@ from typing import Any, cast
 
 from ...config import ESTIMATOR_NAME, FIELD_NAMES, SELECTIVE_PARAMETERS, CPPOConfig
 from .dapo import check_filter_groups, filter_groups_warnings
+from .layout import dp_size
 
 __all__ = [
     "ESTIMATOR",
@@ -339,7 +340,7 @@ def apply_allocation(config: Any) -> AllocationPlan:
 
 
 # per-GPU micro-batch sizes (sequences) that must divide the sequences a DP rank gets per pass,
-# and the role whose layout decides that rank's share
+# and the role whose pass they size (``layout.dp_size`` says over how many DP ranks that pass splits)
 MICRO_BATCH_KEYS = (
     ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor"),
     ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "actor"),
@@ -347,35 +348,11 @@ MICRO_BATCH_KEYS = (
 )
 
 
-def dp_size(config: Any, role: str = "actor") -> int:
-    """Data-parallel ranks of ``actor_rollout_ref.<role>``: the world (``trainer.n_gpus_per_node`` x
-    ``trainer.nnodes``) over the model-parallel group, TP x PP x CP on the Megatron engine (the
-    ``megatron`` keys) or Ulysses sequence parallel on FSDP. veRL splits a pass's rows over these
-    ranks, not over all GPUs. Errors name the sizes that do not divide the world."""
-    from omegaconf import OmegaConf
-
-    world = int(OmegaConf.select(config, "trainer.n_gpus_per_node", default=1) or 1) * int(
-        OmegaConf.select(config, "trainer.nnodes", default=1) or 1)
-    node = f"actor_rollout_ref.{role}"
-    strategy = str(OmegaConf.select(config, f"{node}.strategy", default="") or "")
-    if strategy == "megatron":
-        keys = [f"{node}.megatron.{k}_parallel_size" for k in ("tensor_model", "pipeline_model", "context")]
-    else:
-        keys = [f"{node}.ulysses_sequence_parallel_size"]
-    sizes = [int(OmegaConf.select(config, k, default=1) or 1) for k in keys]
-    group = math.prod(sizes)
-    if group <= 0 or world % group:
-        named = " x ".join(f"{k.rsplit('.', 1)[1]}={v}" for k, v in zip(keys, sizes, strict=True))
-        raise ValueError(f"{named} does not divide the {world} GPUs (trainer.n_gpus_per_node x trainer.nnodes) "
-                         f"of {node}; pick parallel sizes whose product divides the world")
-    return world // group
-
-
 def _shrink_micro_batches(config: Any, kept_rows: int, mini_rows: int) -> list[tuple[str, int, int]]:
     """allocation=false keeps only ``kept_rows`` sequences per step (``mini_rows`` per
     mini-batch): a micro-batch size set for the full batch may no longer divide a DP rank's
     share (veRL asserts it does). Shrink each fixed size to its gcd with the share of its role's
-    data-parallel rank (``dp_size``: under TP/PP the world is not the DP size); dynamic batch
+    data-parallel rank (``layout.dp_size``: under TP/PP/SP the world is not the DP size); dynamic batch
     sizes (token budgets) need nothing. Returns (key, before, after) for each change."""
     from omegaconf import OmegaConf
 

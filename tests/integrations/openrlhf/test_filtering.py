@@ -7,6 +7,7 @@ Only vLLM and Ray are stood in for: each request's G responses are fixed per pro
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -24,6 +25,10 @@ REWARDS = {
     "c": [1, 0, 0, 0], "z2": [0, 0, 0, 0], "d": [0, 0, 1, 0], "e": [1, 1, 0, 1],
 }  # fmt: skip
 ORDER = ["a", "z0", "b", "z1", "z2", "c", "d", "e"]  # the dataloader's draw order
+# prompts whose scores (the filter's metric) are not their rewards: "q" all rewards 0.5 but scores that vary
+# (passes with no reward signal), "h" rewards 0.5 with scores 0.5 (mean 0.5 is inside (0, 1): passes too)
+REWARDS.update({"q": [0.5] * 4, "h": [0.5] * 4})
+SCORES = {"q": [1, 0, 0, 1]}
 
 
 class _Ref:
@@ -40,8 +45,9 @@ def _responses(prompt: str, start_uid: int) -> list[dict]:
     out = []
     for j, r in enumerate(REWARDS[prompt]):
         tokens = [10, 11, 12] + [100 + start_uid + j] * (2 + j)
+        score = SCORES.get(prompt, REWARDS[prompt])[j]
         out.append({"observation_tokens": tokens, "action_ranges": [(3, len(tokens))], "reward": float(r),
-                    "scores": float(r), "rollout_log_probs": None, "prompt": prompt, "label": f"label-{prompt}",
+                    "scores": float(score), "rollout_log_probs": None, "prompt": prompt, "label": f"label-{prompt}",
                     "extra_logs": {"uid": start_uid + j}, "truncated": False})
     return out
 
@@ -163,20 +169,39 @@ def test_a_ledger_that_does_not_add_up_is_refused(make_rollout):
         filtering.account_step([ledger], num_samples=4, kept=2, target=1)
 
 
-def test_groups_the_filter_should_have_dropped_are_refused():
-    gids = torch.tensor([0, 0, 1, 1])
-    prompts = ["a", "a", "z", "z"]
-    filtering.check_passed_groups(torch.tensor([1.0, 0.0, 0.0, 1.0]), [1.0, 0.0, 0.0, 1.0], gids, prompts, (0, 1))
-    with pytest.raises(ValueError, match="group 1 \\('z'\\) passed --algo.dynamic_filtering_range 0 1 with every "
-                                         "reward = 0.5"):
-        filtering.check_passed_groups(torch.tensor([1.0, 0.0, 0.5, 0.5]), [1.0, 0.0, 0.5, 0.5], gids, prompts,
-                                      (0, 1))
-    with pytest.raises(ValueError, match="sample 2 \\('z'\\) has score 1.0 but reward 0.0.*return 'scores' equal"):
-        filtering.check_passed_groups(torch.tensor([1.0, 0.0, 0.0, 1.0]), [1.0, 0.0, 1.0, 1.0], gids, prompts,
-                                      (0, 1))
-    with pytest.raises(ValueError, match="sample 0 \\('a'\\) has no score"):
-        filtering.check_passed_groups(torch.tensor([1.0, 0.0, 0.0, 1.0]), [None, 0.0, 0.0, 1.0], gids, prompts,
-                                      (0, 1))
+def test_groups_that_pass_with_equal_rewards_are_counted_not_refused(generator, make_maker, tmp_path, monkeypatch):
+    """OpenRLHF filters on scores: "q" (scores vary, rewards all 0.5) and "h" (mean 0.5 inside (0, 1)) pass
+    with no reward signal. The step runs; the account, the metric and the audit record count them."""
+    monkeypatch.setenv(audit.ENV, str(tmp_path))
+    gen, args = generator(4, "--train.batch_size", "8", "--rollout.micro_batch_size", "1", "--algo.kl.init_coef",
+                          "0", order=["a", "q", "z0", "h", "b"])
+    samples, _, consumed, _ = gen.generate_samples(max_len=64)
+    (ledger,) = filtering.ledgers_of(samples)
+    assert [(g.prompt, g.passed, filtering.zero_variance(g)) for g in ledger.groups] == [
+        ("a", True, False), ("q", True, True), ("z0", False, True), ("h", True, True), ("b", True, False)]
+    maker = make_maker(args)
+    survivors = hook.prune_rollout_samples(maker, samples, CPPOConfig(pruning_rate=0.5, eps=1e-9))
+    assert len(survivors) == 4 * 2  # scope=group: k = 2 of each passed group, q and h (advantage 0) too
+    assert maker._cppo_last_metrics["cppo/filter_passed_zero_variance"] == 2.0
+    assert maker._cppo_last_metrics["cppo/zero_variance_groups"] == 2.0  # the core's count of the same groups
+    (pr,) = audit.read(tmp_path, "prune")
+    assert pr["account"]["passed_zero_variance"] == 2 and pr["account"]["passed"] == 4
+
+
+def test_the_account_checks_its_zero_variance_count():
+    ok = filtering.StepAccount(drawn=5, filtered=1, passed=4, group_size=4, kept=8, pruned=8, target=4,
+                               exhausted=False, passed_zero_variance=2)
+    assert ok.metrics()["cppo/filter_passed_zero_variance"] == 2.0
+    with pytest.raises(ValueError, match="5 zero-variance groups passed of only 4 passed"):
+        filtering.StepAccount(drawn=5, filtered=1, passed=4, group_size=4, kept=8, pruned=8, target=4,
+                              exhausted=False, passed_zero_variance=5)
+    with pytest.raises(ValueError, match="passed_zero_variance must be an integer >= 0, got -1"):
+        filtering.StepAccount(drawn=5, filtered=1, passed=4, group_size=4, kept=8, pruned=8, target=4,
+                              exhausted=False, passed_zero_variance=-1)
+    group = filtering.FilteredGroup(prompt="p", label=None, scores=(None, None, None), rewards=(None, 1.0, 1.0),
+                                    passed=True)
+    assert filtering.zero_variance(group)  # the known rewards are equal
+    assert not filtering.zero_variance(dataclasses.replace(group, rewards=(None, None, 1.0)))  # one known: no group
 
 
 def test_launcher_refuses_over_sampling_and_explains_the_filter(capsys):
@@ -188,7 +213,9 @@ def test_launcher_refuses_over_sampling_and_explains_the_filter(capsys):
     assert main(["--dry-run", *recipe]) == 0
     out = capsys.readouterr().out
     assert ("note: dynamic filtering: OpenRLHF draws 16 prompts per step, drops each group whose mean score is not "
-            "strictly inside (0, 1) and draws one new prompt for it until 16 groups pass; then CPPO prunes them") in out
+            "strictly inside (0, 1) and draws one new prompt for it until 16 groups pass; then CPPO prunes them. A "
+            "group that passes with all rewards equal") in out
+    assert "counted as cppo/filter_passed_zero_variance" in out
     assert main(["--dry-run", *recipe, "--rollout.vllm_generate_batch_size", "4", "--train.async_enable"]) == 2
     err = capsys.readouterr().err
     assert "--rollout.vllm_generate_batch_size 4 with --algo.dynamic_filtering_enable under CPPO" in err

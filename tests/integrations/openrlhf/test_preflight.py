@@ -72,10 +72,27 @@ def _cli(tmp_path, venv, *argv):
 
 @pytest.mark.skipif(all(__import__("importlib").util.find_spec(m) for m in ("vllm", "deepspeed")),
                     reason="this environment has vLLM and DeepSpeed: it trains itself")
-def test_without_vllm_one_line_names_the_command_that_builds_the_environment(tmp_path):
-    out = _cli(tmp_path, tmp_path / "no-such-venv", TINY, "--cppo.pruning_rate", "0.75")
-    lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+def test_without_vllm_one_line_names_the_command_that_builds_the_environment(tmp_path, monkeypatch, capsys,
+                                                                               gpu_only_stubs):
+    """In-process, the launch stubbed (tests/launch_guard.py: OpenRLHF's train_ppo_ray and the CPU recipe's
+    start model): a check that let the run through fails the test instead of building or training. The
+    package's placeholders for the GPU-only modules (conftest.py) are lifted for the test: the check sees
+    this environment as a user's command does."""
+    from cppo_megatron import cli
+
+    from ...launch_guard import forbid
+
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if type(f).__name__ != "_GPUOnlyFinder"])
+    for name in list(sys.modules):
+        if name.split(".")[0] in gpu_only_stubs:
+            monkeypatch.delitem(sys.modules, name)
+    forbid(monkeypatch, "openrlhf")
+    monkeypatch.setenv("CPPO_VLLM_VENV", str(tmp_path / "no-such-venv"))
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["openrlhf", str(TINY), "--cppo.pruning_rate", "0.75"])
+    stderr = capsys.readouterr().err
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2 and "Traceback" not in stderr, stderr
     assert len(lines) == 1, lines
     assert lines[0].startswith("cppo-megatron openrlhf: error: OpenRLHF's training loop needs"), lines
     assert (f"run `bash scripts/setup_vllm.sh && .venv-vllm/bin/cppo-megatron openrlhf {TINY} --cppo.pruning_rate "

@@ -444,6 +444,8 @@ def test_dapo_filter_then_cppo_accounts_for_every_prompt_and_completion(dapo_run
             assert set(pr["selected"]) <= set(pr["survivors"]) and sorted(trained) == sorted(pr["survivors"])
         m = metrics[pr["step"] + 1]
         assert m["cppo/filter_prompts_drawn"] == acc["drawn"] and m["cppo/filter_groups_filtered"] == acc["filtered"]
+        # scores = rewards in 0/1 with the range 0 1: no group passes with equal rewards, and the count says so
+        assert acc["passed_zero_variance"] == 0 == m["cppo/filter_passed_zero_variance"]
         # OpenRLHF's own pass rate is samples / prompts x 100: G times ours (groups / prompts)
         assert m["dynamic_filtering_pass_rate"] == pytest.approx(m["cppo/filter_pass_rate"] * G * 100)
     # the data set holds exactly 2 steps' worth of passable prompts; a passable group whose G draws all

@@ -53,3 +53,20 @@ def config(base_config):
     import copy
 
     return copy.deepcopy(base_config)
+
+
+@pytest.fixture(scope="module")
+def shm_registry(tmp_path_factory):
+    """A module's CPU runs record in one registry what vLLM and veRL's sync make in /dev/shm and /tmp
+    (integrations/vllm_shm.py; every run's launcher removes its own at its end); at the module's end
+    nothing recorded may be left (``ls /dev/shm`` of our runs: empty). Other jobs' segments on a shared
+    machine are not ours and are not looked at."""
+    from cppo_megatron.integrations import vllm_shm
+
+    registry = tmp_path_factory.mktemp("shm") / "registry.txt"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(vllm_shm.REGISTRY_ENV, str(registry))
+        yield registry
+    left = vllm_shm.left(registry)
+    print(f"shm registry: {len(vllm_shm.recorded(registry))} names recorded by this module's runs, left {left}")
+    assert left == [], f"our runs left {left} (recorded in {registry})"

@@ -33,6 +33,7 @@ import math
 import os
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -40,7 +41,7 @@ import torch
 
 from .conftest import ROOT
 
-pytestmark = pytest.mark.verl
+pytestmark = [pytest.mark.verl, pytest.mark.usefixtures("shm_registry")]  # nothing of ours left in /dev/shm
 
 G, PROMPTS, P = 8, 4, 0.75  # 4 prompts x G=8; CPPO keeps 2 of 8 and allocates 16 prompts
 STEPS = 2
@@ -270,9 +271,18 @@ def v1_cppo(tiny_model, tmp_path_factory):
 
 
 @needs_vllm
-def test_v1_cppo_on_vllm_trains_the_core_survivors_and_serves_the_actors_weights(v1_cppo):
+def test_v1_cppo_on_vllm_trains_the_core_survivors_and_serves_the_actors_weights(v1_cppo, shm_registry):
+    from cppo_megatron.integrations import vllm_shm
+
     check_run(v1_cppo, pruning_rate=P, loop="v1", syncs=check_vllm_syncs)
     assert check_rollout_logprobs(v1_cppo) == [1, 2]
+    # what the run made outside its directory was recorded (vLLM TP 1: its FileStore and its message queues'
+    # segments; veRL's weight buckets) and removed by the launcher at its end
+    recorded = vllm_shm.recorded(shm_registry)
+    assert any(kind == "file" and Path(name).name.startswith("vllm_dist_") for kind, name in recorded), recorded
+    assert any(kind == "shm" and name.startswith("psm_") for kind, name in recorded), recorded
+    assert any(kind == "shm" and name.startswith("verl_weights_") for kind, name in recorded), recorded
+    assert vllm_shm.left(shm_registry) == []
 
 
 # --------------------------------------------------------------------------------- a dead worker, resume
@@ -383,11 +393,14 @@ def test_colocate_async_cppo_on_vllm(tiny_model, tmp_path_factory):
 
 # --------------------------------------------------------------------------------- DAPO, then CPPO (V1)
 # recipes/verl/tiny_cpu_dapo_cppo.yaml at test size on the hf stand-in (what is checked, prompts drawn,
-# filtered, discarded and pruned, does not depend on the engine); its reward (dapo_reward.py) makes
-# even dataset rows zero-variance groups and odd rows varied ones, so the verdict of veRL's filter is known
+# filtered, discarded and pruned, does not depend on the engine), filtering on acc as veRL's DAPO scripts
+# do; its reward (dapo_reward.py) makes even dataset rows groups of equal acc and equal rewards (dropped),
+# rows 1 mod 4 equal rewards with varied acc (passed without a reward signal, counted) and rows 3 mod 4
+# varied in both, so the verdict of veRL's filter is known
 DAPO_REWARD = ROOT / "tests" / "integrations" / "verl" / "dapo_reward.py"
 V1_DAPO = ("tiny_cpu_dapo_cppo.yaml", f"cppo.pruning_rate={P}", *HF,
-           f"reward.custom_reward_function.path={DAPO_REWARD}")
+           f"reward.custom_reward_function.path={DAPO_REWARD}", "algorithm.filter_groups.metric=acc",
+           "+reward.custom_reward_function.reward_kwargs.equal_scores_every_4th=true")
 
 
 @pytest.fixture(scope="module")
@@ -408,31 +421,43 @@ def test_v1_dapo_filters_first_then_cppo_prunes_and_every_prompt_drawn_is_accoun
     for step in range(1, STEPS + 1):
         acc = account_step(records, step, G)
         print(f"step {step}: drawn {len(acc.drawn)} prompts ({acc.completions_generated} completions): filtered "
-              f"{len(acc.filtered)}, surplus {len(acc.surplus)}, passed {len(acc.passed)}; kept {acc.kept}, "
-              f"pruned {acc.pruned}; gen {run['metrics'][step]['timing_s/gen']:.1f} s")
-        # drawn = filtered + surplus + passed, nothing carried, each group's G completions end somewhere
-        assert acc.problems() == [], acc.problems()
+              f"{len(acc.filtered)}, surplus {len(acc.surplus)}, passed {len(acc.passed)} ({len(acc.zero_variance_passed)} "
+              f"with equal rewards); kept {acc.kept}, pruned {acc.pruned}; gen {run['metrics'][step]['timing_s/gen']:.1f} s")
+        # drawn = filtered + surplus + passed, nothing carried, each group's G completions end somewhere, and the
+        # filter's verdicts hold on the acc values recorded (dropped: acc equal; passed and surplus: acc varied)
+        assert acc.metric == "acc" and acc.problems() == [], acc.problems()
         assert len(acc.drawn) > allocated and acc.filtered, (step, len(acc.drawn), acc.filtered)  # it refilled
         assert len(acc.passed) == allocated and acc.kept == PROMPTS * G  # the recipe's counts
-        # identities: the filter dropped exactly the even (constant-reward) rows, passed only odd ones
+        # identities: the filter dropped exactly the even (constant-acc) rows, passed only odd ones
         assert all(row_of[u] % 2 == 0 for u in acc.filtered), step
         assert all(row_of[u] % 2 == 1 for u in acc.passed), step
         assert all(row_of[u] % 2 == 1 for u in acc.surplus), step  # surplus: varied groups over the batch
-        # every survivor the update trained comes from a group whose recorded rewards vary
+        # the groups that passed with all rewards equal are exactly the passed rows 1 mod 4: named in the prune
+        # record, counted in the metrics, and (cppo.scope=group) k of each trained with advantage 0
+        equal = [u for u in acc.passed if row_of[u] % 4 == 1]
         (pr,), (up,) = prunes[step], updates[step]
+        assert equal and list(acc.zero_variance_passed) == equal == pr["filter_passed_zero_variance"], step
+        m = run["metrics"][step]
+        assert m["cppo/filter_passed_zero_variance"] == len(equal) == m["cppo/zero_variance_groups"], step
         rewards = defaultdict(list)
         for uid, reward in zip(pr["uids"], pr["rewards"], strict=True):
             rewards[uid].append(reward)
-        assert up["uids"] and all(np.std(rewards[u]) > 0 for u in up["uids"]), step
-        assert all(np.std(v) == 0 for v in acc_filtered_rewards(records, step).values())
-        m = run["metrics"][step]  # veRL's own counts agree
+        assert all(np.std(rewards[u]) == 0 for u in equal) and all(np.std(rewards[u]) > 0 for u in acc.passed
+                                                                     if u not in equal)
+        trained = defaultdict(list)
+        for uid, adv in zip(up["uids"], up["advantages"], strict=True):
+            trained[uid].append(adv)
+        assert all(len(trained[u]) == keep and max(map(abs, trained[u])) == 0 for u in equal), step
+        assert all(np.std(v) == 0 for v in acc_filtered_values(records, step).values())
+        # veRL's own counts agree
         assert m.get("training/filter_groups/evicted_samples", 0) == len(acc.filtered), step
         assert m.get("training/filter_groups/discarded_surplus_samples", 0) == len(acc.surplus), step
 
 
-def acc_filtered_rewards(records, step):
-    """{uid: rewards} of the groups veRL's filter dropped at ``step`` (the ``evict`` records)."""
-    return {u: v for r in records if r["kind"] == "evict" and r["step"] == step for u, v in r["filtered"].items()}
+def acc_filtered_values(records, step):
+    """{uid: filter metric values} of the groups veRL's filter dropped at ``step`` (the ``evict`` records)."""
+    return {u: v for r in records if r["kind"] == "evict" and r["step"] == step
+            for u, v in (r.get("filter_values") or r["filtered"]).items()}
 
 
 # --------------------------------------------------------------------------------- selective rollout, then CPPO (V1)

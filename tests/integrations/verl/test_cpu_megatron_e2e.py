@@ -38,7 +38,7 @@ from .test_cpu_e2e import (
     run_verl,
 )
 
-pytestmark = pytest.mark.verl
+pytestmark = [pytest.mark.verl, pytest.mark.usefixtures("shm_registry")]  # nothing of ours left in /dev/shm
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (extra: megatron)")
 # the recipe's route (vanilla_mbridge: true); the Megatron-Bridge environment runs its own module,
 # test_cpu_megatron_bridge.py, with these checks
@@ -159,12 +159,19 @@ def check_syncs(run, model_dir):
 
 @needs_mbridge
 @needs_vllm
-def test_v1_cppo_megatron_tp2_dp2_on_vllm_tp4_trains_the_core_survivors(v1_cppo, tiny_model):
+def test_v1_cppo_megatron_tp2_dp2_on_vllm_tp4_trains_the_core_survivors(v1_cppo, tiny_model, shm_registry):
+    from cppo_megatron.integrations import vllm_shm
+
     check_rows_and_advantages(v1_cppo, pruning_rate=P, loop="v1")
     check_dp_loads(v1_cppo)
     # the start model's tensors first, then each update's: every TP rank of vLLM serves its shard of them
     check_vllm_syncs(v1_cppo["audit"], workers=VLLM_WORKERS, start_sums=start_model_sums(tiny_model))
     assert check_rollout_logprobs(v1_cppo, tolerance=PROBS_DIFF_MAX) == [1, 2]
+    # vLLM TP 4's CPU communicator made one segment per rank (vLLM leaves them when its workers are killed):
+    # recorded as made, removed by the launcher at the run's end
+    cpushm = [name for kind, name in vllm_shm.recorded(shm_registry) if kind == "shm" and "-cpushm_" in name]
+    assert len(cpushm) >= VLLM_WORKERS and {n.rsplit("_", 1)[1] for n in cpushm} == {str(r) for r in range(4)}
+    assert vllm_shm.left(shm_registry) == []
 
 
 # CI time: the legacy loop's plain GRPO on Megatron (padded attention, also checked at engine level in

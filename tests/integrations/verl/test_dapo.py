@@ -4,14 +4,16 @@ every prompt drawn, driven through veRL's real sync ReplayBuffer and trainer met
 The in-process steps use veRL's own ``ReplayBuffer.sample`` (filter, 2-credit refill, drain,
 surplus discard), ``PPOTrainer._build_replay_buffer`` / ``_submit_batch_to_rollout`` /
 ``_add_prompts_to_generate`` and the plugin's V1 ``prune_kv_batch``, over an in-memory stand-in of
-TransferQueue's four calls and a rollout that "generates" G completions per prompt at once (even
-dataset rows: equal rewards; odd rows: varied), with the audit recorders of ``dapo.py`` wrapped in.
+TransferQueue's four calls and a rollout that "generates" G completions per prompt at once (by
+dataset row mod 4: 0 equal rewards and equal acc; 1 equal rewards, varied acc; 2 varied rewards,
+equal acc; 3 both varied), with the audit recorders of ``dapo.py`` wrapped in, under ``metric=reward``
+and ``metric=acc`` (veRL's DAPO scripts' choice: a reward_extra_info field).
 """
 
 from __future__ import annotations
 
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import numpy as np
 import pytest
@@ -41,8 +43,10 @@ def dapo(config, **keys):
          "trainer.use_v1=true (its sync replay buffer filters and refills) or algorithm.filter_groups.enable=false"),
         ("trainer.v1.trainer_mode", "colocate_async", "trainer.v1.trainer_mode=colocate_async: the asynchronous "),
         ("trainer.v1.trainer_mode", "separate_async", "set trainer.v1.trainer_mode=sync"),
-        ("algorithm.filter_groups.metric", "acc",
-         "algorithm.filter_groups.metric=acc with cppo: only metric=reward is allowed, veRL's canonical reward"),
+        ("algorithm.filter_groups.metric", None,
+         "algorithm.filter_groups.enable=True without algorithm.filter_groups.metric: veRL stops in the TaskRunner "
+         "(trainer_base.py:196); set algorithm.filter_groups.metric=reward"),
+        ("algorithm.filter_groups.metric", "", "without algorithm.filter_groups.metric"),
         ("trainer.v1.sampler.custom_sampler", {"path": "my.py", "name": "Mine"},
          "trainer.v1.sampler.custom_sampler.name=Mine: veRL hands algorithm.filter_groups to its built-in"),
         ("reward.reward_model.enable", True,
@@ -64,6 +68,20 @@ def test_the_filter_off_is_never_refused_and_on_v1_sync_it_passes(config):
         check_filter_groups(3)
     OmegaConf.update(dapo(config), "trainer.use_v1", True)
     check_compatible(config)
+
+
+@pytest.mark.parametrize("metric", ["reward", "acc", "score", "seq_reward"])
+def test_every_metric_veRL_accepts_passes_and_is_the_one_veRL_filters_on(config, metric):
+    """veRL takes any non-empty name (trainer_base.py:194-196): ``reward`` reads rm_scores, another
+    name a reward_extra_info field (replay_buffer.py:278-302); the plugin passes each through."""
+    from cppo_megatron.integrations.verl.dapo import filter_metric
+
+    assert filter_metric(config) is None  # the filter off
+    OmegaConf.update(dapo(config), "algorithm.filter_groups.metric", metric, force_add=True)
+    check_compatible(config)
+    prepare(config)
+    assert filter_metric(config) == metric
+    assert Trainer(config, {}).buffer.filter_groups_metric == metric
 
 
 def test_max_num_gen_batches_warns_that_veRL_ignores_it(config):
@@ -115,9 +133,18 @@ class FakeTQ:
             self.data[partition_id].pop(key, None)
 
 
+def reward_of(index: int, s: int) -> tuple[float, float]:
+    """(score, acc) of completion ``s`` of dataset row ``index``, by the row mod 4: 0 both equal; 1 score
+    equal, acc varied (acc's filter passes a group without reward signal); 2 score varied, acc equal
+    (acc's filter drops a group with a reward signal); 3 both varied."""
+    score = 0.5 if index % 4 in (0, 1) else (s + 1) / G
+    acc = 0.0 if index % 4 in (0, 2) else float(s % 2)
+    return score, acc
+
+
 class Rollout:
-    """Generates G completions per prompt at once: even dataset rows all score 0.5 (zero variance),
-    odd rows score (s + 1) / G for completion s (varied)."""
+    """Generates G completions per prompt at once, scored by ``reward_of``: ``rm_scores`` holds the
+    score, ``extra_fields.reward_extra_info`` the score and acc (what veRL's reward loop stores)."""
 
     def __init__(self, tq, trainer):
         self.tq, self.trainer = tq, trainer
@@ -126,10 +153,10 @@ class Rollout:
         for uid, index in zip(batch["uid"], batch["index"], strict=True):
             for s in range(G):
                 key = f"{uid}_{s}_0"
-                reward = 0.5 if index % 2 == 0 else (s + 1) / G
+                score, acc = reward_of(int(index), s)
                 self.tq.tags["train"][key] = {"global_steps": self.trainer.global_steps}
-                self.tq.data["train"][key] = {"uid": uid, "index": index,
-                                              "rm_scores": torch.tensor([0.0, reward])}
+                self.tq.data["train"][key] = {"uid": uid, "index": index, "rm_scores": torch.tensor([0.0, score]),
+                                              "extra_fields": {"reward_extra_info": {"score": score, "acc": acc}}}
             self.tq.tags["train"][uid]["status"] = "finished"
 
 
@@ -157,10 +184,10 @@ class Trainer:
                                   "index": np.array([next(self._rows) for _ in range(n)], dtype=object)})
 
 
-@pytest.fixture
-def dapo_steps(config, tmp_path, monkeypatch):
-    """Two sync steps of DAPO then CPPO (P = 0.75, 16 prompts allocated), audited; returns
-    (records, {step: prune metrics})."""
+@pytest.fixture(params=["reward", "acc"])
+def dapo_steps(request, config, tmp_path, monkeypatch):
+    """Two sync steps of DAPO then CPPO (P = 0.75, 16 prompts allocated) filtering on ``metric``,
+    audited; returns (metric, records, {step: prune metrics})."""
     import transfer_queue
 
     from cppo_megatron.integrations.verl import audit
@@ -172,7 +199,7 @@ def dapo_steps(config, tmp_path, monkeypatch):
     for name in ("kv_list", "kv_batch_put", "kv_batch_get", "kv_clear"):
         monkeypatch.setattr(transfer_queue, name, getattr(tq, name))
     monkeypatch.setenv(audit.ENV, str(tmp_path))
-    prepare(dapo(config))
+    prepare(dapo(config, algorithm__filter_groups__metric=request.param))
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
     from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
@@ -191,24 +218,41 @@ def dapo_steps(config, tmp_path, monkeypatch):
             kept = prune_kv_batch(trainer, batch, metrics[step])
             tq.kv_clear(keys=kept.keys, partition_id="train")  # fit's step-end cleanup
         assert tq.tags["train"] == {}  # the sync buffer carries nothing into the next step
-    return audit.read(tmp_path), metrics
+    return request.param, audit.read(tmp_path), metrics
 
 
 def test_every_prompt_drawn_is_filtered_discarded_or_passed_to_cppo(dapo_steps):
-    records, metrics = dapo_steps
+    metric, records, metrics = dapo_steps
     row_of = {u: i for r in records if r["kind"] == "draw" for u, i in zip(r["uids"], r["prompts"], strict=True)}
+    # the filter's verdict by dataset row mod 4: under reward rows 2 and 3 vary, under acc rows 1 and 3
+    passing = {2, 3} if metric == "reward" else {1, 3}
     for step in (1, 2):
         acc = account_step(records, step, G)
         assert acc.problems() == [], acc.problems()
+        assert acc.metric == metric
         assert len(acc.drawn) == len(acc.filtered) + len(acc.surplus) + len(acc.passed) and not acc.carried
         assert acc.filtered and len(acc.passed) == 16 and acc.kept == 32 and acc.pruned == 16 * G - 32
         assert acc.completions_generated == G * len(acc.drawn)
-        assert sorted(row_of[u] % 2 for u in acc.filtered) == [0] * len(acc.filtered)  # the equal-reward rows
-        assert sorted(row_of[u] % 2 for u in acc.passed + acc.surplus) == [1] * (len(acc.passed) + len(acc.surplus))
+        assert {row_of[u] % 4 for u in acc.filtered} == {0, 1, 2, 3} - passing
+        assert {row_of[u] % 4 for u in acc.passed + acc.surplus} == passing
+        # groups that passed with all rewards equal: none under reward, exactly the rows 1 mod 4 under acc,
+        # counted by the hook and named in the prune record
+        equal = tuple(u for u in acc.passed if row_of[u] % 4 == 1)
+        assert acc.zero_variance_passed == equal and (metric == "reward") is (equal == ())
+        (pr,) = [r for r in records if r["kind"] == "prune" and r["step"] == step]
+        assert pr["filter_metric"] == metric and pr["filter_passed_zero_variance"] == list(equal)
+        assert metrics[step]["cppo/filter_passed_zero_variance"] == len(equal)
+        assert metrics[step]["cppo/zero_variance_groups"] == len(equal)  # the core's count agrees
+        # cppo.scope=group (the default) keeps k = 2 of every group, these too (advantage 0: no policy-gradient
+        # signal); scope=batch prunes them first (tests/core/test_selection.py::test_zero_variance_groups_are_...)
+        kept_per_uid = Counter(pr["uids"][i] for i in pr["kept"])
+        assert all(kept_per_uid[u] == 2 for u in acc.passed), kept_per_uid
         # veRL's own counters say the same
         assert metrics[step]["training/filter_groups/evicted_samples"] == len(acc.filtered)
         assert metrics[step].get("training/filter_groups/discarded_surplus_samples", 0) == len(acc.surplus)
-        assert metrics[step]["cppo/num_kept"] == 32 and metrics[step]["cppo/zero_variance_groups"] == 0
+        assert metrics[step]["cppo/num_kept"] == 32
+    if metric == "acc":  # both steps passed some: the case the count exists for
+        assert all(metrics[s]["cppo/filter_passed_zero_variance"] > 0 for s in (1, 2)), metrics
 
 
 # ------------------------------------------------------------------------------- the arithmetic
@@ -253,6 +297,36 @@ def test_the_accounting_names_what_does_not_add_up():
     assert account_step(recs, 1, 2).kept == 1
 
 
+def records_of_an_acc_step():
+    """``records_of_a_step`` filtered on acc: a (acc equal, rewards varied) filtered; c passed with
+    equal rewards but varied acc; e discarded as surplus with equal rewards."""
+    recs = records_of_a_step()
+    recs[2] = {**recs[2], "filtered": {"a": [1.0, 0.0], "b": [0.0, 0.0]}, "metric": "acc",
+               "filter_values": {"a": [1.0, 1.0], "b": [0.0, 0.0]}}
+    recs[4] = {**recs[4], "rewards": {"e": [1.0, 1.0]}, "filter_values": {"e": [0.0, 1.0]}}
+    recs[5] = {**recs[5], "rewards": [0.5, 0.5, 0.5, 0.0], "filter_metric": "acc",
+               "filter_values": [0.0, 1.0, 1.0, 0.0]}
+    return recs
+
+
+def test_under_another_metric_equal_rewards_that_passed_are_counted_and_its_verdicts_checked():
+    acc = account_step(records_of_an_acc_step(), 1, 2)
+    assert acc.metric == "acc" and acc.problems() == []
+    assert (acc.zero_variance_passed, acc.zero_variance_surplus, acc.varied_filtered) == (("c",), ("e",), ())
+    recs = records_of_an_acc_step()
+    recs[5] = {**recs[5], "filter_values": [1.0, 1.0, 1.0, 0.0]}  # c passed with acc equal: the filter erred
+    assert account_step(recs, 1, 2).problems() == ["step 1: constant_passed ['c']"]
+    recs = records_of_an_acc_step()
+    recs[4] = {**recs[4], "filter_values": {"e": [1.0, 1.0]}}  # the surplus too
+    assert account_step(recs, 1, 2).problems() == ["step 1: constant_passed ['e']"]
+    recs = records_of_an_acc_step()
+    recs[2] = {**recs[2], "filter_values": {"a": [1.0, 0.0], "b": [0.0, 0.0]}}  # a dropped with acc varied
+    assert account_step(recs, 1, 2).problems() == ["step 1: varied_filtered ['a']"]
+    recs = records_of_an_acc_step()
+    recs[5] = {**recs[5], "filter_values": [None, 1.0, 1.0, 0.0]}  # a value missing: c no longer shows a spread
+    assert account_step(recs, 1, 2).problems() == ["step 1: constant_passed ['c']"]
+
+
 @pytest.mark.parametrize("step,group_size,match", [(0, 2, "step must be a positive int, got 0"),
                                                    (1, 0, "group_size must be a positive int, got 0"),
                                                    (2, 2, "step 2 has 0 prune records, expected 1")])
@@ -261,18 +335,44 @@ def test_account_step_names_bad_input(step, group_size, match):
         account_step(records_of_a_step(), step, group_size)
 
 
-def test_rewards_that_cannot_be_read_are_recorded_empty_not_raised(monkeypatch):
+@pytest.mark.parametrize("metric", ["reward", "acc"])
+def test_rewards_that_cannot_be_read_are_recorded_empty_not_raised(monkeypatch, metric):
     """The audit must not stop a run: a TransferQueue read that fails leaves the group's rewards
-    empty, which ``account_step`` then reports as completions not accounted for."""
+    (and filter values) empty, which ``account_step`` then reports as completions not accounted for."""
     from types import SimpleNamespace
 
     import transfer_queue
 
-    from cppo_megatron.integrations.verl.dapo import _group_rewards
+    from cppo_megatron.integrations.verl.dapo import _group_reads
 
     def fail(**kwargs):
         raise RuntimeError("storage unit gone")
 
     monkeypatch.setattr(transfer_queue, "kv_batch_get", fail)
-    buffer = SimpleNamespace(partitions={"train": {"u1_0_0": {}, "u1_1_0": {}, "u2_0_0": {}}})
-    assert _group_rewards(buffer, "train", {"u1", "u3"}) == {"u1": [], "u3": []}
+    buffer = SimpleNamespace(partitions={"train": {"u1_0_0": {}, "u1_1_0": {}, "u2_0_0": {}}},
+                             filter_groups_metric=metric)
+    rewards, values = _group_reads(buffer, "train", {"u1", "u3"})
+    assert rewards == {"u1": [], "u3": []}
+    assert values == (None if metric == "reward" else {"u1": [], "u3": []})
+    assert _group_reads(buffer, "train", {"u3"}) == ({"u3": []}, None if metric == "reward" else {"u3": []})
+
+
+def test_metric_values_read_reward_extra_info_as_veRL_does():
+    from types import SimpleNamespace
+
+    from cppo_megatron.integrations.verl.dapo import metric_values
+
+    rows = [{"reward_extra_info": {"acc": 1}}, SimpleNamespace(data={"reward_extra_info": {"acc": 0.5}}),
+            {"reward_extra_info": {"score": 1.0}}, "not a dict", {"reward_extra_info": None}]
+    assert metric_values(rows, "acc") == [1.0, 0.5, None, None, None]
+    with pytest.raises(ValueError, match="metric must be a reward_extra_info field name, got ''"):
+        metric_values(rows, "")
+
+
+def test_equal_reward_groups_names_the_groups_without_a_signal():
+    from cppo_megatron.integrations.verl.dapo import equal_reward_groups
+
+    uids = ["a", "b", "a", "b", "c", "d", "d"]
+    assert equal_reward_groups(uids, [1.0, 0.0, 1.0, 0.5, 0.3, 0.2, 0.2]) == ["a", "d"]  # c: a group of one
+    with pytest.raises(ValueError, match="2 uids for 1 rewards"):
+        equal_reward_groups(["a", "b"], [1.0])

@@ -86,7 +86,7 @@ def megatron_config(plugin):
 def test_no_allocation_sizes_micro_batches_by_the_dp_share_under_tp(megatron_config):
     import copy
 
-    from cppo_megatron.integrations.verl.runconfig import dp_size
+    from cppo_megatron.integrations.verl.layout import dp_size
 
     config = copy.deepcopy(megatron_config)
     assert (dp_size(config, "actor"), dp_size(config, "ref")) == (2, 2)  # 4 GPUs / TP 2 (the ref follows the actor)
@@ -100,26 +100,75 @@ def test_no_allocation_sizes_micro_batches_by_the_dp_share_under_tp(megatron_con
     assert plan.micro_batches == (("ref.log_prob_micro_batch_size_per_gpu", 6, 3),)
 
 
-def test_dp_size_pp_cp_and_ulysses(megatron_config, config):
+def _with(config, **keys):
     import copy
 
-    from cppo_megatron.integrations.verl.runconfig import dp_size
+    out = copy.deepcopy(config)
+    for key, value in keys.items():
+        OmegaConf.update(out, key.replace("__", "."), value, force_add=True, merge=False)
+    return out
 
-    mega = copy.deepcopy(megatron_config)
-    with open_dict(mega):
-        mega.trainer.n_gpus_per_node, mega.trainer.nnodes = 8, 2
-        mega.actor_rollout_ref.actor.megatron.pipeline_model_parallel_size = 2
-        mega.actor_rollout_ref.actor.megatron.context_parallel_size = 2
-        mega.actor_rollout_ref.ref.megatron.tensor_model_parallel_size = 4  # the ref's own layout: TP 4 x PP 2 x CP 2
+
+def test_dp_size_pp_cp_and_ulysses(megatron_config, config):
+    from cppo_megatron.integrations.verl.layout import describe_dp, dp_size
+
+    mega = _with(megatron_config, trainer__n_gpus_per_node=8, trainer__nnodes=2,
+                 actor_rollout_ref__actor__megatron__pipeline_model_parallel_size=2,
+                 actor_rollout_ref__actor__megatron__context_parallel_size=2,
+                 actor_rollout_ref__ref__megatron__tensor_model_parallel_size=4)  # the ref's own: TP 4 x PP 2 x CP 2
+    # no KL term: veRL builds no reference engine, so the actor's layout is its own
     assert dp_size(mega, "actor") == 2 and dp_size(mega, "ref") == 1  # 16 / (2 x 2 x 2); 16 / (4 x 2 x 2)
-    with open_dict(config):
-        config.trainer.n_gpus_per_node = 4
-        config.actor_rollout_ref.actor.ulysses_sequence_parallel_size = 2
-    assert dp_size(config, "actor") == 2
-    with open_dict(mega):
-        mega.actor_rollout_ref.actor.megatron.tensor_model_parallel_size = 3
-    with pytest.raises(ValueError, match="tensor_model_parallel_size=3 x pipeline_model_parallel_size=2"):
-        dp_size(mega, "actor")
+    assert describe_dp(mega, "actor") == "Megatron, 16 ranks / TP 2 x PP 2 x CP 2"
+    fsdp = _with(config, trainer__n_gpus_per_node=4, actor_rollout_ref__actor__ulysses_sequence_parallel_size=2)
+    assert dp_size(fsdp, "actor") == 2 and describe_dp(fsdp, "actor") == "FSDP, 4 ranks / Ulysses SP 2"
+    assert dp_size(_with(mega, actor_rollout_ref__actor__megatron__dynamic_context_parallel=True), "actor") == 1
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=3 x actor_rollout_ref.actor.megatron."
+                                         "pipeline_model_parallel_size=2"):
+        dp_size(_with(mega, actor_rollout_ref__actor__megatron__tensor_model_parallel_size=3), "actor")
+    with pytest.raises(ValueError, match="fsdp_config.ulysses_sequence_parallel_size=3 does not divide the 4 GPUs"):
+        dp_size(_with(config, trainer__n_gpus_per_node=4,
+                      actor_rollout_ref__ref__fsdp_config__ulysses_sequence_parallel_size=3), "ref")
+    # the deprecated top-level key, when above 1, replaces the fsdp_config one (workers/config/actor.py:328)
+    assert dp_size(_with(fsdp, actor_rollout_ref__ref__fsdp_config__ulysses_sequence_parallel_size=3), "ref") == 2
+    with pytest.raises(ValueError, match="role must be one of \\('actor', 'ref'\\), got 'critic'"):
+        dp_size(fsdp, "critic")
+
+
+def test_dp_size_follows_the_engine_each_role_runs_on(megatron_config, config):
+    """The actor's and the reference's DP share as veRL 0.9.1 builds their engines (layout.py): FSDP per
+    engine (the reference follows the actor's top-level SP, not its fsdp_config one), LoRA's reference on
+    the actor's engine, and Megatron's one parallel state per process, first initialized by the reference
+    (the fused worker) or by the actor (separate_async without the hybrid engine)."""
+    from cppo_megatron.integrations.verl.layout import describe_dp, dp_size, megatron_layout_problem
+
+    kl = {"actor_rollout_ref__actor__use_kl_loss": True}
+    fsdp = _with(config, trainer__n_gpus_per_node=4, **kl)
+    assert (dp_size(fsdp, "actor"), dp_size(fsdp, "ref")) == (4, 4)
+    own = _with(fsdp, actor_rollout_ref__actor__fsdp_config__ulysses_sequence_parallel_size=2)
+    assert (dp_size(own, "actor"), dp_size(own, "ref")) == (2, 4)
+    top = _with(fsdp, actor_rollout_ref__actor__ulysses_sequence_parallel_size=2)
+    assert (dp_size(top, "actor"), dp_size(top, "ref")) == (2, 2)  # ref/dp_ref.yaml follows this key
+    ref_sp = _with(fsdp, actor_rollout_ref__ref__fsdp_config__ulysses_sequence_parallel_size=4)
+    assert (dp_size(ref_sp, "actor"), dp_size(ref_sp, "ref")) == (4, 1)
+    lora = _with(ref_sp, actor_rollout_ref__model__lora__rank=8)
+    assert (dp_size(lora, "actor"), dp_size(lora, "ref")) == (4, 4)  # the reference is the actor's engine
+    assert describe_dp(lora, "ref") == "FSDP, 4 ranks / Ulysses SP 1, the actor's engine"
+    assert dp_size(_with(ref_sp, actor_rollout_ref__model__lora_adapter_path="/a"), "ref") == 4
+    assert dp_size(_with(ref_sp, actor_rollout_ref__model__lora_rank=4), "ref") == 4
+    # Megatron: actor TP 2 and reference TP 4 on 4 GPUs with a KL term share one parallel state: the ref's
+    mega = _with(megatron_config, actor_rollout_ref__ref__megatron__tensor_model_parallel_size=4, **kl)
+    assert (dp_size(mega, "actor"), dp_size(mega, "ref")) == (1, 1)
+    assert describe_dp(mega, "actor") == "Megatron, 4 ranks / TP 4 x PP 1 x CP 1, the ref's engine"
+    assert "TP x PP x CP = 4 x 1 x 1 differs from actor_rollout_ref.actor.megatron 2 x 1 x 1" in \
+        megatron_layout_problem(mega) and "by the ref (built first" in megatron_layout_problem(mega)
+    split = _with(mega, trainer__v1__trainer_mode="separate_async", actor_rollout_ref__hybrid_engine=False)
+    assert (dp_size(split, "actor"), dp_size(split, "ref")) == (2, 2) and "by the actor" in megatron_layout_problem(split)
+    assert megatron_layout_problem(_with(mega, actor_rollout_ref__ref__megatron__tensor_model_parallel_size=2)) is None
+    assert megatron_layout_problem(_with(mega, actor_rollout_ref__actor__use_kl_loss=False)) is None  # no reference
+    mixed = _with(mega, actor_rollout_ref__ref__strategy="fsdp")  # an FSDP reference keeps its own mesh
+    assert (dp_size(mixed, "actor"), dp_size(mixed, "ref")) == (2, 4) and megatron_layout_problem(mixed) is None
+    other = _with(fsdp, actor_rollout_ref__actor__strategy="veomni")
+    assert dp_size(other, "actor") == 4 and describe_dp(other, "actor") == "veomni, 4 ranks"
 
 
 def test_allocation_errors_name_the_value(config):

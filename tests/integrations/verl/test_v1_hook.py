@@ -101,6 +101,7 @@ def test_v1_prune_balance_advantage(tq, plugin, config):
     assert len(out) % math.lcm(DP, config.actor_rollout_ref.actor.ppo_mini_batch_size * G) == 0
     assert metrics["cppo/padding_rows"] == len(out) - len(real) == 16
     assert metrics["cppo/rows_cleared"] == 24 and metrics["cppo/num_kept"] == 8
+    assert "cppo/filter_passed_zero_variance" not in metrics  # DAPO's filter is off: nothing to count
     assert "global_seqlen/max" in metrics
     # the split the workers get (equal contiguous chunks) has the better of veRL's and the core's loads
     w = torch.tensor([t["seq_len"] for t in out.tags], dtype=torch.float64)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ....recipes import root as recipes_root
+from ... import vllm_shm
 from . import worker_env
 
 __all__ = ["CPU_FLAGS", "CpuRun", "FIELDS", "cache_dir", "max_steps_flags", "prepare", "required_flags", "write_jsonl"]
@@ -40,6 +41,7 @@ FIELDS = {
     "kv_cache_gb": 1.0, "num_gpus": 16, "max_steps": None,
 }
 MAX_STEPS_ENV = "CPPO_CPU_MAX_STEPS"
+SHM_REGISTRY = "shm_segments.txt"  # in the run dir: what vLLM's processes recorded (integrations/vllm_shm.py)
 # flags every CPU run gets (after the recipe's: they win): attention without flash-attn; the
 # weight sync over gloo (OpenRLHF's default is NCCL / CUDA IPC); reward/critic groups sized 1
 # (their num_gpus_per_node default 8 would make Ray wait forever for logical GPUs)
@@ -152,6 +154,9 @@ def prepare(section: Any, *, build: bool = True) -> CpuRun:
 
     if os.environ.get(audit.ENV):
         env[audit.ENV] = str(Path(os.environ[audit.ENV]).resolve())
+    # where vLLM's processes record the shared memory they make; the launcher removes it at the end
+    registry = Path(os.environ.get(vllm_shm.REGISTRY_ENV) or run_dir / SHM_REGISTRY)
+    env[vllm_shm.REGISTRY_ENV] = str(registry.resolve())
     os.environ.update(env)
     return CpuRun(model_dir, data_dir, run_dir, built, wrote, env)
 

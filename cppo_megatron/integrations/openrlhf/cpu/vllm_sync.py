@@ -74,8 +74,12 @@ def _patch_worker_wrap(module) -> None:
 
 
 def install() -> None:
-    """The rollout-side seams (idempotent): the worker wrap and the gloo process group."""
+    """The rollout-side seams (idempotent): the worker wrap, the gloo process group, and the record of
+    the shared memory vLLM makes on CPU (``integrations/vllm_shm.py``, removed by the launcher)."""
+    from ... import vllm_shm
     from . import seams
+
+    vllm_shm.install()
 
     after_import(seams.DIST_UTIL_MODULE, seams.patch_dist_util)
     after_import(WORKER_WRAP_MODULE, _patch_worker_wrap)

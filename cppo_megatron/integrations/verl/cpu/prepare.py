@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ....recipes import root as recipes_root
+from ... import vllm_shm
 from ..audit import ENV as AUDIT_ENV
 from ..clock import ENV as CLOCK_ENV
 from ..keytrace import ENV as KEYS_ENV
@@ -52,6 +53,7 @@ CPU_ENV = {"VERL_PLATFORM": "cpu", "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARA
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 GROUP = "cppo_cpu"
 START_MODEL_INFO = "cppo_start_model.json"  # what the warm-up reached, beside the exported model
+SHM_REGISTRY = "shm_segments.txt"  # in the run dir: what vLLM's processes recorded (integrations/vllm_shm.py)
 
 
 @dataclass(frozen=True)
@@ -325,6 +327,9 @@ def prepare_cpu_run(config: Any, phases: Phases | None = None) -> CpuRun | None:
     env = {**CPU_ENV, "VERL_FILE_LOGGER_PATH": str(run_dir / "metrics.jsonl")}
     if is_vllm_rollout(config):
         env.update({k: os.environ.get(k, v) for k, v in VLLM_CPU_ENV.items()})  # the user's own values win
+        # where vLLM's processes record the shared memory they make; the launcher removes it at the end
+        registry = Path(os.environ.get(vllm_shm.REGISTRY_ENV) or run_dir / SHM_REGISTRY)
+        env[vllm_shm.REGISTRY_ENV] = str(registry.resolve())
     for name in (AUDIT_ENV, KEYS_ENV, CLOCK_ENV):  # audit records, key trace, wall-clock mode: every process
         if os.environ.get(name):
             env[name] = str(Path(os.environ[name]).resolve())

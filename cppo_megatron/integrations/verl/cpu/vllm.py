@@ -31,7 +31,9 @@ And one trap: when the receiver fails, veRL's sender waits for its reply forever
 the driver hangs and a 2 GiB ``/dev/shm/verl_weights_*`` segment stays. ``watch_sync`` gives the
 sender's socket a timeout (``SYNC_TIMEOUT_ENV``, default 300 s), so a failed sync raises
 ``WeightSyncError`` naming the cause, and the sender's own ``finally`` unlinks its segment
-(a SIGKILLed sender still leaves its segment; ``leftover_segments`` lists them).
+(a SIGKILLed sender still leaves its segment; ``leftover_segments`` lists them, and
+``integrations/vllm_shm.py`` records each and removes it when the run ends, with vLLM's own CPU
+communicator segments).
 
 ``drift.py`` hashes every veRL and vLLM function named here.
 """
@@ -46,6 +48,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ... import vllm_shm
 from ...importhook import after_import
 from ...wrap import wrap
 
@@ -285,7 +288,9 @@ def leftover_segments(shm_dir: Path = SHM_DIR) -> set[str]:
 
 def install() -> None:
     """The CPU mode's vLLM seams in this process (idempotent): the name alias now, the weight
-    keeping and the watched sender when vLLM's and veRL's modules are imported."""
+    keeping and the watched sender when vLLM's and veRL's modules are imported, and the record of
+    the shared memory vLLM and the sync make (``integrations/vllm_shm.py``, removed at the run's end)."""
     alias_distribution()
     after_import(GEMM_MODULE, keep_linear_weights)
     after_import(SENDER_MODULE, watch_sync)
+    vllm_shm.install()
