@@ -64,7 +64,7 @@ def test_sigterm_mid_update_exits_130_and_resume_skips_a_truncated_checkpoint(tm
 def test_resume_without_a_checkpoint_is_one_line_exit_2(tmp_path):
     proc = _cli(tmp_path / "empty", "--resume")
     assert proc.returncode == 2
-    assert proc.stderr.strip().startswith("cppo-megatron train: --resume: no checkpoint under")
+    assert proc.stderr.strip().startswith("cppo-megatron train: error: --resume: no checkpoint under")
     assert "Traceback" not in proc.stderr
 
 
