@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..config import CPPOConfig
 from ..core import (
     ExplorationRates,
     FilledBatch,
@@ -39,7 +40,6 @@ from ..core import (
     step_metrics,
 )
 from ..core.selective import load_run_state, run_state
-from ..core.settings import CPPOConfig
 
 __all__ = ["STATE_KEY", "SelectiveRollout", "record_outcomes"]
 

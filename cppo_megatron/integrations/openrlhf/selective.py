@@ -66,6 +66,7 @@ from typing import Any
 
 import torch
 
+from ...config import CPPOConfig
 from ...core import (
     ExplorationRates,
     FilledBatch,
@@ -79,7 +80,6 @@ from ...core import (
     step_metrics,
 )
 from ...core.selective import load_run_state, run_state
-from ...core.settings import CPPOConfig
 from ..importhook import after_import, remove
 from ..wrap import unwrap, wrap
 from . import audit

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ...config import CPPOConfig
 from ...core import (
     ExplorationRates,
     FilledBatch,
@@ -49,7 +50,6 @@ from ...core import (
     step_metrics,
 )
 from ...core.selective import EASY, HARD, INFORMATIVE, load_run_state, run_state
-from ...core.settings import CPPOConfig
 from ..importhook import after_import
 from ..wrap import unwrap, wrap
 from . import audit
