@@ -8,7 +8,6 @@ rank, whatever its device, computes bit-identical decisions from identical input
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,7 +16,7 @@ import torch
 from ._checks import as_1d_float, as_group_ids, check_int
 from .advantage import GroupStats
 from .sampling import grouped_layout, inclusion_probabilities, mass_keep_counts, systematic_sample
-from .settings import DEFAULT_PRUNING_RATE, K_TOLERANCE, METRICS, SCOPES, check_config, keep_count
+from .settings import DEFAULT_PRUNING_RATE, METRICS, SCOPES, check_config, keep_count
 
 if TYPE_CHECKING:
     from .settings import CPPOConfig
@@ -271,8 +270,7 @@ def select_completions(
                 )
             n_keep = keep_per_group * uniq.numel()
         else:
-            p = DEFAULT_PRUNING_RATE if pruning_rate is None else float(pruning_rate)
-            n_keep = max(1, math.floor(n * (1.0 - p) + K_TOLERANCE))
+            n_keep = keep_count(n, pruning_rate, None)  # the batch as one pool: floor(N (1 - P)), at least 1
         k_pool = torch.tensor([n_keep], dtype=torch.int64)
     else:
         distinct_sizes, size_inv = torch.unique(size, return_inverse=True)

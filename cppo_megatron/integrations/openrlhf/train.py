@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
 import runpy
@@ -30,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from ...config import CPPOConfig
+from ...config import CPPOConfig, keep_count
 from . import hook
 from .checkpoint import checkpoint_warnings, resume_hint
 from .pinned import PINNED_VERSION, installed_version, pinned_parser
@@ -136,7 +135,7 @@ def plan(cfg: CPPOConfig, args: Any) -> dict[str, float]:
     elif cfg.keep_per_group is not None:
         selected = prompts * cfg.keep_per_group
     else:
-        selected = max(1, math.floor(total * (1 - cfg.rate) + 1e-6))
+        selected = keep_count(total, cfg.pruning_rate, None)  # the batch as one pool
     multiple = hook.minimum_keep_multiple(args)
     kept = min(total, -(-selected // multiple) * multiple)
     return {
