@@ -2,7 +2,8 @@
 take. Imports nothing from the rest of the package (only torch, numpy and the standard
 library; ``tests/core/test_layering.py`` keeps it so).
 
-- ``settings``: ``CPPOConfig`` (every field documented) and the choice lists its fields allow
+- ``settings``: ``CPPOConfig`` (every field documented; its ``SelectiveConfig`` section) and the
+  choice lists its fields allow
 - ``advantage``: full-group GRPO / Dr. GRPO advantages and statistics
 - ``selection``: which completions survive (metric, scope, seeded tie-breaks)
 - ``sampling``: importance sampling (unbiased pruning) and keep_mass counts, vectorised
@@ -59,7 +60,7 @@ from .selective import (
     step_metrics,
     target_shares,
 )
-from .settings import DEFAULT_PRUNING_RATE, METRICS, SCOPES, CPPOConfig, keep_count
+from .settings import DEFAULT_PRUNING_RATE, METRICS, SCOPES, CPPOConfig, SelectiveConfig, keep_count
 
 __all__ = [
     "ADV_NORMS",
@@ -81,6 +82,7 @@ __all__ = [
     "RoundCounts",
     "SCOPES",
     "Selection",
+    "SelectiveConfig",
     "SelectiveHistory",
     "SkipDecision",
     "adapt_exploration",

@@ -24,7 +24,7 @@ The pieces, each pure and CPU-only (identical on every rank from identical input
   (never by batch position), with ``state_dict`` / ``load_state_dict``
 - ``decide_skips``: the skip decision for a set of candidates (``SkipDecision``)
 - ``adapt_exploration``: the next ``ExplorationRates``; ``adapt_from_config`` with a
-  ``CPPOConfig``'s ``selective_*`` targets, step and bounds
+  ``CPPOConfig``'s ``selective`` targets, step and bounds
 - ``fill_batch``: draw candidates in order until ``wanted`` are kept (``FilledBatch``)
 - ``step_metrics``: one step's ``selective/*`` plain floats over its rounds (``count_rounds``),
   its recorded outcomes (``OutcomeCounts``) and ``estimate_tokens_saved``
@@ -1039,25 +1039,25 @@ def _as_counts(outcomes: Any) -> OutcomeCounts:
 
 def adapt_from_config(rates: ExplorationRates, cfg: CPPOConfig, outcomes: GroupOutcomes | OutcomeCounts
                       ) -> ExplorationRates:
-    """``adapt_exploration`` with the targets, step and bounds of a ``CPPOConfig``'s ``selective_*`` fields.
+    """``adapt_exploration`` with the targets, step and bounds of a ``CPPOConfig``'s ``selective`` section.
 
     Args:
         rates: the current ``ExplorationRates``.
-        cfg: the run's ``CPPOConfig`` (``selective_target_zero_variance`` gives the targets through
-            ``target_shares``; ``selective_step_size``, ``selective_p_min``, ``selective_p_max``).
+        cfg: the run's ``CPPOConfig`` (``selective.target_zero_variance`` gives the targets through
+            ``target_shares``; ``selective.step_size``, ``selective.p_min``, ``selective.p_max``).
         outcomes: the groups generated and recorded this step (``GroupOutcomes`` or ``OutcomeCounts``).
 
     Returns:
         the next ``ExplorationRates`` (``rates`` when no group was recorded).
     """
     if not isinstance(cfg, CPPOConfig):
-        raise ValueError(f"cfg must be a CPPOConfig (its selective_* fields), got {type(cfg).__name__}")
+        raise ValueError(f"cfg must be a CPPOConfig (its selective section), got {type(cfg).__name__}")
     o = _as_counts(outcomes)
-    target_easy, target_hard = target_shares(cfg.selective_target_zero_variance)
+    target_easy, target_hard = target_shares(cfg.selective.target_zero_variance)
     return adapt_exploration(
         rates, num_generated=o.num_groups, num_easy=o.num_easy, num_hard=o.num_hard,
-        target_easy=target_easy, target_hard=target_hard, step_size=cfg.selective_step_size,
-        p_min=cfg.selective_p_min, p_max=cfg.selective_p_max,
+        target_easy=target_easy, target_hard=target_hard, step_size=cfg.selective.step_size,
+        p_min=cfg.selective.p_min, p_max=cfg.selective.p_max,
     )
 
 

@@ -25,7 +25,7 @@ during the update no checkpoint is written (resume continues from the previous o
 
 Elsewhere: the step record (``record.step_record``), checkpoints and resume
 (``checkpoint``), the phases before the passes (``step``), the backends (``backends/``),
-selective rollout (``selective``: ``cppo.selective_rollout`` skips prompts before the rollout).
+selective rollout (``selective``: ``cppo.selective.enabled`` skips prompts before the rollout).
 """
 
 from __future__ import annotations
@@ -126,10 +126,10 @@ class Trainer:
         G = recipe.rollout.group_size
         self.planner = AllocationPlanner.from_config(recipe.cppo, capacity=recipe.train.capacity, group_size=G)
         self.sampler = PromptSampler(len(self.task.train), seed=recipe.seed)
-        # cppo.selective_rollout: skip prompts before generation (GRESO; trainer/selective.py)
+        # cppo.selective.enabled: skip prompts before generation (GRESO; trainer/selective.py)
         self.selective = SelectiveRollout(
             recipe.cppo, group_size=G, num_prompts=len(self.task.train),
-            **({} if self.is_main else {"warn": None})) if recipe.cppo.selective_rollout else None
+            **({} if self.is_main else {"warn": None})) if recipe.cppo.selective.enabled else None
         # megatron shards are built in prepare(), from the warmed-up weights
         self.policy: PolicyBackend | None = None if self.distributed else HFBackend(
             self.model, device=self.device, pad_id=self.tok.pad_id, recipe=recipe)
@@ -484,7 +484,7 @@ class Trainer:
             elif self.is_main:
                 r = self.selective.rates
                 log(f"--resume: checkpoint {path.name} has no selective-rollout state (written without "
-                    f"cppo.selective_rollout): starting with an empty prompt history and p_easy={r.p_easy:g}, "
+                    f"cppo.selective.enabled): starting with an empty prompt history and p_easy={r.p_easy:g}, "
                     f"p_hard={r.p_hard:g}")
         if self.policy is not None:  # hf: now; megatron: once prepare() built the shards
             self.policy.load_state_dict(policy)

@@ -52,10 +52,10 @@ def _stderr(line: str) -> None:
 
 
 class SelectiveRollout:
-    """History, exploration rates and counters of one run (``cppo.selective_rollout``).
+    """History, exploration rates and counters of one run (``cppo.selective.enabled``).
 
     Args:
-        cfg: the run's ``CPPOConfig`` (``selective_*`` fields; ``seed`` seeds the draws).
+        cfg: the run's ``CPPOConfig`` (its ``selective`` section; ``seed`` seeds the draws).
         group_size: G, completions per prompt.
         num_prompts: prompts in the training set (bounds the draws of one round).
         warn: where the one warning of a run goes (a round that generated fewer prompts than
@@ -72,7 +72,7 @@ class SelectiveRollout:
         self.group_size = group_size
         self.num_prompts = num_prompts
         self.history = SelectiveHistory()
-        self.rates = ExplorationRates(p_easy=cfg.selective_p_easy, p_hard=cfg.selective_p_hard)
+        self.rates = ExplorationRates(p_easy=cfg.selective.p_easy, p_hard=cfg.selective.p_hard)
         self.totals = dict.fromkeys(_TOTALS, 0.0)
         self.rounds: list[FilledBatch] = []  # this step's draws, one per generation round
         self.short_rounds = 0  # this step's rounds that generated fewer prompts than asked
@@ -85,11 +85,11 @@ class SelectiveRollout:
     def begin_step(self, step: int, sampler: PromptSampler) -> None:
         """Start step ``step``; whether this step's groups move the rates is decided now (a
         step that starts before the first pass over the prompts has ended does not adapt,
-        unless ``selective_adapt_after_first_epoch`` is false)."""
+        unless ``cppo.selective.adapt_after_first_epoch`` is false)."""
         self._step = check_int("step", step, minimum=0)
         self.rounds = []
         self.short_rounds = 0
-        self._adapt = (not self.cfg.selective_adapt_after_first_epoch
+        self._adapt = (not self.cfg.selective.adapt_after_first_epoch
                        or sampler.total_drawn >= sampler.num_prompts)
 
     def draw(self, sampler: PromptSampler, n: int) -> list[int]:
@@ -105,7 +105,7 @@ class SelectiveRollout:
         if fb.kept.numel() == 0 and n > 0:
             raise RuntimeError(
                 f"selective rollout skipped all {fb.drawn.numel()} prompts drawn in step {self._step}: raise "
-                f"cppo.selective_p_min (now {self.cfg.selective_p_min}) or disable cppo.selective_rollout"
+                f"cppo.selective.p_min (now {self.cfg.selective.p_min}) or disable cppo.selective.enabled"
             )
         if fb.kept.numel() < n:
             self.short_rounds += 1
@@ -116,7 +116,7 @@ class SelectiveRollout:
                       f"over all {self.num_prompts} training prompts and {n} more), so this step trains a smaller "
                       f"batch on the few prompts not skipped. The training set is small for this skip rate (rates "
                       f"p_easy={self.rates.p_easy}, p_hard={self.rates.p_hard}): use more training prompts, raise "
-                      f"cppo.selective_p_min (now {self.cfg.selective_p_min}) or disable cppo.selective_rollout")
+                      f"cppo.selective.p_min (now {self.cfg.selective.p_min}) or disable cppo.selective.enabled")
         return fb.kept.tolist()
 
     def end_step(self, prompt_ids: torch.Tensor, rewards: torch.Tensor, correct: torch.Tensor,

@@ -6,7 +6,7 @@ makes each process append JSON lines to ``DIR/<role>-<pid>.jsonl``:
 - ``filter`` (OpenRLHF's samples generator, with ``--algo.dynamic_filtering_enable``): one per
   generation call, every prompt it drew with its G scores and rewards and whether the filter
   passed it (``filtering.FilterLedger``);
-- ``selective`` (OpenRLHF's samples generator, with ``cppo.selective_rollout``): one per generation
+- ``selective`` (OpenRLHF's samples generator, with ``cppo.selective.enabled``): one per generation
   call, every prompt index it drew for its step, which were skipped and which kept, with their skip
   probabilities and the rates (``selective.SelectiveDraw``);
 - ``prune`` (the hook, in the trainer): every rollout sample of the step — its row id (its

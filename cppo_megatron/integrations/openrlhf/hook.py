@@ -36,12 +36,12 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from ...config import SELECTIVE_PARAMETERS, CPPOConfig
+from ...config import CPPOConfig
 from ...core import (
     advantages_from_stats,
     balance_partitions,
@@ -155,10 +155,10 @@ def _check_config(cfg: CPPOConfig) -> CPPOConfig:
     return cfg
 
 
-def check_settings(values: dict[str, Any], estimator: str) -> list[str]:
-    """CPPO settings set explicitly (the recipe's ``cppo:`` section, ``--cppo.FIELD``) that an
-    OpenRLHF run cannot honour: ValueError for those that would change the run, one-line
-    warnings (returned) for those that do nothing here."""
+def check_settings(values: Mapping[str, Any], estimator: str) -> list[str]:
+    """CPPO settings set explicitly (the recipe's ``cppo:`` section, ``--cppo.FIELD``; nested as
+    ``config.nest_keys`` gives them) that an OpenRLHF run cannot honour: ValueError for those that
+    would change the run, one-line warnings (returned) for those that do nothing here."""
     if values.get("dynamic_sampling"):
         raise ValueError(
             "cppo.dynamic_sampling=true is not supported under OpenRLHF: the hook prunes a finished rollout "
@@ -183,10 +183,11 @@ def check_settings(values: dict[str, Any], estimator: str) -> list[str]:
     if "max_refill_rounds" in values and not values.get("dynamic_sampling"):
         notes.append(f"cppo.max_refill_rounds={values['max_refill_rounds']} has no effect under OpenRLHF: refill "
                      "rounds belong to cppo.dynamic_sampling, which OpenRLHF runs do not support; remove it")
-    if not values.get("selective_rollout"):
-        notes += [f"cppo.{name}={values[name]} has no effect: it belongs to cppo.selective_rollout, which is off; "
-                  "set cppo.selective_rollout=true or remove it"
-                  for name in SELECTIVE_PARAMETERS if name in values]
+    selective = values.get("selective") or {}
+    if isinstance(selective, Mapping) and not selective.get("enabled"):
+        notes += [f"cppo.selective.{name}={value} has no effect: it belongs to cppo.selective.enabled, which is off; "
+                  "set cppo.selective.enabled=true or remove it"
+                  for name, value in selective.items() if name != "enabled"]
     return notes
 
 

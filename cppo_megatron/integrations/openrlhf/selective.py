@@ -1,6 +1,6 @@
 """Selective rollout (GRESO) in OpenRLHF 0.11.2: skip prompts before generation.
 
-Inert unless the run's CPPO config sets ``selective_rollout`` (``install(cfg)``, called by
+Inert unless the run's CPPO config sets ``selective.enabled`` (``install(cfg)``, called by
 ``hook.install``). Who draws prompts: in OpenRLHF's synchronous loop one process, the
 ``PPOTrainer`` Ray actor, holds the prompt dataloader and calls ``SamplesGenerator.generate_samples``
 (``trainer/ppo_trainer.py:477-489,530``); the actor ranks (``PolicyModelActor``) only receive
@@ -119,25 +119,25 @@ def enabled() -> bool:
 # ---------------------------------------------------------------------------------- refusals
 def check_args(args: Any) -> list[str]:
     """Launch-time (and first-draw) check of OpenRLHF's parsed ``args`` for a run with
-    ``cppo.selective_rollout``: ValueError naming flag, value and fix for what is not built; else
+    ``cppo.selective.enabled``: ValueError naming flag, value and fix for what is not built; else
     the notes the dry run prints (one line each)."""
     if bool(getattr(args.train, "async_enable", False)):
         raise ValueError(
-            "cppo.selective_rollout=true with --train.async_enable: the asynchronous trainer draws prompts in "
+            "cppo.selective.enabled=true with --train.async_enable: the asynchronous trainer draws prompts in "
             "another actor, steps ahead of the one that records their groups, so the skip decisions could not "
-            "see the history they depend on (not built); remove --train.async_enable or cppo.selective_rollout"
+            "see the history they depend on (not built); remove --train.async_enable or cppo.selective.enabled"
         )
     if bool(getattr(args.algo, "dynamic_filtering_enable", False)):
         raise ValueError(
-            "cppo.selective_rollout=true with --algo.dynamic_filtering_enable: OpenRLHF's filter drops the "
+            "cppo.selective.enabled=true with --algo.dynamic_filtering_enable: OpenRLHF's filter drops the "
             "zero-variance groups inside the samples generator, before the hook where selective rollout records "
             "outcomes, so exactly the groups it learns from would go unrecorded (not built); remove "
-            "--algo.dynamic_filtering_enable or cppo.selective_rollout"
+            "--algo.dynamic_filtering_enable or cppo.selective.enabled"
         )
     gen = getattr(args.rollout, "vllm_generate_batch_size", None)
     if gen and int(gen) != int(args.rollout.batch_size):
         raise ValueError(
-            f"cppo.selective_rollout=true with --rollout.vllm_generate_batch_size {gen}: one generation call's "
+            f"cppo.selective.enabled=true with --rollout.vllm_generate_batch_size {gen}: one generation call's "
             f"groups would be trained (and recorded) over several steps of {args.rollout.batch_size} prompts, "
             "while the skips were decided for the first; leave --rollout.vllm_generate_batch_size unset"
         )
@@ -269,7 +269,7 @@ class OpenRLHFSelective:
     """History, exploration rates and counters of one OpenRLHF run, and the step in progress.
 
     Args:
-        cfg: the run's ``CPPOConfig`` (``selective_*`` fields; ``seed`` seeds the draws).
+        cfg: the run's ``CPPOConfig`` (its ``selective`` section; ``seed`` seeds the draws).
         num_prompts: rows in the train data set (one pass = one epoch).
         step: the step the next generation call decides for (OpenRLHF's global step before it,
             0-based: the hook's count; a resumed run starts at the checkpoint's).
@@ -285,7 +285,7 @@ class OpenRLHFSelective:
         self.cfg = cfg
         self.num_prompts = num_prompts
         self.history = SelectiveHistory()
-        self.rates = ExplorationRates(p_easy=cfg.selective_p_easy, p_hard=cfg.selective_p_hard)
+        self.rates = ExplorationRates(p_easy=cfg.selective.p_easy, p_hard=cfg.selective.p_hard)
         self.totals = dict.fromkeys(_TOTALS, 0.0)
         self.step = step
         self.pending: list[SelectiveDraw] = []  # this step's generation calls, not yet recorded
@@ -297,7 +297,7 @@ class OpenRLHFSelective:
         """A new generation call for ``self.step``; whether this step moves the rates is decided at
         its first call (after the first pass over the data set, unless configured otherwise)."""
         if self._adapt is None:
-            self._adapt = (not self.cfg.selective_adapt_after_first_epoch
+            self._adapt = (not self.cfg.selective.adapt_after_first_epoch
                            or self.totals["prompts_drawn"] >= self.num_prompts)
         self._serial += 1
         draw = SelectiveDraw(step=self.step, serial=self._serial, rounds=[], kept=[])
@@ -605,12 +605,12 @@ _PATCHES = ((DATASET_MODULE, _patch_dataset), (GENERATOR_MODULE, _patch_generato
 
 
 def install(cfg: CPPOConfig) -> bool:
-    """Selective rollout in this process when ``cfg.selective_rollout`` (the seams are wrapped as
+    """Selective rollout in this process when ``cfg.selective.enabled`` (the seams are wrapped as
     their modules are imported; idempotent); otherwise removes it. Returns whether it is on."""
     global _CONFIG
     if not isinstance(cfg, CPPOConfig):
         raise ValueError(f"selective.install expects a CPPOConfig, got {type(cfg).__name__}")
-    if not cfg.selective_rollout:
+    if not cfg.selective.enabled:
         uninstall()
         return False
     _CONFIG = cfg

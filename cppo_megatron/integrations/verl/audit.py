@@ -25,7 +25,7 @@ plugin append JSON lines to ``DIR/<role>-<pid>.jsonl``:
 - ``draw``, ``evict``, ``clear`` (V1, ``dapo.py``): every prompt submitted for generation (the
   step's batch and each refill of DAPO's filter), the groups the filter drops with their rewards,
   and every group the replay buffer clears unsampled (evicted or surplus);
-- ``selective`` (V1 with ``cppo.selective_rollout``, ``selective.py``, once a step at the CPPO seam):
+- ``selective`` (V1 with ``cppo.selective.enabled``, ``selective.py``, once a step at the CPPO seam):
   every candidate the hook drew, in draw order, with its skip decision and why (streak, kind of
   its last group, skip probability, the rates and seed used), and the groups it filed in the
   history with their outcome;

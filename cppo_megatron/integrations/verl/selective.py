@@ -1,7 +1,7 @@
 """Selective rollout (GRESO) in veRL 0.9.1's V1 sync trainer: skip prompts before generation.
 
 The seams, all on ``verl.trainer.ppo.v1.trainer_base.PPOTrainer`` and inert unless the run sets
-``algorithm.adv_estimator=cppo`` and ``cppo.selective_rollout=true``:
+``algorithm.adv_estimator=cppo`` and ``cppo.selective.enabled=true``:
 
 - ``_fetch_one_gen_batch`` (trainer_base.py:1466), the one place V1 takes prompts from the train
   dataloader (the step's batch in ``prepare_step`` and any refill go through ``_next_train_batch``,
@@ -82,7 +82,7 @@ class VerlSelective:
     """History, exploration rates and counters of one veRL run, and the step in progress.
 
     Args:
-        cfg: the run's ``CPPOConfig`` (``selective_*`` fields; ``seed`` seeds the draws).
+        cfg: the run's ``CPPOConfig`` (its ``selective`` section; ``seed`` seeds the draws).
         num_prompts: rows in the train dataset (one pass = one epoch; bounds one fetch's draws).
         group_size: G, veRL's ``actor_rollout_ref.rollout.n`` (the tokens-saved estimate).
     """
@@ -96,7 +96,7 @@ class VerlSelective:
         self.num_prompts = int(num_prompts)
         self.group_size = int(group_size)
         self.history = SelectiveHistory()
-        self.rates = ExplorationRates(p_easy=cfg.selective_p_easy, p_hard=cfg.selective_p_hard)
+        self.rates = ExplorationRates(p_easy=cfg.selective.p_easy, p_hard=cfg.selective.p_hard)
         self.totals = dict.fromkeys(_TOTALS, 0.0)
         # the indices drawn in the dataloader's current pass (epoch): one pass is num_prompts draws
         # (one prompt per fetch), counted from the run's start; None: the count is not known (a
@@ -110,7 +110,7 @@ class VerlSelective:
         self.generated: dict[str, int] = {}  # uid veRL gave the row -> its prompt index, this step
         self.drawn_this_step: list[int] = []
         # the rates move from the second pass on (the authors' rule), unless told otherwise
-        self.adapt = (not self.cfg.selective_adapt_after_first_epoch
+        self.adapt = (not self.cfg.selective.adapt_after_first_epoch
                       or self.totals["prompts_drawn"] >= self.num_prompts)
 
     # ------------------------------------------------------------------ before generation
@@ -139,7 +139,7 @@ class VerlSelective:
         if not kept:
             raise RuntimeError(
                 f"selective rollout skipped all {fb.drawn.numel()} prompts drawn in step {step}: raise "
-                f"cppo.selective_p_min (now {self.cfg.selective_p_min}) or disable cppo.selective_rollout"
+                f"cppo.selective.p_min (now {self.cfg.selective.p_min}) or disable cppo.selective.enabled"
             )
         # wanted=1: the kept candidate is the last one drawn
         position = start + fb.drawn.numel() - 1

@@ -20,7 +20,7 @@ import types
 import pytest
 import torch
 
-from cppo_megatron import CPPOConfig
+from cppo_megatron.config import CPPOConfig, SelectiveConfig
 from cppo_megatron.core.selective import prompt_uniforms
 from cppo_megatron.integrations.openrlhf import audit, hook, selective
 
@@ -158,7 +158,8 @@ def _info(experiences, key):
 
 
 P_EASY, P_HARD = 0.2, 0.8
-CFG = CPPOConfig(pruning_rate=0.5, eps=1e-9, selective_rollout=True, selective_p_easy=P_EASY, selective_p_hard=P_HARD)
+CFG = CPPOConfig(pruning_rate=0.5, eps=1e-9,
+                 selective=SelectiveConfig(enabled=True, p_easy=P_EASY, p_hard=P_HARD))
 # what OpenRLHF's loop draws with torch.manual_seed(0) (its RandomSampler's seed), 3 episodes over the 8
 # rows at 3 prompts a step: (drawn, skipped) per step; episode 1 has no history, so nothing is skipped
 PINNED = [
@@ -316,11 +317,11 @@ def test_evaluation_draws_are_not_decided(run_fit, orl):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--train.async_enable"], "cppo.selective_rollout=true with --train.async_enable: the asynchronous trainer "
+    (["--train.async_enable"], "cppo.selective.enabled=true with --train.async_enable: the asynchronous trainer "
      "draws prompts in another actor"),
-    (["--algo.dynamic_filtering_enable"], "cppo.selective_rollout=true with --algo.dynamic_filtering_enable: "
+    (["--algo.dynamic_filtering_enable"], "cppo.selective.enabled=true with --algo.dynamic_filtering_enable: "
      "OpenRLHF's filter drops the zero-variance groups inside the samples generator"),
-    (["--rollout.vllm_generate_batch_size", "8"], "cppo.selective_rollout=true with "
+    (["--rollout.vllm_generate_batch_size", "8"], "cppo.selective.enabled=true with "
      "--rollout.vllm_generate_batch_size 8: one generation call's groups would be trained"),
 ])  # fmt: skip
 def test_what_is_not_built_is_refused_in_one_line(flags, message, capsys, make_args):
@@ -328,7 +329,7 @@ def test_what_is_not_built_is_refused_in_one_line(flags, message, capsys, make_a
 
     recipe = ["--actor.model_name_or_path", "m", "--algo.advantage.estimator", "group_norm",
               "--rollout.n_samples_per_prompt", "8", "--rollout.batch_size", "4", "--reward.remote_url", "r.py",
-              "--cppo.pruning_rate", "0.75", "--cppo.selective_rollout", "true"]  # fmt: skip
+              "--cppo.pruning_rate", "0.75", "--cppo.selective.enabled", "true"]  # fmt: skip
     assert main([*recipe, "--dry-run"]) == 0
     assert ("note: selective rollout: each step draws prompts from OpenRLHF's prompt dataloader until 16 are kept"
             in capsys.readouterr().out)

@@ -130,7 +130,7 @@ class Trainer:
 
 
 def selective_on(config, tmp_path, **keys):
-    OmegaConf.update(config, "cppo.selective_rollout", True, force_add=True)
+    OmegaConf.update(config, "cppo.selective.enabled", True, force_add=True)
     OmegaConf.update(config, "trainer.default_local_dir", str(tmp_path / "ckpt"), force_add=True)
     for key, value in keys.items():
         OmegaConf.update(config, key.replace("__", "."), value, force_add=True)
@@ -345,9 +345,9 @@ def test_a_checkpoint_without_selective_state_resumes_empty_and_says_so(config, 
 @pytest.mark.parametrize(
     "key,value,message",
     [
-        ("trainer.use_v1", False, "cppo.selective_rollout=true with trainer.use_v1=false: the hook sits in the V1 "
+        ("trainer.use_v1", False, "cppo.selective.enabled=true with trainer.use_v1=false: the hook sits in the V1 "
          "trainer's dataloader seam (PPOTrainer._fetch_one_gen_batch); the legacy loop (RayPPOTrainer.fit) is not "
-         "hooked. Set trainer.use_v1=true or cppo.selective_rollout=false"),
+         "hooked. Set trainer.use_v1=true or cppo.selective.enabled=false"),
         ("trainer.v1.trainer_mode", "colocate_async", "set trainer.v1.trainer_mode=sync"),
         ("trainer.v1.trainer_mode", "separate_async", "trainer.v1.trainer_mode=separate_async: the asynchronous"),
         ("algorithm.filter_groups.enable", True, "with algorithm.filter_groups.enable=true: DAPO's filter evicts"),
@@ -357,7 +357,7 @@ def test_a_checkpoint_without_selective_state_resumes_empty_and_says_so(config, 
     ],
 )
 def test_what_the_hook_does_not_honour_is_refused(config, key, value, message):
-    OmegaConf.update(config, "cppo.selective_rollout", True, force_add=True)
+    OmegaConf.update(config, "cppo.selective.enabled", True, force_add=True)
     OmegaConf.update(config, key, value, force_add=True, merge=False)
     with pytest.raises(ValueError) as err:
         check_compatible(config)
@@ -365,8 +365,8 @@ def test_what_the_hook_does_not_honour_is_refused(config, key, value, message):
 
 
 def test_prepare_sets_one_prompt_per_fetch_and_warns_only_when_off(config):
-    OmegaConf.update(config, "cppo.selective_rollout", True, force_add=True)
-    OmegaConf.update(config, "cppo.selective_p_hard", 0.2, force_add=True)
+    OmegaConf.update(config, "cppo.selective.enabled", True, force_add=True)
+    OmegaConf.update(config, "cppo.selective.p_hard", 0.2, force_add=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         prepare(config)
