@@ -12,7 +12,8 @@ library; ``tests/core/test_layering.py`` keeps it so).
 - ``loss``: clipped surrogate, KL estimators, loss aggregation over the kept set
 - ``pipeline``: ``prune`` = advantages + selection in one call
 - ``selective``: selective rollout (GRESO): per-prompt history, pre-rollout skip decisions,
-  adaptive exploration rates, batch filling, a step's ``selective/*`` metrics
+  adaptive exploration rates, batch filling, a step's ``selective/*`` metrics;
+  ``selective_run``: ``SelectiveRun``, the driver every host runs over them
 """
 
 from ._checks import check_int  # public: the int check adapters share with the core
@@ -60,6 +61,7 @@ from .selective import (
     step_metrics,
     target_shares,
 )
+from .selective_run import SelectiveRun
 from .settings import DEFAULT_PRUNING_RATE, METRICS, SCOPES, CPPOConfig, SelectiveConfig, keep_count
 
 __all__ = [
@@ -84,6 +86,7 @@ __all__ = [
     "Selection",
     "SelectiveConfig",
     "SelectiveHistory",
+    "SelectiveRun",
     "SkipDecision",
     "adapt_exploration",
     "adapt_from_config",

@@ -301,3 +301,27 @@ def test_the_flat_keys_of_earlier_versions_are_read_with_a_warning_naming_the_ne
         assert load_recipe(recipe).cppo == nested.cppo
     with pytest.raises(RecipeError, match="unknown recipe key 'cppo.selective.p_eazy'"):
         load_recipe(None, ["cppo.selective.p_eazy=0.3"])
+
+
+def test_a_round_that_skips_every_candidate_generates_the_last_one_drawn_instead_of_stopping():
+    """8 prompts, each all-correct in its last 10 groups (keep probability 0.01): a round of 4 takes
+    4 + 8 candidates, skips them all, and generates the 12th anyway (selective/forced_keeps); the
+    trainer used to stop the run here."""
+    from cppo_megatron.config import CPPOConfig, SelectiveConfig
+    from cppo_megatron.trainer.selective import SelectiveRollout
+
+    lines: list[str] = []
+    sel = SelectiveRollout(CPPOConfig(selective=SelectiveConfig(enabled=True)), group_size=2, num_prompts=8,
+                           warn=lines.append)
+    for s in range(10):
+        sel.history.update(torch.arange(8), torch.ones(8, dtype=torch.bool), torch.ones(8, dtype=torch.bool), step=s)
+    sampler = PromptSampler(8, seed=0)
+    sel.begin_step(10, sampler)
+    twin = PromptSampler(8, seed=0)
+    drawn = twin.draw(12)
+    assert sel.draw(sampler, 4) == [drawn[-1]] and sampler.total_drawn == 12
+    m = sel.end_step(torch.tensor([drawn[-1]]), torch.ones(2), torch.ones(2), torch.full((2,), 3))
+    assert m["selective/forced_keeps"] == 1.0 and m["selective/short_rounds"] == 1.0
+    assert m["selective/prompts_skipped"] == 11.0 and m["selective/prompts_generated"] == 1.0
+    assert [line.split(":")[1].strip()[:31] for line in lines] == ["selective rollout skipped all 1",
+                                                                   "selective rollout generated 1 o"]

@@ -249,8 +249,7 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
     step = int(maker._cppo_step) if hasattr(maker, "_cppo_step") else resumed_step(args)
     maker._cppo_step = step + 1
     # selective rollout (GRESO): every generated group's outcome, under its prompt index, before pruning
-    recorded = selective.record_step(rollout_samples, raw_rewards, rewards, group_ids, step=step,
-                                     group_size=int(args.rollout.n_samples_per_prompt))
+    recorded = selective.record_step(rollout_samples, raw_rewards, rewards, group_ids, step=step)
     run_cfg = cfg if cfg.adv_norm == adv_norm else dataclasses.replace(cfg, adv_norm=adv_norm)
     result = prune(rewards, group_ids, run_cfg, step=step)
     selection = result.selection
