@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ....recipes import root as recipes_root
+from ...cpu_run import CpuRun
 from . import worker_env
 
 __all__ = ["CPU_FLAGS", "CpuRun", "FIELDS", "cache_dir", "max_steps_flags", "prepare", "required_flags", "write_jsonl"]
@@ -56,21 +56,6 @@ def cache_dir() -> Path:
     """Persistent cache of compiled DeepSpeed CPU ops (``$CPPO_CACHE_DIR`` or ~/.cache/cppo-megatron)."""
     root = os.environ.get("CPPO_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cppo-megatron")
     return Path(root) / "torch_extensions"
-
-
-@dataclass(frozen=True)
-class CpuRun:
-    model_dir: Path
-    data_dir: Path
-    run_dir: Path
-    built_model: bool
-    wrote_data: bool
-    env: dict
-
-    def describe(self) -> str:
-        return (f"cpu mode: model {self.model_dir} ({'exported now' if self.built_model else 'reused'}), "
-                f"data {self.data_dir} ({'written now' if self.wrote_data else 'reused'}), "
-                f"metrics {self.run_dir / 'metrics.jsonl'}")
 
 
 def settings(section: Any) -> dict:
@@ -153,7 +138,7 @@ def prepare(section: Any, *, build: bool = True) -> CpuRun:
     if os.environ.get(audit.ENV):
         env[audit.ENV] = str(Path(os.environ[audit.ENV]).resolve())
     os.environ.update(env)
-    return CpuRun(model_dir, data_dir, run_dir, built, wrote, env)
+    return CpuRun(model_dir, data_dir, run_dir, built, wrote, env=env)
 
 
 def required_flags(forwarded: list[str]) -> list[str]:
