@@ -152,3 +152,33 @@ def test_every_field_is_checked_from_its_metadata_alone():
             check_fields(Section(**kwargs), "x")
         assert str(err.value) == message
     assert set(CHECKS) == {"> 0", ">= 0", ">= 1", "(0, 1]", "[0, 1]", "[0, 1)"}
+
+
+def test_the_key_helpers_nest_flatten_and_refuse_by_name():
+    import dataclasses
+
+    from cppo_megatron.config import check_fields, flatten_keys, nest_keys, setting
+
+    nested = CPPOConfig(selective=SelectiveConfig(enabled=True)).to_dict()
+    flat = flatten_keys(nested)
+    assert flat["selective.enabled"] is True and flat["pruning_rate"] is None and "selective" not in flat
+    assert CPPOConfig.from_dict(flat) == CPPOConfig.from_dict(nested)
+
+    @dataclasses.dataclass
+    class Top:
+        name: str = setting("a", "a name")
+        count: int = setting(1, "a count")
+
+    # a rename to a key of the same level, given with its new name too: one key set twice
+    with pytest.raises(ValueError, match="x: old and count set the same key x.count; keep one"):
+        nest_keys(Top, {"old": 2, "count": 3}, where="x", renamed={"old": "count"})
+    with pytest.raises(ValueError, match="x.name must be a string, got 3"):
+        check_fields(Top(name=3), "x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"setting: check must be one of \[.*\], got '> 1'"):
+        setting(1, "a count", check="> 1")
+    with pytest.raises(ValueError, match="CPPOConfig.from_dict expects a mapping, got list"):
+        CPPOConfig.from_dict([("pruning_rate", 0.5)])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="CPPOConfig.from_omegaconf expects a DictConfig or mapping, got str"):
+        CPPOConfig.from_omegaconf("pruning_rate=0.5")
+    with pytest.raises(ValueError, match="workload_linear and workload_quadratic are both 0"):
+        CPPOConfig(workload_linear=0.0, workload_quadratic=0.0)

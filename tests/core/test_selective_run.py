@@ -121,11 +121,19 @@ def test_filing_classifies_counts_and_files_each_round_once():
                       completion_lengths=torch.zeros(0), counts={"undeclared": 1})
     with pytest.raises(RuntimeError, match="fill before start_step"):
         run().fill(iter([1]), 1)
+    with pytest.raises(RuntimeError, match="file_groups before start_step"):
+        run().file_groups(torch.zeros(0, dtype=torch.int64), torch.zeros(0), torch.zeros(0, dtype=torch.int64),
+                          completion_lengths=torch.zeros(0))
+    with pytest.raises(ValueError, match="cfg must be a CPPOConfig, got dict"):
+        SelectiveRun({"selective.enabled": True}, num_prompts=8, group_size=2)  # type: ignore[arg-type]
 
 
 def test_classify_groups_needs_every_position():
     zv, easy = classify_groups(torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.tensor([1, 1, 0, 0]), 2)
     assert zv.tolist() == [True, True] and easy.tolist() == [False, True]
+    # all correct but rewards that differ (a format bonus): not zero variance, so not easy either
+    zv, easy = classify_groups(torch.tensor([1.1, 1.0]), torch.tensor([0, 0]), 1, easy_values=torch.ones(2))
+    assert zv.tolist() == [False] and easy.tolist() == [False]
     with pytest.raises(ValueError, match=r"group must hold every position 0..2"):
         classify_groups(torch.tensor([1.0, 1.0]), torch.tensor([0, 2]), 3)
 

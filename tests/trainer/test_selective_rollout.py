@@ -325,3 +325,5 @@ def test_a_round_that_skips_every_candidate_generates_the_last_one_drawn_instead
     assert m["selective/prompts_skipped"] == 11.0 and m["selective/prompts_generated"] == 1.0
     assert [line.split(":")[1].strip()[:31] for line in lines] == ["selective rollout skipped all 1",
                                                                    "selective rollout generated 1 o"]
+    with pytest.raises(ValueError, match="2 rewards and 2 correctness flags for 2 groups x G=2"):
+        sel.end_step(torch.tensor([1, 2]), torch.ones(2), torch.ones(2), torch.full((2,), 3))

@@ -359,3 +359,24 @@ def test_the_history_rides_on_the_dataloader_state_because_the_trainer_actor_can
     assert ray_class.save_logs_and_checkpoints is not pt.BasePPOTrainer.save_logs_and_checkpoints
     for patch in (selective._patch_dataset, selective._patch_generator, selective._patch_loader):
         patch(types.ModuleType("half_imported"))  # no class defined yet: nothing to wrap, no error
+
+
+def test_the_run_state_loads_only_its_own_step_and_says_what_does_not_fit():
+    state = selective.OpenRLHFSelective(CFG, num_prompts=4, step=3)
+    saved = state.state_dict()
+    assert saved["step"] == 3 and saved["num_prompts"] == 4
+    other = selective.OpenRLHFSelective(CFG, num_prompts=4)
+    other.load_state_dict(saved)  # no step given: the saved one
+    assert other.next_step == 3 and other.fingerprint() == state.fingerprint()
+    with pytest.raises(ValueError, match="the checkpoint of global step 5 holds the history of step 3"):
+        other.load_state_dict(saved, step=5)
+    with pytest.raises(ValueError, match="checkpoint state has no step"):
+        other.load_state_dict({k: v for k, v in saved.items() if k != "step"})
+    with pytest.raises(ValueError, match="checkpoint state must be a dict, got list"):
+        other.load_state_dict([])  # type: ignore[arg-type]
+    bigger = selective.OpenRLHFSelective(CFG, num_prompts=8)
+    with pytest.warns(UserWarning, match="saved over a train data set of 4 prompts, this run has 8"):
+        bigger.load_state_dict(saved, step=3)
+    with pytest.raises(RuntimeError, match=r"the prompts of hook step 4 were drawn for step\(s\) \[3\]"):
+        state.begin_call()
+        state.record(4, [], torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.int64), torch.zeros(0))

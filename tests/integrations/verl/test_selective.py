@@ -474,3 +474,11 @@ def test_state_round_trip_and_bad_state(config):
     with pytest.raises(ValueError, match=r"unknown counter\(s\) \['tokens'\]"):
         other.load_state_dict(bad)
     assert np.isfinite(other.totals["prompts_drawn"])
+
+
+def test_a_step_with_no_draw_through_the_hook_files_what_reaches_the_seam_and_lengths_must_match(config):
+    state = selective.VerlSelective(selective.cppo_config_from(config), num_prompts=4, group_size=G)
+    m = state.record(2, ["u1", "u1"], torch.tensor([1.0, 1.0]), torch.tensor([3, 4]))
+    assert state.step == 2 and m["selective/groups_unknown"] == 1.0 and m["selective/groups_recorded"] == 0.0
+    with pytest.raises(ValueError, match="1 response lengths for 2 rows at the CPPO seam"):
+        state.record(2, ["u1", "u1"], torch.tensor([1.0, 1.0]), torch.tensor([3]))
