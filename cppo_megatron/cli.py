@@ -147,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def parse_command(name: str, rest: list[str]) -> tuple[types.ModuleType, argparse.Namespace]:
     """(command module, parsed arguments) for ``cppo-megatron NAME REST...``; argparse exits 2
-    on a bad option. Also what the docs test uses to check a command line without running it."""
+    on a bad option. Also what the docs test uses to check a command line without running it.
+    ``--debug`` is the CLI's (``main`` reads it anywhere on the line), never a command's option."""
+    rest = [a for a in rest if a != DEBUG_FLAG]
     module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(
         prog=f"cppo-megatron {name}",

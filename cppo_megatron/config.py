@@ -1,11 +1,13 @@
-"""The recipe-level CPPO configuration.
+"""The public home of the CPPO configuration: ``from cppo_megatron.config import CPPOConfig``.
 
-``CPPOConfig`` — the one CPPO settings object, every field documented in its metadata —
-is defined in the core (``cppo_megatron.core.settings``), next to the functions that take
-it, so that the core depends on nothing above it. This module re-exports it with its
-choice lists and field helpers (``from cppo_megatron.config import CPPOConfig`` keeps
-working) and adds what only the hosts need: the name veRL selects the estimator by, and
-the list of field names the integrations validate against::
+``CPPOConfig`` — the one CPPO settings object, every field documented in its metadata — is
+defined in the core (``cppo_megatron.core.settings``), next to the functions that take it,
+so that the core depends on nothing above it. Everything outside the core imports it (and
+its choice lists, field helpers and the keep-count rule) from here; this module re-exports
+``core.settings`` whole and adds the one name only the hosts need: the estimator name veRL
+selects CPPO by. (``cppo_megatron.CPPOConfig`` is the same class; the embedded trainer's
+recipe schema, which holds a ``CPPOConfig`` as its ``cppo`` section, is
+``cppo_megatron.trainer.config``.)::
 
     cfg = CPPOConfig(pruning_rate=0.875)
     cfg = CPPOConfig.from_dict({"keep_per_group": 2, "scope": "batch"})
@@ -15,38 +17,10 @@ the list of field names the integrations validate against::
 
 from __future__ import annotations
 
-from .core.settings import (
-    ADV_NORMS,
-    CHECKS,
-    DEFAULT_PRUNING_RATE,
-    FIELD_NAMES,
-    KEEP_MASS_METRICS,
-    MAGNITUDE_METRICS,
-    METRICS,
-    SCOPES,
-    SELECTIVE_PARAMETERS,
-    CPPOConfig,
-    document_fields,
-    field_help,
-    setting,
-)
+from .core import settings as _settings
+from .core.settings import *  # noqa: F403 - a plain re-export: the names and __all__ of core.settings
 
-__all__ = [
-    "ADV_NORMS",
-    "CHECKS",
-    "CPPOConfig",
-    "DEFAULT_PRUNING_RATE",
-    "ESTIMATOR_NAME",
-    "FIELD_NAMES",
-    "KEEP_MASS_METRICS",
-    "MAGNITUDE_METRICS",
-    "METRICS",
-    "SCOPES",
-    "SELECTIVE_PARAMETERS",
-    "document_fields",
-    "field_help",
-    "setting",
-]
+__all__ = [*_settings.__all__, "ESTIMATOR_NAME"]
 
 # the algorithm.adv_estimator value that selects CPPO in veRL
 ESTIMATOR_NAME = "cppo"

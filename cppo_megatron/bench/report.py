@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Report", "write_report", "publish", "machine_info", "markdown_table", "median", "plot_step_split"]
+__all__ = ["Report", "write_report", "publish", "machine_info", "markdown_table", "median", "plot_step_split",
+           "seconds_per_prompt"]
 
 
 def median(values) -> float:
@@ -28,6 +29,28 @@ def median(values) -> float:
         raise ValueError("median of no values")
     m = len(xs) // 2
     return xs[m] if len(xs) % 2 else 0.5 * (xs[m - 1] + xs[m])
+
+
+def seconds_per_prompt(rows: list[dict], skip: int, *, step_key: str, phase_prefix: str, phases: tuple[str, ...],
+                       hint: str) -> dict:
+    """Median seconds per prompt, of the whole step (``step_key``) and of each phase
+    (``phase_prefix + phase``), over a host's logged steps after the first ``skip`` (the host
+    benchmarks' summary: ``bench verl``, ``bench openrlhf``). A step without ``cppo/num_groups``
+    is an error ending in ``hint`` (how the run should have been made)."""
+    steps = [r for r in rows if step_key in r][skip:]
+    if not steps:
+        raise ValueError(f"no timed steps left after skipping {skip}: raise --steps")
+    missing = [r["step"] for r in steps if "cppo/num_groups" not in r]
+    if missing:
+        raise ValueError(f"steps {missing} logged no cppo/num_groups: {hint}")
+    prompts = [r["cppo/num_groups"] for r in steps]
+    out = {"steps": len(steps), "prompts_per_step": median(prompts),
+           "trained_per_step": median([r["cppo/num_kept"] for r in steps]),
+           "s_per_prompt": median([r[step_key] / p for r, p in zip(steps, prompts, strict=True)])}
+    for phase in phases:
+        per_prompt = [r.get(f"{phase_prefix}{phase}", 0.0) / p for r, p in zip(steps, prompts, strict=True)]
+        out[f"{phase}_s_per_prompt"] = median(per_prompt)
+    return out
 
 
 def machine_info() -> dict[str, Any]:

@@ -18,7 +18,7 @@ that run (``p0_batch_of_pP``; ``--no-same-batch`` leaves them out), and the allo
 report their speedup against it with its own bound (S_max from that run's phase split): the
 gain of pruning alone. The same-batch GRPO row's own speedup against GRPO is the batching gain.
 
-With ``--selective`` each rate also runs with selective rollout (``cppo.selective_rollout``:
+With ``--selective`` each rate also runs with selective rollout (``cppo.selective.enabled``:
 prompts whose recent groups all had equal rewards are skipped before generation and
 replaced). Its time per prompt counts every prompt the run consumed from the data set,
 skipped ones included: S_max assumes each prompt consumed is generated, so a skipped
@@ -55,7 +55,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=4, help="steps per run per round (default 4)")
     parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds (default 2)")
     parser.add_argument("--selective", action="store_true",
-                        help="also run each rate with selective rollout (cppo.selective_rollout); its time per prompt "
+                        help="also run each rate with selective rollout (cppo.selective.enabled); its time per prompt "
                              "counts skipped prompts as consumed (see --warmup-steps)")
     parser.add_argument("--warmup-steps", type=int, default=0,
                         help="unrecorded steps per run before the measured ones (default 0); with --selective they "
@@ -128,7 +128,7 @@ def _bench_recipe(recipe, out: Path, warm: Path, key: tuple):
         init_checkpoint=str(warm),
         **{
             "cppo.pruning_rate": rate, "cppo.keep_per_group": None, "cppo.allocation": allocation,
-            "cppo.selective_rollout": selective, **extra,
+            "cppo.selective.enabled": selective, **extra,
             "warmup.enabled": False, "eval.every": 0, "log.progress": False, "log.tensorboard": False,
             "log.plots": False, "log.checkpoint_every": 0, "train.steps": 10**9, "train.max_time_s": 0.0,
         },

@@ -63,7 +63,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full", action="store_true", help=f"the full grid: {FULL}")
     parser.add_argument("--generation", default=None,
                         help="comma-separated of " + ",".join(GENERATION) + " (default all): what each arm generates; "
-                             "selective = cppo.selective_rollout (GRESO: skip prompts whose recent groups all had "
+                             "selective = cppo.selective.enabled (GRESO: skip prompts whose recent groups all had "
                              "equal rewards), dapo = cppo.dynamic_sampling (drop zero-variance groups, refill); "
                              "crossed with every rate, metric and allocation; with a veRL recipe every arm then runs "
                              "veRL's V1 loop (the one that filters and that selective rollout hooks)")

@@ -29,7 +29,7 @@ METRIC_SETTINGS = {  # name -> (cppo.metric, cppo.use_abs)
 # how a run chooses what to generate (--generation) -> (recipe overrides, label suffix)
 GENERATION = {
     "all": ({}, ""),  # every prompt drawn is generated, every group trained on (CPPO prunes after rewards)
-    "selective": ({"cppo.selective_rollout": True}, " + selective rollout"),  # GRESO: skip before generation
+    "selective": ({"cppo.selective.enabled": True}, " + selective rollout"),  # GRESO: skip before generation
     "dapo": ({"cppo.dynamic_sampling": True}, " + DAPO filter"),  # drop zero-variance groups, refill
 }
 

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from ..recipes import arg_type as recipe_arg
-from .report import Report, median, plot_step_split
+from .report import Report, plot_step_split, seconds_per_prompt
 from .samebatch import GRPO, SAME_BATCH, rows_against_both, same_batch_note, same_batch_prompts
 
 GEN_KEYS = ("timing_s/gen",)
@@ -101,20 +101,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 def summarize(rows: list[dict], skip: int) -> dict:
     """Median seconds per prompt (whole step and per phase) over the steps after ``skip``."""
-    steps = [r for r in rows if "timing_s/step" in r][skip:]
-    if not steps:
-        raise ValueError(f"no timed steps left after skipping {skip}: raise --steps")
-    missing = [r["step"] for r in steps if "cppo/num_groups" not in r]
-    if missing:
-        raise ValueError(f"steps {missing} logged no cppo/num_groups: was the run made with adv_estimator=cppo?")
-    prompts = [r["cppo/num_groups"] for r in steps]
-    out = {"steps": len(steps), "prompts_per_step": median(prompts),
-           "trained_per_step": median([r["cppo/num_kept"] for r in steps]),
-           "s_per_prompt": median([r["timing_s/step"] / p for r, p in zip(steps, prompts, strict=True)])}
-    for phase in PHASES:
-        key = f"timing_s/{phase}"
-        out[f"{phase}_s_per_prompt"] = median([r.get(key, 0.0) / p for r, p in zip(steps, prompts, strict=True)])
-    return out
+    return seconds_per_prompt(rows, skip, step_key="timing_s/step", phase_prefix="timing_s/", phases=PHASES,
+                              hint="was the run made with adv_estimator=cppo?")
 
 
 def _run_one(recipe: str, overrides: list[str], run_dir: Path, steps: int, loop: str, log_path: Path) -> list[dict]:

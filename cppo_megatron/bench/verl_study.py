@@ -10,7 +10,7 @@ whatever engine the recipe names) from the same exported start model and data:
 
 ``--rates``, ``--metrics`` and ``--allocation`` choose the arms as in the embedded study
 (default: P in {0, 0.875}, metric ``smallest``, allocation both ways). ``--generation
-all,selective,dapo`` crosses them with what is generated: ``selective`` (``cppo.selective_rollout``,
+all,selective,dapo`` crosses them with what is generated: ``selective`` (``cppo.selective.enabled``,
 GRESO's skip before generation) and ``dapo`` (veRL's own ``algorithm.filter_groups``: groups with
 equal rewards are dropped in its replay buffer and refilled); both live in veRL's V1 loop only, so
 a study with any of them runs every arm on V1 (``trainer.use_v1=true``), the arms generating
@@ -89,7 +89,7 @@ STEP_LIMIT = 1_000_000  # veRL needs a step count; the clock ends the run long b
 DAPO_OVERRIDES = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=reward",
                   "algorithm.filter_groups.max_inflight_gen_batches=1"]
 # what --generation sets in veRL (the embedded study's keys are the trainer's: study_table.GENERATION)
-VERL_GENERATION = {"all": [], "selective": ["cppo.selective_rollout=true"], "dapo": DAPO_OVERRIDES}
+VERL_GENERATION = {"all": [], "selective": ["cppo.selective.enabled=true"], "dapo": DAPO_OVERRIDES}
 
 
 def is_verl_recipe(path: str | Path) -> bool:
@@ -436,7 +436,7 @@ def _verl_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--metrics {unknown}: not available in veRL; choose from {list(VERL_METRICS)}")
     for o in args.overrides:
         if o.split("=", 1)[0].lstrip("+") in ("trainer.use_v1", "trainer.total_training_steps", "cppo.pruning_rate",
-                                              "cppo.allocation", "algorithm.adv_estimator", "cppo.selective_rollout",
+                                              "cppo.allocation", "algorithm.adv_estimator", "cppo.selective.enabled",
                                               "algorithm.filter_groups.enable"):
             raise ValueError(f"override {o!r}: the study sets it per arm (loop, budget, arms; --generation for "
                              "selective rollout and the DAPO filter)")

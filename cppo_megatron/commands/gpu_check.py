@@ -56,7 +56,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-scale", type=float, default=1.0,
                         help="multiply every check's time budget (slow or shared machines)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--debug", action="store_true", help="print the traceback of a failed check")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,13 +72,10 @@ def run(args: argparse.Namespace) -> int:
         parallel = 2 if device == "cuda" and torch.cuda.device_count() >= 2 else 0
     only = tuple(c.strip() for c in args.only.split(",") if c.strip()) if args.only else (
         STUDY_CHECKS if args.study else CHECKS)
-    try:
-        s = GpuCheckSettings(device=device, quick=args.quick, out=args.out, seed=args.seed,
-                             budget_scale=args.budget_scale, parallel=parallel, only=only,
-                             study_model=args.study_model, study_seconds=args.study_seconds).validate()
-    except ValueError as exc:
-        print(f"cppo-megatron gpu-check: {exc}", file=sys.stderr)
-        return 2
+    # a bad setting is a ValueError: the CLI prints it on one line and exits 2
+    s = GpuCheckSettings(device=device, quick=args.quick, out=args.out, seed=args.seed,
+                         budget_scale=args.budget_scale, parallel=parallel, only=only,
+                         study_model=args.study_model, study_seconds=args.study_seconds).validate()
     print(f"gpu-check: device={device}{' (quick)' if s.quick else ''}, checks {', '.join(s.only)}, "
           f"megatron TP/PP on 2 processes: {'yes' if parallel else 'no'}; output -> {s.out}", flush=True)
     results, total = run_gpu_check(s, log=lambda m: print(m, flush=True))

@@ -38,7 +38,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-config", metavar="CONFIG_JSON",
                         help="with --dry-run: size the model of this HF config.json instead of model.path's "
                              "(e.g. before downloading it; recipes/models/ has the Qwen2.5 ones)")
-    parser.add_argument("--debug", action="store_true", help="on a recipe error, show the Python traceback")
     parser.add_argument("--help-recipe", nargs="?", const="", metavar="SECTION", action=_HelpRecipe,
                         help="list every recipe key (or those under SECTION, e.g. cppo) with its default, "
                              "choices and meaning, and exit")
@@ -58,8 +57,8 @@ class _HelpRecipe(argparse.Action):
 
 
 def _dry_run(recipe, args) -> int:
-    """The layout and the per-rank memory table; exit status 2 when the run cannot fit."""
-    from ..trainer.config import RecipeError
+    """The layout and the per-rank memory table; a run that cannot fit raises ``RecipeError`` after
+    the table (the CLI: one line, exit status 2)."""
     from ..trainer.sizing import check_fit, estimate, format_report, machine_memory_gb, ram_warning
 
     limit, where = machine_memory_gb(recipe, args.nproc)
@@ -68,38 +67,30 @@ def _dry_run(recipe, args) -> int:
     warning = ram_warning(report, recipe, args.nproc)
     if warning:
         print(f"warning: {warning}")
-    try:
-        check_fit(report, limit, where)
-    except RecipeError as exc:
-        print(f"cppo-megatron train: {exc}", file=sys.stderr)
-        return 2
+    check_fit(report, limit, where)
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    """A recipe error (``RecipeError``, a ValueError) or a missing checkpoint reaches the CLI, which
+    prints it on one line and exits 2 (the traceback with ``--debug``, anywhere on the line)."""
     from ..trainer.config import RecipeError, load_recipe, recipe_to_dict
     from ..trainer.preflight import check_inputs
     from ..trainer.sizing import size_run
 
-    try:
-        recipe = load_recipe(args.recipe, args.overrides)
-        if args.print_recipe:
-            print(json.dumps(recipe_to_dict(recipe), indent=2))
-            return 0
-        if args.nproc < 1:
-            raise RecipeError(f"--nproc must be >= 1, got {args.nproc}")
-        if args.model_config and not args.dry_run:
-            raise RecipeError("--model-config sizes a model for --dry-run only; the run itself uses model.path")
-        if args.dry_run:
-            return _dry_run(recipe, args)
-        # before the warm-up, and before torchrun starts N processes that would each fail
-        inputs = check_inputs(recipe, resume=args.resume)
-        _, _, notes = size_run(recipe, args.nproc)  # refuses a run that cannot fit, with the numbers
-    except RecipeError as exc:
-        if args.debug:
-            raise
-        print(f"cppo-megatron train: {exc}", file=sys.stderr)
-        return 2
+    recipe = load_recipe(args.recipe, args.overrides)
+    if args.print_recipe:
+        print(json.dumps(recipe_to_dict(recipe), indent=2))
+        return 0
+    if args.nproc < 1:
+        raise RecipeError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.model_config and not args.dry_run:
+        raise RecipeError("--model-config sizes a model for --dry-run only; the run itself uses model.path")
+    if args.dry_run:
+        return _dry_run(recipe, args)
+    # before the warm-up, and before torchrun starts N processes that would each fail
+    inputs = check_inputs(recipe, resume=args.resume)
+    _, _, notes = size_run(recipe, args.nproc)  # refuses a run that cannot fit, with the numbers
     for note in [*inputs.warnings, *notes]:
         print(f"cppo-megatron train: {note}", file=sys.stderr)
     return start(recipe, args, inputs)
@@ -115,11 +106,7 @@ def start(recipe, args: argparse.Namespace, inputs) -> int:
 
     from ..trainer import Trainer
 
-    try:
-        trainer = Trainer(recipe, resume=args.resume, task=inputs.task)
-    except FileNotFoundError as exc:  # --resume without a (readable) checkpoint
-        print(f"cppo-megatron train: {exc}", file=sys.stderr)
-        return 2
+    trainer = Trainer(recipe, resume=args.resume, task=inputs.task)  # --resume without a checkpoint: FileNotFoundError
     summary = trainer.run()
     if summary.get("interrupted"):
         return 130

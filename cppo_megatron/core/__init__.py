@@ -2,7 +2,8 @@
 take. Imports nothing from the rest of the package (only torch, numpy and the standard
 library; ``tests/core/test_layering.py`` keeps it so).
 
-- ``settings``: ``CPPOConfig`` (every field documented) and the choice lists its fields allow
+- ``settings``: ``CPPOConfig`` (every field documented; its ``SelectiveConfig`` section) and the
+  choice lists its fields allow
 - ``advantage``: full-group GRPO / Dr. GRPO advantages and statistics
 - ``selection``: which completions survive (metric, scope, seeded tie-breaks)
 - ``sampling``: importance sampling (unbiased pruning) and keep_mass counts, vectorised
@@ -11,7 +12,8 @@ library; ``tests/core/test_layering.py`` keeps it so).
 - ``loss``: clipped surrogate, KL estimators, loss aggregation over the kept set
 - ``pipeline``: ``prune`` = advantages + selection in one call
 - ``selective``: selective rollout (GRESO): per-prompt history, pre-rollout skip decisions,
-  adaptive exploration rates, batch filling, a step's ``selective/*`` metrics
+  adaptive exploration rates, batch filling, a step's ``selective/*`` metrics;
+  ``selective_run``: ``SelectiveRun``, the driver every host runs over them
 """
 
 from ._checks import check_int  # public: the int check adapters share with the core
@@ -59,7 +61,8 @@ from .selective import (
     step_metrics,
     target_shares,
 )
-from .settings import DEFAULT_PRUNING_RATE, METRICS, SCOPES, CPPOConfig, keep_count
+from .selective_run import SelectiveRun
+from .settings import DEFAULT_PRUNING_RATE, METRICS, SCOPES, CPPOConfig, SelectiveConfig, keep_count
 
 __all__ = [
     "ADV_NORMS",
@@ -81,7 +84,9 @@ __all__ = [
     "RoundCounts",
     "SCOPES",
     "Selection",
+    "SelectiveConfig",
     "SelectiveHistory",
+    "SelectiveRun",
     "SkipDecision",
     "adapt_exploration",
     "adapt_from_config",

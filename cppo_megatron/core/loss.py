@@ -32,6 +32,18 @@ def _check_pair(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> N
         raise ValueError(f"{name_a} {tuple(a.shape)} and {name_b} {tuple(b.shape)} must have the same shape")
 
 
+def _as_weights(weights: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """[N] finite non-negative per-sequence weights in ``loss``'s dtype and device, or a ValueError."""
+    if not isinstance(weights, torch.Tensor) or weights.shape != loss.shape[:1]:
+        raise ValueError(
+            f"weights must be a [N] tensor for {loss.shape[0]} sequences, got "
+            f"{tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__}"
+        )
+    if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
+        raise ValueError("weights must be finite and >= 0 (Selection.weights are 1 / pi_i)")
+    return weights.to(device=loss.device, dtype=loss.dtype)
+
+
 def aggregate_loss(
     loss: torch.Tensor,
     mask: torch.Tensor,
@@ -83,17 +95,7 @@ def aggregate_loss(
         if v is not None and not (float(v) > 0):
             raise ValueError(f"{name} must be > 0, got {v!r}")
     m = mask.to(loss.dtype)
-    if weights is not None:
-        if not isinstance(weights, torch.Tensor) or weights.shape != loss.shape[:1]:
-            raise ValueError(
-                f"weights must be a [N] tensor for {loss.shape[0]} sequences, got "
-                f"{tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__}"
-            )
-        if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
-            raise ValueError("weights must be finite and >= 0 (Selection.weights are 1 / pi_i)")
-        w = weights.to(device=loss.device, dtype=loss.dtype)
-    else:
-        w = None
+    w = None if weights is None else _as_weights(weights, loss)
     masked = loss * m
     if mode == "token-mean":
         if w is None:

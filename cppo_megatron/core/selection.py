@@ -8,7 +8,6 @@ rank, whatever its device, computes bit-identical decisions from identical input
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,7 +16,7 @@ import torch
 from ._checks import as_1d_float, as_group_ids, check_int
 from .advantage import GroupStats
 from .sampling import grouped_layout, inclusion_probabilities, mass_keep_counts, systematic_sample
-from .settings import DEFAULT_PRUNING_RATE, K_TOLERANCE, METRICS, SCOPES, check_config, keep_count
+from .settings import DEFAULT_PRUNING_RATE, METRICS, SCOPES, check_config, keep_count
 
 if TYPE_CHECKING:
     from .settings import CPPOConfig
@@ -26,8 +25,11 @@ __all__ = [
     "DEFAULT_PRUNING_RATE",
     "METRICS",
     "SCOPES",
+    "Pools",
     "Selection",
+    "choose_kept",
     "keep_count",
+    "keep_counts",
     "keep_order",
     "select_completions",
     "seeded_generator",
@@ -224,13 +226,13 @@ def select_completions(
         N rows, both ascending, together covering range(N) once; per-group counts [M];
         ``weights`` [K] float32 (1/pi for ``importance``, else 1.0).
 
-    How many: group scope keeps k_g = floor(G_g (1 - P)) (at least 1) per group; batch
+    How many (``keep_counts``): group scope keeps k_g = floor(G_g (1 - P)) (at least 1) per group; batch
     scope keeps floor(N (1 - P)) (at least 1) across the batch (or k * num_groups with
     ``keep_per_group``). With ``keep_mass = f`` the count is the fewest completions whose
     A^2 reaches f of the group's (batch scope: the batch's) A^2 total; zero-variance groups
     keep none.
 
-    Which: score = |A| (or A when ``use_abs`` is False); ``smallest`` prunes the lowest
+    Which (``choose_kept``): score = |A| (or A when ``use_abs`` is False); ``smallest`` prunes the lowest
     scores, ``largest`` the highest, ``random`` ignores the score; ``importance`` draws the
     k by randomised systematic sampling with inclusion probabilities pi proportional to |A|
     (capped at 1) within each group (batch scope: across the batch) and sets
@@ -239,9 +241,6 @@ def select_completions(
     a = as_1d_float("advantages", advantages)
     g = as_group_ids("group_ids", group_ids, a.numel()).cpu()
     metric, use_abs, seed = _ranking_settings(cfg, step)  # validates every field of cfg
-    pruning_rate, keep_per_group, scope = cfg.pruning_rate, cfg.keep_per_group, cfg.scope
-    keep_mass = cfg.keep_mass
-
     n = a.numel()
     a_cpu = a.detach().to("cpu", torch.float64)
     if stats is not None:
@@ -251,72 +250,112 @@ def select_completions(
     else:
         uniq, inverse, size = torch.unique(g, sorted=True, return_inverse=True, return_counts=True)
 
-    # "pools": the sets a count applies to - each group (group scope) or the whole batch
-    if scope == "batch":
-        pool_of, pool_size = torch.zeros(n, dtype=torch.int64), torch.tensor([n], dtype=torch.int64)
-    else:
-        pool_of, pool_size = inverse, size
-
-    if keep_mass is not None:
-        index, valid = grouped_layout(pool_of, pool_size)
-        k_pool = mass_keep_counts(a_cpu.square()[index], valid, keep_mass)
-    elif scope == "batch":
-        if keep_per_group is not None:
-            too_small = size < keep_per_group
-            if bool(too_small.any()):
-                j = int(too_small.nonzero()[0])
-                raise ValueError(
-                    f"keep_per_group={keep_per_group} is larger than group {int(uniq[j])} "
-                    f"({int(size[j])} completions)"
-                )
-            n_keep = keep_per_group * uniq.numel()
-        else:
-            p = DEFAULT_PRUNING_RATE if pruning_rate is None else float(pruning_rate)
-            n_keep = max(1, math.floor(n * (1.0 - p) + K_TOLERANCE))
-        k_pool = torch.tensor([n_keep], dtype=torch.int64)
-    else:
-        distinct_sizes, size_inv = torch.unique(size, return_inverse=True)
-        k_distinct = torch.tensor(
-            [keep_count(int(v), pruning_rate, keep_per_group) for v in distinct_sizes.tolist()],
-            dtype=torch.int64,
-        )
-        k_pool = k_distinct[size_inv]
-
-    weight_full = None  # [N] 1/pi, importance only (the deterministic metrics weigh 1.0)
-    if metric == "importance":
-        gen = seeded_generator(seed, step, stream=IMPORTANCE_STREAM)
-        # a seeded random order within each pool makes the systematic design "randomised"
-        index, valid = grouped_layout(pool_of, pool_size, torch.randperm(n, generator=gen))
-        pi = inclusion_probabilities(a_cpu.abs()[index], valid, k_pool)
-        chosen, pi_exact = systematic_sample(pi, valid, k_pool, gen)
-        kept = index[chosen]
-        weight_full = torch.ones(n, dtype=torch.float64)
-        weight_full[kept] = 1.0 / pi_exact[chosen]
-    else:
-        # k per pool; members ranked by a stable sort of the global order on pool
-        order = _keep_order(a_cpu, metric, use_abs, seed, step)
-        grouped = order[torch.sort(pool_of[order], stable=True).indices]
-        starts = torch.cumsum(pool_size, 0) - pool_size
-        rank_in_pool = torch.arange(n) - starts[pool_of[grouped]]
-        kept = grouped[rank_in_pool < k_pool[pool_of[grouped]]]
-
+    pools = keep_counts(a_cpu, uniq, inverse, size, cfg)
+    kept, weight_full = choose_kept(a_cpu, pools, cfg, step=step)
     mask = torch.zeros(n, dtype=torch.bool)
     mask[kept] = True
     kept = mask.nonzero().squeeze(1)  # ascending, without another sort
-    pruned = (~mask).nonzero().squeeze(1)
     kept_per_group = torch.zeros(uniq.numel(), dtype=torch.int64).index_add_(
         0, inverse[kept], torch.ones_like(kept)
     )
     return Selection(
         kept=kept,
-        pruned=pruned,
+        pruned=(~mask).nonzero().squeeze(1),
         group_ids=uniq,
         group_size=size,
         kept_per_group=kept_per_group,
         advantages=a,
-        scope=scope,
+        scope=cfg.scope,
         metric=metric,
         use_abs=use_abs,
         weights=None if weight_full is None else weight_full[kept].to(torch.float32),
-        keep_mass=keep_mass,
+        keep_mass=cfg.keep_mass,
     )
+
+
+@dataclass(frozen=True)
+class Pools:
+    """The sets a keep count applies to (each group with ``scope=group``, the whole batch with
+    ``scope=batch``) and how many of each survive: what ``keep_counts`` decides.
+
+    Attributes:
+        of: [N] int64, the pool of each completion.
+        size: [P] int64, completions per pool.
+        keep: [P] int64, how many of each pool to keep, in [0, size].
+    """
+
+    of: torch.Tensor
+    size: torch.Tensor
+    keep: torch.Tensor
+
+
+def keep_counts(advantages: torch.Tensor, group_ids: torch.Tensor, inverse: torch.Tensor, size: torch.Tensor,
+                cfg: CPPOConfig) -> Pools:
+    """How many survive per pool: the first half of ``select_completions``.
+
+    Args:
+        advantages: [N] float64 CPU advantages (only ``keep_mass`` reads them).
+        group_ids: [M] int64 distinct group ids, ascending; inverse: [N] int64 group of each
+            completion (index into ``group_ids``); size: [M] int64 completions per group.
+        cfg: a validated ``CPPOConfig``.
+
+    Returns:
+        ``Pools``. ``keep_mass = f``: the fewest completions whose A^2 reaches f of the pool's A^2
+        total; else group scope: k_g = ``keep_count(G_g, P, k)`` per group, batch scope:
+        ``keep_count(N, P)`` (or k x num_groups with ``keep_per_group``).
+    """
+    n = advantages.numel()
+    if cfg.scope == "batch":
+        of, pool_size = torch.zeros(n, dtype=torch.int64), torch.tensor([n], dtype=torch.int64)
+    else:
+        of, pool_size = inverse, size
+    if cfg.keep_mass is not None:
+        index, valid = grouped_layout(of, pool_size)
+        return Pools(of, pool_size, mass_keep_counts(advantages.square()[index], valid, cfg.keep_mass))
+    if cfg.scope == "group":
+        distinct, size_inv = torch.unique(size, return_inverse=True)
+        k = [keep_count(int(v), cfg.pruning_rate, cfg.keep_per_group) for v in distinct.tolist()]
+        return Pools(of, pool_size, torch.tensor(k, dtype=torch.int64)[size_inv])
+    if cfg.keep_per_group is not None:
+        too_small = size < cfg.keep_per_group
+        if bool(too_small.any()):
+            j = int(too_small.nonzero()[0])
+            raise ValueError(f"keep_per_group={cfg.keep_per_group} is larger than group {int(group_ids[j])} "
+                             f"({int(size[j])} completions)")
+        return Pools(of, pool_size, torch.tensor([cfg.keep_per_group * group_ids.numel()], dtype=torch.int64))
+    # the batch as one pool: floor(N (1 - P)), at least 1
+    return Pools(of, pool_size, torch.tensor([keep_count(n, cfg.pruning_rate, None)], dtype=torch.int64))
+
+
+def choose_kept(advantages: torch.Tensor, pools: Pools, cfg: CPPOConfig, *, step: int
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Which ones survive: the second half of ``select_completions``.
+
+    Args:
+        advantages: [N] float64 CPU advantages.
+        pools: ``keep_counts``' pools and counts.
+        cfg: a validated ``CPPOConfig`` (``metric``, ``use_abs``, ``seed``); step: int >= 0.
+
+    Returns:
+        (kept [K] int64 indices, in no particular order; weights [N] float64 1/pi or None).
+        ``importance``: a randomised systematic sample with inclusion probabilities pi ~ |A| per
+        pool, weights 1/pi; the other metrics: the first ``keep`` of each pool in ``_keep_order``
+        (score order, seeded tie-breaks), no weights.
+    """
+    n = advantages.numel()
+    if cfg.metric == "importance":
+        gen = seeded_generator(cfg.seed, step, stream=IMPORTANCE_STREAM)
+        # a seeded random order within each pool makes the systematic design "randomised"
+        index, valid = grouped_layout(pools.of, pools.size, torch.randperm(n, generator=gen))
+        pi = inclusion_probabilities(advantages.abs()[index], valid, pools.keep)
+        chosen, pi_exact = systematic_sample(pi, valid, pools.keep, gen)
+        kept = index[chosen]
+        weights = torch.ones(n, dtype=torch.float64)
+        weights[kept] = 1.0 / pi_exact[chosen]
+        return kept, weights
+    # k per pool; members ranked by a stable sort of the global order on pool
+    order = _keep_order(advantages, cfg.metric, cfg.use_abs, cfg.seed, step)
+    grouped = order[torch.sort(pools.of[order], stable=True).indices]
+    starts = torch.cumsum(pools.size, 0) - pools.size
+    rank_in_pool = torch.arange(n) - starts[pools.of[grouped]]
+    return grouped[rank_in_pool < pools.keep[pools.of[grouped]]], None

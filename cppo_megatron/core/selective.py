@@ -24,10 +24,14 @@ The pieces, each pure and CPU-only (identical on every rank from identical input
   (never by batch position), with ``state_dict`` / ``load_state_dict``
 - ``decide_skips``: the skip decision for a set of candidates (``SkipDecision``)
 - ``adapt_exploration``: the next ``ExplorationRates``; ``adapt_from_config`` with a
-  ``CPPOConfig``'s ``selective_*`` targets, step and bounds
-- ``fill_batch``: draw candidates in order until ``wanted`` are kept (``FilledBatch``)
+  ``CPPOConfig``'s ``selective`` targets, step and bounds
+- ``fill_batch``: draw candidates in order until ``wanted`` are kept (``FilledBatch``; with a
+  draw cap and ``min_keep``, the last drawn are kept when the cap is reached with too few)
 - ``step_metrics``: one step's ``selective/*`` plain floats over its rounds (``count_rounds``),
   its recorded outcomes (``OutcomeCounts``) and ``estimate_tokens_saved``
+
+The driver every host runs over these (history, rates and counters of a run, the step in
+progress) is ``core.selective_run.SelectiveRun``.
 
 Parameters (defaults): ``p_easy = p_hard = 0.5`` initially, target zero-variance share
 ``alpha = 0.25`` split as ``alpha / 3`` for easy and ``2 alpha / 3`` for hard groups, step
@@ -811,15 +815,38 @@ class FilledBatch:
     """The outcome of ``fill_batch``: every drawn candidate is kept or skipped, none lost.
 
     Attributes:
-        decision: the ``SkipDecision`` over every drawn candidate, in draw order.
+        decision: the ``SkipDecision`` over every drawn candidate, in draw order (what the rule
+            said for each).
         wanted: int, the prompts asked for.
         exhausted: bool, the stream ended (or ``max_draws`` was reached) before ``wanted``
-            were kept.
+            were kept by the rule.
+        forced: [d] bool, candidates the rule skipped but the fill kept all the same (``min_keep``:
+            the draw cap was reached with too few kept); None means none.
+        capped: bool, the fill stopped at ``max_draws`` (not at the end of the stream).
     """
 
     decision: SkipDecision
     wanted: int
     exhausted: bool
+    forced: torch.Tensor | None = None
+    capped: bool = False
+
+    def __post_init__(self) -> None:
+        if self.forced is None:
+            object.__setattr__(self, "forced", torch.zeros(self.decision.num_candidates, dtype=torch.bool))
+        elif self.forced.shape != self.decision.skip.shape or bool((self.forced & ~self.decision.skip).any()):
+            raise ValueError("FilledBatch.forced must be a [d] bool mask of skipped candidates, aligned with decision")
+
+    @property
+    def forced_mask(self) -> torch.Tensor:
+        """[d] bool, ``forced`` (never None once built)."""
+        assert self.forced is not None  # __post_init__ fills None with zeros
+        return self.forced
+
+    @property
+    def kept_mask(self) -> torch.Tensor:
+        """[d] bool, the candidates generated: kept by the rule, or forced."""
+        return ~self.decision.skip | self.forced_mask
 
     @property
     def drawn(self) -> torch.Tensor:
@@ -828,13 +855,17 @@ class FilledBatch:
 
     @property
     def kept(self) -> torch.Tensor:
-        """[k] int64 ids to generate, in draw order; k = wanted unless exhausted."""
-        return self.decision.kept_ids()
+        """[k] int64 ids to generate, in draw order; k = wanted unless exhausted (forced ones included)."""
+        return self.decision.prompt_ids[self.kept_mask]
 
     @property
     def skipped(self) -> torch.Tensor:
         """[d - k] int64 ids skipped, in draw order."""
-        return self.decision.skipped_ids()
+        return self.decision.prompt_ids[~self.kept_mask]
+
+    @property
+    def num_forced(self) -> int:
+        return int(self.forced_mask.sum())
 
 
 CandidateSource = Iterable[int] | Callable[[int], Sequence[int]]
@@ -851,6 +882,24 @@ def _as_id(v: Any, index: int) -> int:
     return v
 
 
+def _taker(candidates: CandidateSource) -> Callable[[int], list[Any]]:
+    """``take(n)``: up to n more candidates from an iterable, a tensor or a ``draw(n)`` callable."""
+    if callable(candidates) and not isinstance(candidates, Iterable):
+        draw_fn = candidates
+
+        def take(n: int) -> list[Any]:
+            got = list(draw_fn(n))
+            if len(got) > n:
+                raise ValueError(f"the candidate source returned {len(got)} ids when asked for {n}")
+            return got
+
+        return take
+    if isinstance(candidates, torch.Tensor):
+        candidates = _as_prompt_ids("candidates", candidates).tolist()
+    it = iter(candidates)
+    return lambda n: list(itertools.islice(it, n))
+
+
 def fill_batch(
     candidates: CandidateSource,
     wanted: int,
@@ -860,6 +909,7 @@ def fill_batch(
     step: int,
     rates: ExplorationRates,
     max_draws: int | None = None,
+    min_keep: int = 0,
 ) -> FilledBatch:
     """Take candidates in order, skip per ``decide_skips``, until ``wanted`` are kept.
 
@@ -877,6 +927,15 @@ def fill_batch(
         max_draws: int >= 0 or None; at most this many candidates are taken (set it for
             an endless stream: prompts whose skip probability is near 1 could otherwise
             be drawn for a long time).
+        min_keep: int in [0, wanted]; when ``max_draws`` is reached with fewer kept, the last
+            skipped candidates drawn are kept all the same (``forced``), up to ``min_keep``: a
+            host that must generate something never gets nothing. The last drawn, not the one
+            with the highest keep probability: the prompt the host's own order hands at that
+            point, as without selective rollout; when every prompt sits at the keep floor, the
+            "best" would be the one with the largest uniform, the same prompt for every fill of
+            a step (a prompt's uniform depends on (seed, step, id) only). The end of the stream
+            forces nothing (the data ended: the host ends its pass as it would without selective
+            rollout).
 
     Returns:
         a ``FilledBatch``: ``kept`` [k], ``skipped`` [d - k], ``drawn`` [d], in draw order.
@@ -884,6 +943,8 @@ def fill_batch(
     check_int("wanted", wanted, minimum=0)
     if max_draws is not None:
         check_int("max_draws", max_draws, minimum=0)
+    if check_int("min_keep", min_keep, minimum=0) > wanted:
+        raise ValueError(f"min_keep={min_keep} is more than wanted={wanted}: a fill keeps at most what it is asked for")
     if not isinstance(history, SelectiveHistory):
         raise ValueError(f"history must be a SelectiveHistory, got {type(history).__name__}")
     if not isinstance(rates, ExplorationRates):
@@ -891,31 +952,16 @@ def fill_batch(
     _check_seed(seed)
     check_int("step", step, minimum=0)
 
-    if callable(candidates) and not isinstance(candidates, Iterable):
-        draw_fn = candidates
-
-        def take(n: int) -> list[Any]:
-            got = list(draw_fn(n))
-            if len(got) > n:
-                raise ValueError(f"the candidate source returned {len(got)} ids when asked for {n}")
-            return got
-    else:
-        if isinstance(candidates, torch.Tensor):
-            candidates = _as_prompt_ids("candidates", candidates).tolist()
-        it = iter(candidates)
-
-        def take(n: int) -> list[Any]:
-            return list(itertools.islice(it, n))
-
+    take = _taker(candidates)
     drawn: list[int] = []
     kept = 0
-    exhausted = False
+    exhausted = capped = False
     while kept < wanted:
         need = wanted - kept
         if max_draws is not None:
             need = min(need, max_draws - len(drawn))
             if need == 0:
-                exhausted = True
+                exhausted = capped = True
                 break
         chunk = [_as_id(v, len(drawn) + j) for j, v in enumerate(take(need))]
         if chunk:
@@ -926,7 +972,10 @@ def fill_batch(
             exhausted = True
             break
     decision = decide_skips(history, torch.tensor(drawn, dtype=torch.int64), seed=seed, step=step, rates=rates)
-    return FilledBatch(decision=decision, wanted=wanted, exhausted=exhausted)
+    forced = torch.zeros(len(drawn), dtype=torch.bool)
+    if capped and kept < min_keep:
+        forced[decision.skip.nonzero().squeeze(1)[kept - min_keep:]] = True  # the last skipped ones
+    return FilledBatch(decision=decision, wanted=wanted, exhausted=exhausted, forced=forced, capped=capped)
 
 
 # ---------------------------------------------------------------------- a step's counts and metrics
@@ -939,6 +988,7 @@ class RoundCounts:
         skipped: int, of them skipped; ``drawn = skipped + generated``.
         generated: int, of them kept (generated).
         skipped_easy, skipped_hard: int, the skipped ones by the kind of their last group.
+        forced: int, of the generated ones those the rule skipped but a fill kept (``min_keep``).
     """
 
     drawn: int
@@ -946,6 +996,7 @@ class RoundCounts:
     generated: int
     skipped_easy: int
     skipped_hard: int
+    forced: int = 0
 
 
 def _check_rounds(rounds: Any) -> list[FilledBatch]:
@@ -971,13 +1022,18 @@ def count_rounds(rounds: Sequence[FilledBatch]) -> RoundCounts:
     Returns:
         a ``RoundCounts`` over every round.
     """
-    ds = [fb.decision for fb in _check_rounds(rounds)]
+    fbs = _check_rounds(rounds)
+
+    def skipped_of(kind: int) -> int:
+        return sum(int((~fb.kept_mask & (fb.decision.last_outcome == kind)).sum()) for fb in fbs)
+
     return RoundCounts(
-        drawn=sum(d.num_candidates for d in ds),
-        skipped=sum(d.num_skipped for d in ds),
-        generated=sum(d.num_kept for d in ds),
-        skipped_easy=sum(d.num_skipped_easy for d in ds),
-        skipped_hard=sum(d.num_skipped_hard for d in ds),
+        drawn=sum(fb.decision.num_candidates for fb in fbs),
+        skipped=sum(int((~fb.kept_mask).sum()) for fb in fbs),
+        generated=sum(int(fb.kept_mask.sum()) for fb in fbs),
+        skipped_easy=skipped_of(EASY),
+        skipped_hard=skipped_of(HARD),
+        forced=sum(fb.num_forced for fb in fbs),
     )
 
 
@@ -1039,25 +1095,25 @@ def _as_counts(outcomes: Any) -> OutcomeCounts:
 
 def adapt_from_config(rates: ExplorationRates, cfg: CPPOConfig, outcomes: GroupOutcomes | OutcomeCounts
                       ) -> ExplorationRates:
-    """``adapt_exploration`` with the targets, step and bounds of a ``CPPOConfig``'s ``selective_*`` fields.
+    """``adapt_exploration`` with the targets, step and bounds of a ``CPPOConfig``'s ``selective`` section.
 
     Args:
         rates: the current ``ExplorationRates``.
-        cfg: the run's ``CPPOConfig`` (``selective_target_zero_variance`` gives the targets through
-            ``target_shares``; ``selective_step_size``, ``selective_p_min``, ``selective_p_max``).
+        cfg: the run's ``CPPOConfig`` (``selective.target_zero_variance`` gives the targets through
+            ``target_shares``; ``selective.step_size``, ``selective.p_min``, ``selective.p_max``).
         outcomes: the groups generated and recorded this step (``GroupOutcomes`` or ``OutcomeCounts``).
 
     Returns:
         the next ``ExplorationRates`` (``rates`` when no group was recorded).
     """
     if not isinstance(cfg, CPPOConfig):
-        raise ValueError(f"cfg must be a CPPOConfig (its selective_* fields), got {type(cfg).__name__}")
+        raise ValueError(f"cfg must be a CPPOConfig (its selective section), got {type(cfg).__name__}")
     o = _as_counts(outcomes)
-    target_easy, target_hard = target_shares(cfg.selective_target_zero_variance)
+    target_easy, target_hard = target_shares(cfg.selective.target_zero_variance)
     return adapt_exploration(
         rates, num_generated=o.num_groups, num_easy=o.num_easy, num_hard=o.num_hard,
-        target_easy=target_easy, target_hard=target_hard, step_size=cfg.selective_step_size,
-        p_min=cfg.selective_p_min, p_max=cfg.selective_p_max,
+        target_easy=target_easy, target_hard=target_hard, step_size=cfg.selective.step_size,
+        p_min=cfg.selective.p_min, p_max=cfg.selective.p_max,
     )
 
 
@@ -1108,7 +1164,8 @@ def step_metrics(
     Returns:
         ``prompts_drawn``, ``prompts_skipped``, ``prompts_generated`` (drawn = skipped + generated,
         summed over the rounds), ``skipped_easy``, ``skipped_hard``, ``skip_ratio`` (skipped / drawn,
-        0 when nothing was drawn), ``zero_variance_share``, ``easy_share``, ``hard_share``,
+        0 when nothing was drawn), ``forced_keeps`` (generated although skipped: ``fill_batch``'s
+        ``min_keep``), ``zero_variance_share``, ``easy_share``, ``hard_share``,
         ``tokens_saved_estimate`` (with ``tokens_saved``), ``p_easy``, ``p_hard``.
     """
     c = count_rounds(rounds)
@@ -1125,6 +1182,7 @@ def step_metrics(
         f"{prefix}skipped_easy": float(c.skipped_easy),
         f"{prefix}skipped_hard": float(c.skipped_hard),
         f"{prefix}skip_ratio": c.skipped / c.drawn if c.drawn else 0.0,
+        f"{prefix}forced_keeps": float(c.forced),
         f"{prefix}zero_variance_share": o.num_zero_variance / m if m else 0.0,
         f"{prefix}easy_share": o.num_easy / m if m else 0.0,
         f"{prefix}hard_share": o.num_hard / m if m else 0.0,

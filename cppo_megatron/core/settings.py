@@ -7,19 +7,23 @@ recipe-level ``CPPOConfig``. The dataclass works as a plain Python object and as
 omegaconf structured config::
 
     cfg = CPPOConfig(pruning_rate=0.875)
-    cfg = CPPOConfig.from_dict({"keep_per_group": 2, "scope": "batch"})
+    cfg = CPPOConfig.from_dict({"keep_per_group": 2, "scope": "batch", "selective.enabled": True})
     schema = OmegaConf.structured(CPPOConfig)          # type-checked YAML / dotlist merges
     cfg = CPPOConfig.from_omegaconf(OmegaConf.merge(schema, user_yaml))
 
 ``setting`` / ``document_fields`` / ``field_help`` build TRL-style documented dataclass
-fields (help text in the field metadata); the recipe schema (``trainer.config``) uses them
-too.
+fields (help text, choices, range and fix in the field metadata); ``check_fields`` validates
+a dataclass from that metadata alone, section by section (``section_type``: a field whose
+default factory is such a dataclass, e.g. ``CPPOConfig.selective``). The recipe schema
+(``trainer.config``) is built and checked the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import typing
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,18 +33,30 @@ from ._checks import check_int
 __all__ = [
     "ADV_NORMS",
     "CHECKS",
+    "CHECK_WORDS",
+    "CONFIG_KEYS",
     "CPPOConfig",
     "DEFAULT_PRUNING_RATE",
     "FIELD_NAMES",
     "KEEP_MASS_METRICS",
     "MAGNITUDE_METRICS",
     "METRICS",
+    "RENAMED",
     "SCOPES",
     "SELECTIVE_PARAMETERS",
+    "SelectiveConfig",
+    "build_sections",
     "check_config",
+    "check_fields",
+    "check_value",
     "document_fields",
     "field_help",
+    "field_keys",
+    "flatten_keys",
     "keep_count",
+    "nest_keys",
+    "renamed_key",
+    "section_type",
     "setting",
 ]
 
@@ -58,11 +74,13 @@ ADV_NORMS = ("std", "none")
 
 # ---------------------------------------------------------------------- documented fields
 def setting(default: Any, help: str, *, choices: tuple | None = None, check: str | None = None,
-            **kwargs: Any) -> Any:
+            fix: str | None = None, **kwargs: Any) -> Any:
     """A dataclass field whose metadata carries its help text (as TRL's configs do), and
-    optionally its allowed values (``choices``) or range (``check``: ``"> 0"``, ``">= 0"``
-    or ``"(0, 1]"``): ``--help-recipe``, the generated class docstrings, the docs and the
-    recipe validation all read them from there."""
+    optionally its allowed values (``choices``), its range (``check``, a key of ``CHECKS``:
+    ``"> 0"``, ``"[0, 1)"``, ...) and the hint an error about it ends with (``fix``):
+    ``--help-recipe``, the generated class docstrings, the docs and the validation
+    (``check_fields``) all read them from there. A field whose default is a dataclass built
+    with ``setting`` (``default_factory=``) is a nested section."""
     metadata: dict[str, Any] = {"help": " ".join(help.split())}
     if choices is not None:
         metadata["choices"] = tuple(choices)
@@ -70,17 +88,155 @@ def setting(default: Any, help: str, *, choices: tuple | None = None, check: str
         if check not in CHECKS:
             raise ValueError(f"setting: check must be one of {list(CHECKS)}, got {check!r}")
         metadata["check"] = check
+    if fix is not None:
+        metadata["fix"] = " ".join(fix.split())
     if "default_factory" in kwargs:
         return dataclasses.field(metadata=metadata, **kwargs)
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
 
 
-# range checks a field's metadata can name, with the test each stands for
+# range checks a field's metadata can name, with the test each stands for and its words in errors
 CHECKS = {
     "> 0": lambda v: v > 0,
     ">= 0": lambda v: v >= 0,
+    ">= 1": lambda v: v >= 1,
     "(0, 1]": lambda v: 0 < v <= 1,
+    "[0, 1]": lambda v: 0 <= v <= 1,
+    "[0, 1)": lambda v: 0 <= v < 1,
 }
+CHECK_WORDS = {check: (f"in {check}" if check[0] in "([" else check) for check in CHECKS}
+
+
+def section_type(f: dataclasses.Field) -> type | None:
+    """The dataclass of a nested section (a field whose default factory is a dataclass), else None."""
+    factory = f.default_factory
+    if factory is not dataclasses.MISSING and isinstance(factory, type) and dataclasses.is_dataclass(factory):
+        return factory
+    return None
+
+
+def _simple_type(hint: Any) -> tuple[Any, bool]:
+    """(base type, None allowed) of an annotation such as ``float`` or ``int | None``."""
+    args = typing.get_args(hint)
+    if args and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else None), True
+    return hint, False
+
+
+def _type_error(base: Any, value: Any) -> str | None:
+    """What is wrong with ``value`` for a field of type ``base`` (bool, int, float, str), or None."""
+    if base is bool and not isinstance(value, bool):
+        return "must be true or false"
+    if base is int and (isinstance(value, bool) or not isinstance(value, int)):
+        return "must be an integer"
+    if base is float and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+        return "must be a finite number"
+    if base is str and not isinstance(value, str):
+        return "must be a string"
+    return None
+
+
+def check_value(name: str, value: Any, hint: Any, metadata: Mapping[str, Any]) -> None:
+    """ValueError naming ``name``, ``value`` and the fix when ``value`` does not fit a field of
+    annotation ``hint`` with ``metadata`` (``setting``'s choices, check, fix)."""
+    fix = f"; {metadata['fix']}" if metadata.get("fix") else ""
+    base, optional = _simple_type(hint)
+    if value is None and optional:
+        return
+    check = metadata.get("check")
+    words = f" {CHECK_WORDS[check]}" if check else ""
+    problem = _type_error(base, value)
+    if problem is not None:
+        raise ValueError(f"{name} {problem}{words}, got {value!r}{fix}")
+    choices = metadata.get("choices")
+    if choices is not None and value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}{fix}")
+    if check is not None and not CHECKS[check](value):
+        raise ValueError(f"{name} must be{words}, got {value!r}{fix}")
+
+
+def check_fields(obj: Any, where: str, *, label: str = "", skip: tuple[str, ...] = ()) -> None:
+    """Check every field of the dataclass ``obj`` against its annotation and ``setting``
+    metadata (``check_value``); a nested section by its own ``validate(name)`` when it has
+    one (its rules that span keys), else field by field in turn. Errors name the key as
+    ``label + where.field`` (``where`` empty: the bare field name); ``skip``: fields left out."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        if f.name in skip:
+            continue
+        name = f"{where}.{f.name}" if where else f.name
+        value = getattr(obj, f.name)
+        section = section_type(f)
+        if section is None:
+            check_value(f"{label}{name}", value, hints[f.name], f.metadata)
+        elif not isinstance(value, section):
+            raise ValueError(f"{label}{name} must be a section of {section.__name__} keys, got {value!r}")
+        elif hasattr(value, "validate"):
+            value.validate(name)
+        else:
+            check_fields(value, name, label=label)
+
+
+def field_keys(cls: type, prefix: str = "") -> tuple[str, ...]:
+    """Every leaf key of a dataclass built with ``setting``, dotted through its sections
+    (``"pruning_rate"``, ..., ``"selective.enabled"``)."""
+    out: list[str] = []
+    for f in dataclasses.fields(cls):
+        section = section_type(f)
+        out += field_keys(section, f"{prefix}{f.name}.") if section else [f"{prefix}{f.name}"]
+    return tuple(out)
+
+
+def nest_keys(cls: type, values: Mapping[str, Any], *, where: str, renamed: Mapping[str, str] | None = None
+              ) -> dict[str, Any]:
+    """``values`` as the nested dict ``cls`` is built from: dotted keys (``"selective.p_min"``)
+    and deprecated flat names (``renamed``: old -> new dotted key, a FutureWarning each) go into
+    their sections, mappings for a section are nested in turn. An unknown key, or one given
+    twice (old and new name), is a ValueError naming it and the known keys."""
+    renamed = renamed or {}
+    out: dict[str, Any] = {}
+    given: dict[str, str] = {}  # dotted key -> the name it was given as
+    sections = {f.name: section_type(f) for f in dataclasses.fields(cls)}
+    for raw, value in values.items():
+        key = str(raw)
+        if key in renamed:
+            warnings.warn(f"{where}.{key} is deprecated: write {where}.{renamed[key]} (same meaning)", FutureWarning,
+                          stacklevel=3)
+            key = renamed[key]
+        head, _, rest = key.partition(".")
+        if head not in sections or (rest and sections[head] is None):
+            raise ValueError(f"{where}.{raw} is not a CPPO setting (unknown key); known keys: {list(field_keys(cls))}")
+        if sections[head] is not None and (rest or isinstance(value, Mapping)):
+            leaves = {rest: value} if rest else {str(k): v for k, v in value.items()}
+            for leaf in leaves:
+                dotted = f"{head}.{leaf}"
+                if dotted in given:
+                    raise ValueError(f"{where}: {given[dotted]} and {raw if rest else dotted} set the same key "
+                                     f"{where}.{dotted}; keep one")
+                given[dotted] = str(raw) if rest else dotted
+            out.setdefault(head, {}).update(leaves)
+            continue
+        if key in given:
+            raise ValueError(f"{where}: {given[key]} and {raw} set the same key {where}.{key}; keep one")
+        given[key] = str(raw)
+        out[key] = value
+    for name, section in sections.items():
+        if section is not None and isinstance(out.get(name), dict):
+            out[name] = nest_keys(section, out[name], where=f"{where}.{name}")
+    return out
+
+
+def flatten_keys(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping of keys as one flat dict of dotted leaf keys (``{"selective": {"enabled":
+    True}}`` -> ``{"selective.enabled": True}``), in order; the inverse of ``nest_keys``."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            out.update(flatten_keys(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def field_help(cls: type) -> dict[str, str]:
@@ -107,20 +263,72 @@ def document_fields(cls: type) -> type:
 
 @document_fields
 @dataclass
+class SelectiveConfig:
+    """Selective rollout (GRESO, Zheng et al., arXiv 2506.02177; beyond CPPO): the ``cppo.selective``
+    section. Before generation each drawn prompt is skipped with probability
+    1 - max(p_e ** z, 0.01), z = its consecutive zero-variance groups of one kind (all correct /
+    all wrong) in earlier steps, and replaced by the next one (``core.selective``,
+    docs/selective_rollout.md). The embedded trainer, veRL's V1 sync loop and OpenRLHF's
+    synchronous loop run it.
+    """
+
+    enabled: bool = setting(False, """turn selective rollout on: skip prompts whose recent groups all had equal
+        rewards and draw replacements, so a step still generates as many prompts (docs/selective_rollout.md). The
+        other keys of this section are read only when it is on.""")
+    target_zero_variance: float = setting(0.25, """alpha, the wanted share of zero-variance groups among those
+        generated per step: alpha / 3 for all-correct, 2 alpha / 3 for all-wrong groups (the authors'
+        target_zero_variance).""", check="[0, 1]", fix="the authors use 0.25")
+    p_easy: float = setting(0.5, """initial exploration probability p_e for prompts whose last group was all
+        correct (within [p_min, p_max]).""", check="(0, 1]",
+        fix="0 would never explore a zero-variance prompt again")
+    p_hard: float = setting(0.5, """initial exploration probability p_e for prompts whose last group was
+        zero-variance and not all correct (within [p_min, p_max]).""", check="(0, 1]",
+        fix="0 would never explore a zero-variance prompt again")
+    step_size: float = setting(0.01, """how far p_easy and p_hard move after each step toward the target share (0
+        keeps them fixed).""", check=">= 0", fix="0 keeps p_easy / p_hard fixed, the authors use 0.01")
+    p_min: float = setting(0.05, """lower bound of p_easy and p_hard: every prompt keeps at least this chance per
+        zero-variance generation of being explored.""", check="(0, 1]",
+        fix="0 would never explore a zero-variance prompt again")
+    p_max: float = setting(0.95, "upper bound of p_easy and p_hard.", check="(0, 1]")
+    adapt_after_first_epoch: bool = setting(True, """true: p_easy and p_hard stay at their initial values until
+        the first pass over the training prompts is complete, and adapt after every step that starts after it (the
+        authors' trainer adapts from the second epoch); false: adapt after every step.""")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, where: str = "CPPOConfig.selective") -> SelectiveConfig:
+        """Check every key (``check_fields``), then the bounds; ValueError naming ``where.key``."""
+        check_fields(self, where)
+        lo, hi = self.p_min, self.p_max
+        if lo > hi:
+            raise ValueError(f"{where}.p_min ({lo!r}) is larger than {where}.p_max ({hi!r}); swap them")
+        for name in ("p_easy", "p_hard"):
+            v = getattr(self, name)
+            if not lo <= v <= hi:
+                raise ValueError(f"{where}.{name} = {v!r} is outside [p_min, p_max] = [{lo!r}, {hi!r}]; set it "
+                                 "inside the bounds (or widen them)")
+        return self
+
+
+@document_fields
+@dataclass
 class CPPOConfig:
     """Completion pruning (CPPO) settings.
 
     Every field's documentation is its ``help`` metadata (listed below, and by
-    ``cppo-megatron train --help-recipe cppo``).
+    ``cppo-megatron train --help-recipe cppo``). Each checked key states its type, choices or
+    range in that metadata (``setting``); ``validate`` checks them all, then the rules that
+    span keys. A nested section (``selective``) is a dataclass of the same kind.
     """
 
     pruning_rate: float | None = setting(None, """P in [0, 1), the fraction of completions dropped before the
         old-policy / reference / update passes. P = 0 is plain GRPO, through the same code path. Leave unset
         (null) together with keep_per_group to get DEFAULT_PRUNING_RATE = 0.875 (paper: 16 -> 2 completions per
-        prompt).""")
+        prompt).""", check="[0, 1)", fix="P=1 would prune every completion; use P=0 for plain GRPO")
     keep_per_group: int | None = setting(None, """k, an alternative to pruning_rate: keep exactly k completions
         of every group (scope=group) or k * num_groups across the batch (scope=batch). Set either this or
-        pruning_rate, not both.""")
+        pruning_rate, not both.""", check=">= 1")
     keep_mass: float | None = setting(None, """f in (0, 1], an adaptive alternative to pruning_rate /
         keep_per_group (beyond the paper): per group keep the fewest completions whose A^2 reaches f of the group's
         A^2 total (scope=batch: of the batch's); zero-variance groups keep none. A^2, not |A|: if the completions'
@@ -129,7 +337,7 @@ class CPPOConfig:
         about sqrt(1 - f)); |A| mass would make a 1-of-16 group need 8 completions to reach f = 0.5 although its
         single correct answer carries 94% of the A^2. With allocation the planner draws prompts in fill rounds
         until the survivors fill the update capacity. Works with metric smallest (top-k_g by |A|) or importance
-        (a PPS sample of k_g).""")
+        (a PPS sample of k_g).""", check="(0, 1]")
     metric: str = setting("smallest", """which completions to prune. smallest (CPPO):
         prune the smallest score, keep the completions whose advantage teaches the most. largest: prune the
         largest score (the paper's worst ablation). random: prune uniformly at random (seeded). importance
@@ -144,145 +352,54 @@ class CPPOConfig:
         vanish entirely.""", choices=SCOPES)
     adv_norm: str = setting("std", """std gives A = (r - mean) / (std + eps) over the full group
         (GRPO); none gives A = r - mean (Dr. GRPO).""", choices=ADV_NORMS)
-    eps: float = setting(1e-6, "added to the group std. 1e-6 as in veRL; the paper's TRL fork used 1e-4.")
+    eps: float = setting(1e-6, "added to the group std. 1e-6 as in veRL; the paper's TRL fork used 1e-4.",
+                         check=">= 0")
     allocation: bool = setting(True, """dynamic completion allocation. When true, prompts per step grow by
         1 / (1 - P) so the survivors fill the update capacity (steps per epoch shrink by (1 - P)); when false the
         same prompts are drawn and fewer completions train.""")
     dynamic_sampling: bool = setting(False, """DAPO-style: drop groups whose rewards are all equal (they carry no
         signal) and draw replacement prompts, up to max_refill_rounds extra rounds.""")
-    max_refill_rounds: int = setting(3, "bound on the refill rounds of dynamic_sampling per step.")
+    max_refill_rounds: int = setting(3, "bound on the refill rounds of dynamic_sampling per step.", check=">= 0")
     rebalance: bool = setting(True, """redistribute the survivors across data-parallel ranks so the largest rank
         workload is minimal (core.balance).""")
     equal_size: bool = setting(False, """when rebalancing, give every rank the same number of sequences (needed by
         pipelines that split a batch into equal chunks).""")
     workload_linear: float = setting(24576.0, """a in the per-sequence workload model a * len + b * len**2 (the
-        defaults match veRL's _balance_batch so the two balancers are compared on the same objective).""")
-    workload_quadratic: float = setting(1.0, "b in that workload model.")
+        defaults match veRL's _balance_batch so the two balancers are compared on the same objective).""",
+        check=">= 0")
+    workload_quadratic: float = setting(1.0, "b in that workload model.", check=">= 0")
     seed: int = setting(0, """decides every random choice: tie-breaks between equal scores and the random metric.
         Combined with the step number, so choices differ between steps but are identical on every rank.""")
-    selective_rollout: bool = setting(False, """selective rollout (GRESO, arXiv 2506.02177; beyond CPPO): before
-        generation, skip each drawn prompt with probability 1 - max(p_e ** z, 0.01), z = its consecutive zero-variance
-        groups of one kind (all correct / all wrong) in earlier steps, and draw replacements so the step still
-        generates as many prompts (docs/selective_rollout.md).
-        Embedded trainer only: veRL and OpenRLHF runs refuse it.""")
-    selective_target_zero_variance: float = setting(0.25, """alpha in [0, 1], the wanted share of zero-variance groups
-        among those generated per step: alpha / 3 for all-correct, 2 alpha / 3 for all-wrong groups (the authors'
-        target_zero_variance). Read only with selective_rollout.""")
-    selective_p_easy: float = setting(0.5, """initial exploration probability p_e in (0, 1] for prompts whose last
-        group was all correct (within [selective_p_min, selective_p_max]). Read only with selective_rollout.""")
-    selective_p_hard: float = setting(0.5, """initial exploration probability p_e in (0, 1] for prompts whose last
-        group was zero-variance and not all correct. Read only with selective_rollout.""")
-    selective_step_size: float = setting(0.01, """>= 0, how far p_easy and p_hard move after each step toward the
-        target share (0 keeps them fixed). Read only with selective_rollout.""")
-    selective_p_min: float = setting(0.05, """lower bound in (0, 1] of p_easy and p_hard: every prompt keeps at least
-        this chance per zero-variance generation of being explored. Read only with selective_rollout.""")
-    selective_p_max: float = setting(0.95, """upper bound in (0, 1] of p_easy and p_hard. Read only with
-        selective_rollout.""")
-    selective_adapt_after_first_epoch: bool = setting(True, """true: p_easy and p_hard stay at their initial values
-        until the first pass over the training prompts is complete, and adapt after every step that starts after it
-        (the authors' trainer adapts from the second epoch); false: adapt after every step. Read only with
-        selective_rollout.""")
+    selective: SelectiveConfig = setting(None, """selective rollout (GRESO, beyond CPPO): skip prompts before
+        generation whose recent groups all had equal rewards (cppo.selective.enabled; docs/selective_rollout.md).
+        The embedded trainer, veRL's V1 sync loop and OpenRLHF's synchronous loop run it.""",
+        default_factory=SelectiveConfig)
 
     def __post_init__(self) -> None:
+        build_sections(self, "cppo")  # CPPOConfig(**cfg.to_dict()), CPPOConfig(selective={"enabled": True})
         self.validate()
 
     # ------------------------------------------------------------------ validation
-    def validate(self) -> CPPOConfig:
-        """Check every field; raise ValueError naming the field and the bad value."""
+    def validate(self, where: str = "CPPOConfig") -> CPPOConfig:
+        """Check every key against its metadata (``check_fields``: type, choices, range; the
+        ``selective`` section by its own ``validate``), then the rules that span keys; raise
+        ValueError naming the key, the bad value and the fix."""
+        check_fields(self, where)
         if self.pruning_rate is not None and self.keep_per_group is not None:
-            raise ValueError(
-                f"CPPOConfig: set either pruning_rate ({self.pruning_rate}) or keep_per_group "
-                f"({self.keep_per_group}), not both"
-            )
-        if self.pruning_rate is not None:
-            p = self.pruning_rate
-            if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p):
-                raise ValueError(f"CPPOConfig.pruning_rate must be a number in [0, 1), got {p!r}")
-            if not 0.0 <= p < 1.0:
-                raise ValueError(
-                    f"CPPOConfig.pruning_rate must be in [0, 1), got {p!r} "
-                    "(P=1 would prune every completion; use P=0 for plain GRPO)"
-                )
-        if self.keep_per_group is not None:
-            k = self.keep_per_group
-            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-                raise ValueError(f"CPPOConfig.keep_per_group must be an integer >= 1, got {k!r}")
-        _check_choice("metric", self.metric, METRICS)
+            raise ValueError(f"{where}: set either pruning_rate ({self.pruning_rate}) or keep_per_group "
+                             f"({self.keep_per_group}), not both")
         if self.keep_mass is not None:
-            f = self.keep_mass
-            if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0:
-                raise ValueError(f"CPPOConfig.keep_mass must be a number in (0, 1], got {f!r}")
             if self.pruning_rate is not None or self.keep_per_group is not None:
-                raise ValueError(
-                    f"CPPOConfig: keep_mass={f} decides the count per group itself; unset pruning_rate "
-                    f"({self.pruning_rate}) and keep_per_group ({self.keep_per_group})"
-                )
+                raise ValueError(f"{where}: keep_mass={self.keep_mass} decides the count per group itself; unset "
+                                 f"pruning_rate ({self.pruning_rate}) and keep_per_group ({self.keep_per_group})")
             if self.metric not in KEEP_MASS_METRICS:
-                raise ValueError(
-                    f"CPPOConfig: keep_mass works with metric in {list(KEEP_MASS_METRICS)}, got "
-                    f"metric={self.metric!r}"
-                )
+                raise ValueError(f"{where}: keep_mass works with metric in {list(KEEP_MASS_METRICS)}, got "
+                                 f"metric={self.metric!r}")
         if self.metric in MAGNITUDE_METRICS and self.use_abs is False:
-            raise ValueError(
-                f"CPPOConfig: metric={self.metric!r} samples in proportion to |A|; set use_abs=true"
-            )
-        _check_choice("scope", self.scope, SCOPES)
-        _check_choice("adv_norm", self.adv_norm, ADV_NORMS)
-        for name in ("use_abs", "allocation", "dynamic_sampling", "rebalance", "equal_size"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"CPPOConfig.{name} must be true or false, got {getattr(self, name)!r}")
-        if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps >= 0):
-            raise ValueError(f"CPPOConfig.eps must be a finite number >= 0, got {self.eps!r}")
-        if not isinstance(self.max_refill_rounds, int) or self.max_refill_rounds < 0:
-            raise ValueError(
-                f"CPPOConfig.max_refill_rounds must be an integer >= 0, got {self.max_refill_rounds!r}"
-            )
-        for name in ("workload_linear", "workload_quadratic"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"CPPOConfig.{name} must be a finite number >= 0, got {v!r}")
+            raise ValueError(f"{where}: metric={self.metric!r} samples in proportion to |A|; set use_abs=true")
         if self.workload_linear == 0 and self.workload_quadratic == 0:
-            raise ValueError("CPPOConfig: workload_linear and workload_quadratic are both 0")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"CPPOConfig.seed must be an integer, got {self.seed!r}")
-        self._validate_selective()
+            raise ValueError(f"{where}: workload_linear and workload_quadratic are both 0")
         return self
-
-    def _validate_selective(self) -> None:
-        for name in ("selective_rollout", "selective_adapt_after_first_epoch"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"CPPOConfig.{name} must be true or false, got {getattr(self, name)!r}")
-        alpha = self.selective_target_zero_variance
-        if not _finite(alpha) or not 0.0 <= alpha <= 1.0:
-            raise ValueError(
-                f"CPPOConfig.selective_target_zero_variance must be a share in [0, 1], got {alpha!r}; "
-                "the authors use 0.25"
-            )
-        step = self.selective_step_size
-        if not _finite(step) or step < 0:
-            raise ValueError(
-                f"CPPOConfig.selective_step_size must be a finite number >= 0, got {step!r}; 0 keeps "
-                "p_easy / p_hard fixed, the authors use 0.01"
-            )
-        for name in ("selective_p_min", "selective_p_max", "selective_p_easy", "selective_p_hard"):
-            v = getattr(self, name)
-            if not _finite(v) or not 0.0 < v <= 1.0:
-                raise ValueError(
-                    f"CPPOConfig.{name} must be a probability in (0, 1], got {v!r}: 0 would never explore a "
-                    "zero-variance prompt again"
-                )
-        lo, hi = self.selective_p_min, self.selective_p_max
-        if lo > hi:
-            raise ValueError(
-                f"CPPOConfig.selective_p_min ({lo!r}) is larger than selective_p_max ({hi!r}); swap them"
-            )
-        for name in ("selective_p_easy", "selective_p_hard"):
-            v = getattr(self, name)
-            if not lo <= v <= hi:
-                raise ValueError(
-                    f"CPPOConfig.{name} = {v!r} is outside [selective_p_min, selective_p_max] = [{lo!r}, {hi!r}]; "
-                    "set it inside the bounds (or widen them)"
-                )
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -333,14 +450,12 @@ class CPPOConfig:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> CPPOConfig:
-        """Build from a mapping; unknown keys are errors (no silent typos)."""
+        """Build from a mapping of keys: nested (``{"selective": {"enabled": True}}``), dotted
+        (``{"selective.enabled": True}``) or a deprecated flat name (``RENAMED``, a FutureWarning
+        naming the new key). Unknown keys are errors (no silent typos)."""
         if not isinstance(values, Mapping):
             raise ValueError(f"CPPOConfig.from_dict expects a mapping, got {type(values).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"CPPOConfig: unknown key(s) {unknown}; known keys: {sorted(known)}")
-        return cls(**dict(values))
+        return _build(cls, nest_keys(cls, values, where="cppo", renamed=RENAMED))
 
     @classmethod
     def from_omegaconf(cls, node: Any) -> CPPOConfig:
@@ -352,6 +467,7 @@ class CPPOConfig:
         return cls.from_dict({str(k): node[k] for k in node})
 
     def to_dict(self) -> dict:
+        """Every key, sections as nested dicts (``from_dict`` reads it back)."""
         return dataclasses.asdict(self)
 
     def describe(self) -> str:
@@ -366,22 +482,43 @@ class CPPOConfig:
             f"CPPO {what} metric={self.metric} use_abs={self.use_abs} scope={self.scope} "
             f"adv_norm={self.adv_norm} eps={self.eps:g} allocation={self.allocation} "
             f"dynamic_sampling={self.dynamic_sampling} seed={self.seed}"
-            + (" selective_rollout=True" if self.selective_rollout else "")
+            + (" selective.enabled=True" if self.selective.enabled else "")
         )
 
 
-def _finite(v: Any) -> bool:
-    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+def build_sections(obj: Any, where: str) -> None:
+    """Replace each nested section of the dataclass ``obj`` given as a mapping (``to_dict``'s form)
+    by the section's dataclass built from it (``nest_keys``: unknown keys are errors)."""
+    for f in dataclasses.fields(obj):
+        section, value = section_type(f), getattr(obj, f.name)
+        if section is not None and isinstance(value, Mapping):
+            setattr(obj, f.name, _build(section, nest_keys(section, value, where=f"{where}.{f.name}")))
 
 
-def _check_choice(name: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"CPPOConfig.{name} must be one of {list(choices)}, got {value!r}")
+def _build(cls: type, values: Mapping[str, Any]) -> Any:
+    """``cls(**values)`` with each nested section's mapping built first (``nest_keys`` output)."""
+    kwargs = dict(values)
+    for f in dataclasses.fields(cls):
+        section = section_type(f)
+        if section is not None and isinstance(kwargs.get(f.name), Mapping):
+            kwargs[f.name] = _build(section, kwargs[f.name])
+    return cls(**kwargs)
 
 
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(CPPOConfig))
-# the fields read only with selective_rollout (a host that refuses it warns when one is changed)
-SELECTIVE_PARAMETERS = tuple(n for n in FIELD_NAMES if n.startswith("selective_") and n != "selective_rollout")
+# every key of a cppo section, dotted through its sections ("selective.enabled")
+CONFIG_KEYS = field_keys(CPPOConfig)
+# the keys read only when selective rollout is on (a host warns when one is set while it is off)
+SELECTIVE_PARAMETERS = tuple(k for k in CONFIG_KEYS if k.startswith("selective.") and k != "selective.enabled")
+# deprecated flat names of the selective section's keys (before it was a section), read with a FutureWarning
+RENAMED = {"selective_rollout": "selective.enabled",
+           **{f"selective_{k.split('.', 1)[1]}": k for k in SELECTIVE_PARAMETERS}}
+
+
+def renamed_key(key: str) -> str | None:
+    """The current name of a deprecated flat cppo key (``"selective_rollout"`` -> ``"selective.enabled"``),
+    None for any other key."""
+    return RENAMED.get(key)
 
 
 def check_config(cfg: object) -> CPPOConfig:

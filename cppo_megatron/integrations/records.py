@@ -13,7 +13,7 @@ import hashlib
 import os
 from pathlib import Path
 
-__all__ = ["append", "complete_lines", "optimizer_fingerprint", "tensor_hash"]
+__all__ = ["append", "complete_lines", "optimizer_fingerprint", "read", "tensor_hash"]
 
 
 def append(path: str | os.PathLike, line: str) -> None:
@@ -33,6 +33,20 @@ def complete_lines(path: str | os.PathLike) -> list[str]:
     text = Path(path).read_text()
     lines = text.split("\n")
     return [ln for ln in lines[:-1] if ln.strip()]  # the part after the last newline is incomplete
+
+
+def read(root: str | os.PathLike, kind: str | None = None) -> list[dict]:
+    """Every record of the ``*.jsonl`` files under ``root`` (every process's), in time order (their
+    ``time`` field); only those of ``kind`` when given. Both hosts' audits read theirs with it."""
+    import json
+
+    out = []
+    for path in sorted(Path(root).glob("*.jsonl")):
+        for line in complete_lines(path):
+            rec = json.loads(line)
+            if kind is None or rec["kind"] == kind:
+                out.append(rec)
+    return sorted(out, key=lambda r: r["time"])
 
 
 def tensor_hash(t) -> str:

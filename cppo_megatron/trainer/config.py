@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import CHECKS, CPPOConfig, setting
+from ..config import CHECK_WORDS, CPPOConfig, check_fields, renamed_key, section_type, setting
 from ..core.loss import KL_KINDS, LOSS_AGG_MODES
 from ..rollout.base import ENGINES
 
@@ -222,10 +223,11 @@ class Recipe:
 
 
 def recipe_fields(cls: type = Recipe, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:
-    """Every leaf key of the recipe schema, dotted (``cppo.pruning_rate``), with its field."""
+    """Every leaf key of the recipe schema, dotted (``cppo.pruning_rate``, ``cppo.selective.enabled``),
+    with its field."""
     out: list[tuple[str, dataclasses.Field]] = []
     for f in dataclasses.fields(cls):
-        section = _section(f)
+        section = section_type(f)
         if section is not None:
             out.extend(recipe_fields(section, f"{prefix}{f.name}."))
         else:
@@ -233,16 +235,8 @@ def recipe_fields(cls: type = Recipe, prefix: str = "") -> list[tuple[str, datac
     return out
 
 
-def _section(f: dataclasses.Field) -> type | None:
-    """The dataclass of a nested section (its default factory), else None."""
-    factory = f.default_factory
-    if factory is not dataclasses.MISSING and isinstance(factory, type) and dataclasses.is_dataclass(factory):
-        return factory
-    return None
-
-
 RECIPE_KEYS = tuple(key for key, _ in recipe_fields())
-_SECTION_DOCS = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(Recipe) if _section(f)}
+_SECTION_DOCS = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(Recipe) if section_type(f)}
 
 
 def recipe_help(prefix: str = "") -> str:
@@ -290,7 +284,7 @@ def recipe_markdown() -> str:
         if meta.get("choices"):
             allowed = ", ".join(f"`{c}`" for c in meta["choices"])
         else:
-            allowed = _CHECK_WORDS[meta["check"]] if meta.get("check") else ""
+            allowed = CHECK_WORDS[meta["check"]] if meta.get("check") else ""
         text = meta.get("help", "").replace("|", "\\|")
         out.append(f"| `{key}` | `{_yaml_value(f.default)}` | {allowed} | {text} |")
     return "\n".join(out[1:])
@@ -304,29 +298,13 @@ def _yaml_value(value: object) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
-_CHECK_WORDS = {"> 0": "> 0", ">= 0": ">= 0", "(0, 1]": "in (0, 1]"}
-
-
-def _get(recipe: Recipe, dotted: str):
-    obj = recipe
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def validate_recipe(recipe: Recipe) -> Recipe:
-    """Choices and ranges from each field's metadata (``choices``, ``check``), then the
-    rules that span keys; errors name the key."""
-    for key, f in recipe_fields():
-        if key.startswith("cppo."):
-            continue  # CPPOConfig.validate below
-        value = _get(recipe, key)
-        choices = f.metadata.get("choices")
-        if choices is not None and value not in choices:
-            raise RecipeError(f"recipe key {key} must be one of {list(choices)}, got {value!r}")
-        check = f.metadata.get("check")
-        if check is not None and not CHECKS[check](value):
-            raise RecipeError(f"recipe key {key} must be {_CHECK_WORDS[check]}, got {value!r}")
+    """Types, choices and ranges from each field's metadata (``check_fields``, as ``CPPOConfig``
+    checks its own), then the rules that span keys; errors name the key."""
+    try:
+        check_fields(recipe, "", label="recipe key ", skip=("cppo",))  # cppo: CPPOConfig.validate below
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from exc
     if recipe.train.capacity < recipe.rollout.group_size and not recipe.cppo.allocation:
         raise RecipeError(
             f"train.capacity={recipe.train.capacity} is smaller than one group "
@@ -404,12 +382,12 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recip
             if not OmegaConf.is_dict(loaded):
                 raise RecipeError(f"recipe {p} must be a YAML mapping of keys (model:, task:, ...), "
                                   f"got a {type(loaded).__name__}; see recipes/tiny_cpu.yaml")
-            parts.append(loaded)
+            parts.append(_renamed_in_file(loaded, p))
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise RecipeError(f"overrides must look like key=value, got {bad}")
         try:
-            parts.append(OmegaConf.from_dotlist(list(overrides)))
+            parts.append(OmegaConf.from_dotlist([_renamed_override(o) for o in overrides]))
         except yaml.YAMLError as exc:
             raise RecipeError(f"an override is not valid YAML ({_yaml_problem(exc)}): {list(overrides)}") from exc
         merged = OmegaConf.merge(*parts)
@@ -428,6 +406,35 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recip
         raise RecipeError(f"recipe key cppo: {exc}") from exc
     # to_object of the merged structured schema builds a Recipe; omegaconf types it as object
     return validate_recipe(recipe)  # type: ignore[arg-type]
+
+
+def _renamed_override(override: str) -> str:
+    """``cppo.OLD=value`` with a deprecated flat cppo key (``cppo.selective_rollout``) as its new
+    dotted key (``cppo.selective.enabled``), a FutureWarning naming both; any other override as is."""
+    key, _, value = override.partition("=")
+    new = renamed_key(key[len("cppo."):]) if key.startswith("cppo.") else None
+    if new is None:
+        return override
+    warnings.warn(f"recipe key {key} is deprecated: write cppo.{new}={value} (same meaning)", FutureWarning,
+                  stacklevel=3)
+    return f"cppo.{new}={value}"
+
+
+def _renamed_in_file(loaded, path: Path):
+    """The recipe file's ``cppo`` section with deprecated flat keys under their new dotted names
+    (a FutureWarning each)."""
+    from omegaconf import OmegaConf
+
+    cppo = loaded.get("cppo")
+    if not OmegaConf.is_dict(cppo):
+        return loaded
+    for key in [k for k in cppo if renamed_key(str(k))]:
+        new = renamed_key(str(key))
+        warnings.warn(f"recipe {path}: cppo.{key} is deprecated: write cppo.{new} (same meaning)", FutureWarning,
+                      stacklevel=3)
+        value = cppo.pop(key)
+        OmegaConf.update(loaded, f"cppo.{new}", value, force_add=True)
+    return loaded
 
 
 def _yaml_problem(exc: Exception) -> str:

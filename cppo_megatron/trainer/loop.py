@@ -25,7 +25,7 @@ during the update no checkpoint is written (resume continues from the previous o
 
 Elsewhere: the step record (``record.step_record``), checkpoints and resume
 (``checkpoint``), the phases before the passes (``step``), the backends (``backends/``),
-selective rollout (``selective``: ``cppo.selective_rollout`` skips prompts before the rollout).
+selective rollout (``selective``: ``cppo.selective.enabled`` skips prompts before the rollout).
 """
 
 from __future__ import annotations
@@ -97,42 +97,70 @@ class Trainer:
     """
 
     def __init__(self, recipe: Recipe, *, resume: bool = False, task: Task | None = None) -> None:
-        import torch.distributed as dist
-
         self.r = recipe
         self.out = Path(recipe.out_dir)
         self.distributed = recipe.backend == "megatron"
-        if self.distributed and not dist.is_initialized():
-            raise ValueError(f"backend={recipe.backend!r} runs under torchrun: `cppo-megatron train RECIPE --nproc N` "
-                             "(docs/integrations/megatron.md)")
-        if self.distributed:
-            # rank 0 warms up and evaluates with every thread of the machine; passes split them
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-            self.main_threads = recipe.threads or os.cpu_count() or 1
-            self.rank_threads = max(1, self.main_threads // local_world)
-            torch.set_num_threads(self.rank_threads)
-        else:
-            if recipe.threads:
-                torch.set_num_threads(recipe.threads)
-            self.main_threads = self.rank_threads = torch.get_num_threads()
+        self._setup_threads()
         torch.manual_seed(recipe.seed)
         self.device = self._device()
-        self.task = task if task is not None else build_task(recipe.task)
-        self.model, self.tok = build_model(recipe.model, self.task.alphabet, recipe.seed)
-        self.model.to(self.device)
-        self.rollout = self._build_rollout()
-        self.engine = self.rollout.engine
-        self.is_main = self.rollout.is_main
-        G = recipe.rollout.group_size
-        self.planner = AllocationPlanner.from_config(recipe.cppo, capacity=recipe.train.capacity, group_size=G)
-        self.sampler = PromptSampler(len(self.task.train), seed=recipe.seed)
-        # cppo.selective_rollout: skip prompts before generation (GRESO; trainer/selective.py)
-        self.selective = SelectiveRollout(
-            recipe.cppo, group_size=G, num_prompts=len(self.task.train),
-            **({} if self.is_main else {"warn": None})) if recipe.cppo.selective_rollout else None
+        self._setup_model(task)
+        self._setup_rollout()
+        self._setup_data()
         # megatron shards are built in prepare(), from the warmed-up weights
         self.policy: PolicyBackend | None = None if self.distributed else HFBackend(
             self.model, device=self.device, pad_id=self.tok.pad_id, recipe=recipe)
+        self._setup_run_state()
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+        if resume:
+            self._resume()
+        self.logger = MetricsLogger(self.out, tensorboard=recipe.log.tensorboard,
+                                    resume_step=self.step if resume else None) if self.is_main else None
+
+    # ------------------------------------------------------------------ setup steps (in __init__'s order)
+    def _setup_threads(self) -> None:
+        """torch threads: under torchrun rank 0 warms up and evaluates with every thread of the
+        machine (``main_threads``) while the passes split them (``rank_threads``)."""
+        import torch.distributed as dist
+
+        r = self.r
+        if self.distributed and not dist.is_initialized():
+            raise ValueError(f"backend={r.backend!r} runs under torchrun: `cppo-megatron train RECIPE --nproc N` "
+                             "(docs/integrations/megatron.md)")
+        if self.distributed:
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+            self.main_threads = r.threads or os.cpu_count() or 1
+            self.rank_threads = max(1, self.main_threads // local_world)
+            torch.set_num_threads(self.rank_threads)
+        else:
+            if r.threads:
+                torch.set_num_threads(r.threads)
+            self.main_threads = self.rank_threads = torch.get_num_threads()
+
+    def _setup_model(self, task: Task | None) -> None:
+        """The task (the recipe's, or ``task``) and the policy model with its tokenizer, on the device."""
+        self.task = task if task is not None else build_task(self.r.task)
+        self.model, self.tok = build_model(self.r.model, self.task.alphabet, self.r.seed)
+        self.model.to(self.device)
+
+    def _setup_rollout(self) -> None:
+        """The rollout (its engine; which rank is the main one)."""
+        self.rollout = self._build_rollout()
+        self.engine = self.rollout.engine
+        self.is_main = self.rollout.is_main
+
+    def _setup_data(self) -> None:
+        """Prompt sampler, allocation planner and (``cppo.selective.enabled``) selective rollout."""
+        r, G = self.r, self.r.rollout.group_size
+        self.planner = AllocationPlanner.from_config(r.cppo, capacity=r.train.capacity, group_size=G)
+        self.sampler = PromptSampler(len(self.task.train), seed=r.seed)
+        # skip prompts before generation (GRESO; trainer/selective.py); its warnings on the main rank only
+        self.selective = SelectiveRollout(
+            r.cppo, group_size=G, num_prompts=len(self.task.train),
+            **({} if self.is_main else {"warn": None})) if r.cppo.selective.enabled else None
+
+    def _setup_run_state(self) -> None:
+        """What a run carries from step to step (and a checkpoint restores)."""
         self.step = 0
         self.elapsed = 0.0  # RL wall time, carried across resumes
         self.phase = "setup"  # the step phase running now (interrupts, failure messages)
@@ -142,12 +170,6 @@ class Trainer:
         self.resumed_from: Path | None = None
         self._fs_peers: list[int] | None = None  # ranks sharing this rank's out_dir (first checkpoint)
         self._resume_policy: dict | None = None
-        if self.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-        if resume:
-            self._resume()
-        self.logger = MetricsLogger(self.out, tensorboard=recipe.log.tensorboard,
-                                    resume_step=self.step if resume else None) if self.is_main else None
 
     @property
     def main_logger(self) -> MetricsLogger:
@@ -484,7 +506,7 @@ class Trainer:
             elif self.is_main:
                 r = self.selective.rates
                 log(f"--resume: checkpoint {path.name} has no selective-rollout state (written without "
-                    f"cppo.selective_rollout): starting with an empty prompt history and p_easy={r.p_easy:g}, "
+                    f"cppo.selective.enabled): starting with an empty prompt history and p_easy={r.p_easy:g}, "
                     f"p_hard={r.p_hard:g}")
         if self.policy is not None:  # hf: now; megatron: once prepare() built the shards
             self.policy.load_state_dict(policy)

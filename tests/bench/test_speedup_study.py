@@ -72,7 +72,7 @@ def test_speedup_bench_with_selective_rollout_runs_each_rate_with_skipping(tmp_p
         assert r["steps measured"] == 2 and r["generated/step"] <= r["prompts/step"]
         if not r["selective"]:
             assert r["generated/step"] == r["prompts/step"]
-    assert (out / "runs" / "p0.5_alloc_selective" / "recipe.yaml").read_text().count("selective_rollout: true") == 1
+    assert (out / "runs" / "p0.5_alloc_selective" / "recipe.yaml").read_text().count("selective:\n    enabled: true") == 1
     assert any(n.startswith("P=0.5 with allocation + selective rollout:") and "the bound" in n for n in data["notes"])
     assert missing_keys(data, "speedup.json") == []
 

@@ -63,7 +63,7 @@ def test_generation_arms_the_five_of_the_study_and_what_each_sets_in_verl(tmp_pa
     assert tail == {"p0_grpo_alloc_s0": [], "p0.875_smallest_alloc_s0": [],
                     "p0_grpo_alloc_dapo_s0": verl_study.DAPO_OVERRIDES,
                     "p0.875_smallest_alloc_dapo_s0": verl_study.DAPO_OVERRIDES,
-                    "p0.875_smallest_alloc_selective_s0": ["cppo.selective_rollout=true"]}
+                    "p0.875_smallest_alloc_selective_s0": ["cppo.selective.enabled=true"]}
     assert verl_study.DAPO_OVERRIDES[:2] == ["algorithm.filter_groups.enable=true",
                                              "algorithm.filter_groups.metric=reward"]
     o = verl_study.run_overrides(tmp_path / "r", tmp_path / "m", tmp_path / "d", "x", use_v1=True)
@@ -103,7 +103,7 @@ def test_every_run_is_a_legacy_loop_run_without_validation_inside_its_budget(tmp
     (["--metrics", "importance"], "not available in veRL"),
     (["trainer.use_v1=true"], "sets it per arm"),
     (["cppo.pruning_rate=0.5"], "sets it per arm"),
-    (["cppo.selective_rollout=true"], "--generation for selective rollout"),
+    (["cppo.selective.enabled=true"], "--generation for selective rollout"),
     (["algorithm.filter_groups.enable=true"], "--generation for selective rollout and the DAPO filter"),
 ])
 def test_options_the_veRL_study_cannot_honour_are_refused(argv, match):

@@ -239,7 +239,7 @@ def test_config_refuses_bad_combinations():
         CPPOConfig(keep_mass=0.9, pruning_rate=0.5)
     with pytest.raises(ValueError, match="keep_mass works with metric"):
         CPPOConfig(keep_mass=0.9, metric="random")
-    with pytest.raises(ValueError, match="keep_mass must be a number in"):
+    with pytest.raises(ValueError, match=r"keep_mass must be in \(0, 1\], got 1.5"):
         CPPOConfig(keep_mass=1.5)
     with pytest.raises(ValueError, match="use_abs=true"):
         CPPOConfig(metric="importance", use_abs=False)

@@ -143,3 +143,32 @@ def test_bad_config_object_fields_are_errors():
     cfg.pruning_rate = 1.5  # reassigned after construction
     with pytest.raises(ValueError, match="pruning_rate"):
         select_completions(torch.zeros(4), torch.zeros(4, dtype=torch.long), cfg)
+
+
+def test_the_two_halves_how_many_per_pool_then_which_ones():
+    """keep_counts decides the pools and their counts, choose_kept the members; select_completions is both."""
+    from cppo_megatron.core.advantage import GroupStats
+    from cppo_megatron.core.selection import choose_kept, keep_counts
+
+    adv = torch.tensor([0.5, -2.0, 1.0, 0.0, 3.0, -1.0, 0.25])
+    gids = torch.tensor([7, 7, 7, 9, 9, 9, 9])
+    uniq, inverse, size = torch.unique(gids, sorted=True, return_inverse=True, return_counts=True)
+    a = adv.double()
+    group = keep_counts(a, uniq, inverse, size, CPPOConfig(pruning_rate=0.5))
+    assert group.size.tolist() == [3, 4] and group.keep.tolist() == [1, 2] and group.of.tolist() == inverse.tolist()
+    batch = keep_counts(a, uniq, inverse, size, CPPOConfig(pruning_rate=0.5, scope="batch"))
+    assert batch.size.tolist() == [7] and batch.keep.tolist() == [3] and batch.of.tolist() == [0] * 7
+    per_group = keep_counts(a, uniq, inverse, size, CPPOConfig(keep_per_group=2, scope="batch"))
+    assert per_group.keep.tolist() == [4]  # k x the number of groups, across the batch
+    kept, weights = choose_kept(a, group, CPPOConfig(pruning_rate=0.5), step=0)
+    assert sorted(kept.tolist()) == [1, 4, 5] and weights is None  # |A| largest per group: -2 | 3, -1
+    kept, _ = choose_kept(a, batch, CPPOConfig(pruning_rate=0.5, scope="batch"), step=0)
+    assert sorted(kept.tolist()) == [1, 4, 5]  # |A| largest across the batch: 3, -2, -1
+    sel = select_completions(adv, gids, CPPOConfig(pruning_rate=0.5))
+    assert sel.kept.tolist() == [1, 4, 5] and sel.kept_per_group.tolist() == [1, 2]
+    with pytest.raises(ValueError, match="keep_per_group=4 is larger than group 7 \\(3 completions\\)"):
+        select_completions(adv, gids, CPPOConfig(keep_per_group=4, scope="batch"))
+    stats = GroupStats.__new__(GroupStats)
+    object.__setattr__(stats, "inverse", torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="stats describe 3 completions but the batch has 7"):
+        select_completions(adv, gids, CPPOConfig(pruning_rate=0.5), stats=stats)

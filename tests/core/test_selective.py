@@ -34,7 +34,7 @@ from cppo_megatron.core.selective import (
     step_metrics,
     target_shares,
 )
-from cppo_megatron.core.settings import CPPOConfig
+from cppo_megatron.core.settings import CPPOConfig, SelectiveConfig
 
 M64 = (1 << 64) - 1
 
@@ -381,6 +381,7 @@ def test_step_metrics_of_one_filled_round():
         "selective/skipped_easy": 4.0,
         "selective/skipped_hard": 5.0,
         "selective/skip_ratio": 9 / 16,
+        "selective/forced_keeps": 0.0,
         "selective/zero_variance_share": 0.5,
         "selective/easy_share": 0.25,
         "selective/hard_share": 0.25,
@@ -425,6 +426,7 @@ def test_step_metrics_sum_every_round_of_the_step():
         "selective/skipped_easy": 3.0,
         "selective/skipped_hard": 2.0,
         "selective/skip_ratio": 5 / 9,
+        "selective/forced_keeps": 0.0,
         "selective/zero_variance_share": 0.75,
         "selective/easy_share": 0.25,
         "selective/hard_share": 0.5,
@@ -455,8 +457,8 @@ def test_adapt_from_config_uses_the_configs_targets_step_and_bounds():
     assert adapt_from_config(ExplorationRates(), CPPOConfig(), o) == ExplorationRates(0.49, 0.49)
     assert adapt_from_config(ExplorationRates(), CPPOConfig(), TWO_ROUNDS_OUTCOMES) == ExplorationRates(0.49, 0.49)
     # alpha 0.9: targets 0.3 and 0.6, neither reached: both up by the step 0.05, easy capped at p_max 0.53
-    cfg = CPPOConfig(selective_target_zero_variance=0.9, selective_step_size=0.05, selective_p_max=0.53,
-                     selective_p_easy=0.5, selective_p_hard=0.45)
+    cfg = CPPOConfig(selective=SelectiveConfig(target_zero_variance=0.9, step_size=0.05, p_max=0.53, p_easy=0.5,
+                                               p_hard=0.45))
     assert adapt_from_config(ExplorationRates(0.5, 0.45), cfg, o) == ExplorationRates(0.53, 0.5)
     # what adapt_exploration gives with the same numbers spelled out
     assert adapt_from_config(ExplorationRates(0.5, 0.45), cfg, o) == adapt_exploration(
@@ -520,7 +522,7 @@ def test_bad_inputs_raise_naming_the_value():
         (lambda: OutcomeCounts(num_groups=2, num_easy=2, num_hard=1), r"num_easy \(2\) \+ num_hard \(1\) exceeds num_groups \(2\)"),
         (lambda: OutcomeCounts(num_groups=-1, num_easy=0, num_hard=0), "num_groups must be an integer >= 0, got -1"),
         (lambda: OutcomeCounts.from_flags(b([0, 1]), b([1, 0])), r"easy\[0\] is True but zero_variance\[0\] is False"),
-        (lambda: adapt_from_config(r, {"selective_step_size": 0.1}, OutcomeCounts(0, 0, 0)),
+        (lambda: adapt_from_config(r, {"selective.step_size": 0.1}, OutcomeCounts(0, 0, 0)),
          "cfg must be a CPPOConfig .* got dict"),
         (lambda: estimate_tokens_saved(2, 0, t([1])), "group_size must be an integer >= 1, got 0"),
         (lambda: estimate_tokens_saved(2, 4, t([3, -1])), r"completion_lengths\[1\] = -1.0 is negative"),

@@ -52,7 +52,7 @@ def cli(monkeypatch, capsys):
 def _one_line_error(proc, expected: str) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.splitlines() == [f"cppo-megatron train: {expected}"]
+    assert proc.stderr.splitlines() == [f"cppo-megatron train: error: {expected} (--debug shows the traceback)"]
 
 
 def _gsm_file(path: Path, rows: int = 6) -> Path:

@@ -1,4 +1,4 @@
-"""cppo.selective_rollout in the embedded trainer: real trainer, real micro model, 12 prompts
+"""cppo.selective.enabled in the embedded trainer: real trainer, real micro model, 12 prompts
 (so prompts come back within 3 steps and their history decides)."""
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from cppo_megatron.core import (
 from cppo_megatron.core.selective import EASY, HARD, prompt_uniforms
 from cppo_megatron.trainer import Trainer
 from cppo_megatron.trainer.checkpoint import load_checkpoint
-from cppo_megatron.trainer.config import load_recipe
+from cppo_megatron.trainer.config import RecipeError, load_recipe
 from cppo_megatron.trainer.logger import read_metrics
 from tests.recipes import MICRO
 
 # 12 prompts, 8 generated per step (capacity 16, k = 2 of G = 4): the second pass starts in step 2.
 # p_hard / p_easy 0.3: a prompt after one zero-variance group is skipped with chance 0.7.
-SELECTIVE = ["task.train_size=12", "cppo.selective_rollout=true", "cppo.selective_p_easy=0.3",
-             "cppo.selective_p_hard=0.3"]
+SELECTIVE = ["task.train_size=12", "cppo.selective.enabled=true", "cppo.selective.p_easy=0.3",
+             "cppo.selective.p_hard=0.3"]
 
 
 def _recipe(out_dir: Path, *overrides: str):
@@ -117,7 +117,7 @@ def test_rates_adapt_only_after_the_first_pass_over_the_prompts(run):
 def test_skipped_prompts_follow_the_planted_history(tmp_path):
     """The step's skipped prompt ids are exactly those decide_skips picks from the planted
     history, and match the rule 1 - max(p_e ** z, 0.01) computed here from the planted streaks."""
-    recipe = _recipe(tmp_path / "run", "train.steps=1", "cppo.selective_p_easy=0.9", "cppo.selective_p_hard=0.2")
+    recipe = _recipe(tmp_path / "run", "train.steps=1", "cppo.selective.p_easy=0.9", "cppo.selective.p_hard=0.2")
     t = Trainer(recipe)
     order = PromptSampler(12, seed=recipe.seed).draw(24)  # what the run's sampler will hand out
     planted = SelectiveHistory()
@@ -152,7 +152,7 @@ def test_skipped_prompts_follow_the_planted_history(tmp_path):
 
 
 def test_resume_gives_the_history_rates_and_decisions_of_an_uninterrupted_run(tmp_path):
-    adapt = ["train.steps=4", "cppo.selective_adapt_after_first_epoch=false"]
+    adapt = ["train.steps=4", "cppo.selective.adapt_after_first_epoch=false"]
     full = Trainer(_recipe(tmp_path / "full", *adapt))
     full.run()
     part_recipe = _recipe(tmp_path / "part", *adapt, "log.checkpoint_every=2")
@@ -189,21 +189,21 @@ def test_a_checkpoint_without_selective_state_resumes_with_an_empty_history(tmp_
     t = Trainer(_recipe(out, "train.steps=2"), resume=True)
     assert t.step == 1 and t.selective.history.num_events == 0 and t.selective.rates == ExplorationRates(0.3, 0.3)
     assert capfd.readouterr().err.strip().splitlines()[-1] == (
-        "--resume: checkpoint step_000001 has no selective-rollout state (written without cppo.selective_rollout): "
+        "--resume: checkpoint step_000001 has no selective-rollout state (written without cppo.selective.enabled): "
         "starting with an empty prompt history and p_easy=0.3, p_hard=0.3")
 
 
 @pytest.mark.parametrize("override, message", [
-    ("cppo.selective_p_easy=0", "CPPOConfig.selective_p_easy must be a probability in (0, 1], got 0.0: 0 would "
-                                "never explore a zero-variance prompt again"),
-    ("cppo.selective_p_hard=0.99", "CPPOConfig.selective_p_hard = 0.99 is outside [selective_p_min, "
-                                   "selective_p_max] = [0.05, 0.95]; set it inside the bounds (or widen them)"),
-    ("cppo.selective_p_min=0.9", "CPPOConfig.selective_p_easy = 0.5 is outside [selective_p_min, "
-                                 "selective_p_max] = [0.9, 0.95]; set it inside the bounds (or widen them)"),
-    ("cppo.selective_step_size=-0.1", "CPPOConfig.selective_step_size must be a finite number >= 0, got -0.1; "
-                                      "0 keeps p_easy / p_hard fixed, the authors use 0.01"),
-    ("cppo.selective_target_zero_variance=1.5", "CPPOConfig.selective_target_zero_variance must be a share in "
-                                                "[0, 1], got 1.5; the authors use 0.25"),
+    ("cppo.selective.p_easy=0", "CPPOConfig.selective.p_easy must be in (0, 1], got 0.0; 0 would never explore a "
+                                "zero-variance prompt again"),
+    ("cppo.selective.p_hard=0.99", "CPPOConfig.selective.p_hard = 0.99 is outside [p_min, p_max] = [0.05, 0.95]; "
+                                   "set it inside the bounds (or widen them)"),
+    ("cppo.selective.p_min=0.9", "CPPOConfig.selective.p_easy = 0.5 is outside [p_min, p_max] = [0.9, 0.95]; set "
+                                 "it inside the bounds (or widen them)"),
+    ("cppo.selective.step_size=-0.1", "CPPOConfig.selective.step_size must be >= 0, got -0.1; 0 keeps p_easy / "
+                                      "p_hard fixed, the authors use 0.01"),
+    ("cppo.selective.target_zero_variance=1.5", "CPPOConfig.selective.target_zero_variance must be in [0, 1], got "
+                                                "1.5; the authors use 0.25"),
 ])
 def test_bad_selective_keys_are_named(override, message):
     with pytest.raises(ValueError) as err:
@@ -262,10 +262,11 @@ def test_a_round_that_runs_out_of_candidates_is_counted_and_warned_once():
     """8 training prompts, all easy last time (streak 1) and p_easy at 0.2: most candidates are
     skipped, and a round takes at most n + 8 of them, so it comes up short. The metric counts
     each short round of the step; the warning comes once a run, and never on other ranks."""
-    from cppo_megatron.core import CPPOConfig, fill_batch
+    from cppo_megatron.config import CPPOConfig, SelectiveConfig
+    from cppo_megatron.core import fill_batch
     from cppo_megatron.trainer.selective import SelectiveRollout
 
-    cfg = CPPOConfig(selective_rollout=True, selective_p_easy=0.2, seed=7)
+    cfg = CPPOConfig(seed=7, selective=SelectiveConfig(enabled=True, p_easy=0.2))
     lines: list[str] = []
     for warn in (lines.append, None):
         sel = SelectiveRollout(cfg, group_size=4, num_prompts=8, warn=warn)
@@ -285,4 +286,44 @@ def test_a_round_that_runs_out_of_candidates_is_counted_and_warned_once():
                          torch.full((n * 4,), 3))
         assert m["selective/short_rounds"] == 2.0 and m["selective/prompts_drawn"] == 24.0
     assert len(lines) == 1 and "generated 2 of the 4 prompts asked in step 1" in lines[0]
-    assert "use more training prompts, raise cppo.selective_p_min (now 0.05)" in lines[0]
+    assert "use more training prompts, raise cppo.selective.p_min (now 0.05)" in lines[0]
+
+
+def test_the_flat_keys_of_earlier_versions_are_read_with_a_warning_naming_the_new_key(tmp_path):
+    nested = load_recipe(None, ["cppo.selective.enabled=true", "cppo.selective.p_easy=0.3"])
+    with pytest.warns(FutureWarning, match=r"recipe key cppo.selective_p_easy is deprecated: write "
+                                           r"cppo.selective.p_easy=0.3"):
+        flat = load_recipe(None, ["cppo.selective_rollout=true", "cppo.selective_p_easy=0.3"])
+    assert flat.cppo == nested.cppo
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("cppo:\n  selective_rollout: true\n  selective_p_easy: 0.3\n")
+    with pytest.warns(FutureWarning, match=r"cppo.selective_rollout is deprecated: write cppo.selective.enabled"):
+        assert load_recipe(recipe).cppo == nested.cppo
+    with pytest.raises(RecipeError, match="unknown recipe key 'cppo.selective.p_eazy'"):
+        load_recipe(None, ["cppo.selective.p_eazy=0.3"])
+
+
+def test_a_round_that_skips_every_candidate_generates_the_last_one_drawn_instead_of_stopping():
+    """8 prompts, each all-correct in its last 10 groups (keep probability 0.01): a round of 4 takes
+    4 + 8 candidates, skips them all, and generates the 12th anyway (selective/forced_keeps); the
+    trainer used to stop the run here."""
+    from cppo_megatron.config import CPPOConfig, SelectiveConfig
+    from cppo_megatron.trainer.selective import SelectiveRollout
+
+    lines: list[str] = []
+    sel = SelectiveRollout(CPPOConfig(selective=SelectiveConfig(enabled=True)), group_size=2, num_prompts=8,
+                           warn=lines.append)
+    for s in range(10):
+        sel.history.update(torch.arange(8), torch.ones(8, dtype=torch.bool), torch.ones(8, dtype=torch.bool), step=s)
+    sampler = PromptSampler(8, seed=0)
+    sel.begin_step(10, sampler)
+    twin = PromptSampler(8, seed=0)
+    drawn = twin.draw(12)
+    assert sel.draw(sampler, 4) == [drawn[-1]] and sampler.total_drawn == 12
+    m = sel.end_step(torch.tensor([drawn[-1]]), torch.ones(2), torch.ones(2), torch.full((2,), 3))
+    assert m["selective/forced_keeps"] == 1.0 and m["selective/short_rounds"] == 1.0
+    assert m["selective/prompts_skipped"] == 11.0 and m["selective/prompts_generated"] == 1.0
+    assert [line.split(":")[1].strip()[:31] for line in lines] == ["selective rollout skipped all 1",
+                                                                   "selective rollout generated 1 o"]
+    with pytest.raises(ValueError, match="2 rewards and 2 correctness flags for 2 groups x G=2"):
+        sel.end_step(torch.tensor([1, 2]), torch.ones(2), torch.ones(2), torch.full((2,), 3))

@@ -6,7 +6,7 @@ makes each process append JSON lines to ``DIR/<role>-<pid>.jsonl``:
 - ``filter`` (OpenRLHF's samples generator, with ``--algo.dynamic_filtering_enable``): one per
   generation call, every prompt it drew with its G scores and rewards and whether the filter
   passed it (``filtering.FilterLedger``);
-- ``selective`` (OpenRLHF's samples generator, with ``cppo.selective_rollout``): one per generation
+- ``selective`` (OpenRLHF's samples generator, with ``cppo.selective.enabled``): one per generation
   call, every prompt index it drew for its step, which were skipped and which kept, with their skip
   probabilities and the rates (``selective.SelectiveDraw``);
 - ``prune`` (the hook, in the trainer): every rollout sample of the step — its row id (its
@@ -48,7 +48,7 @@ import torch
 
 from ..importhook import after_import
 from ..records import append as _append
-from ..records import complete_lines, optimizer_fingerprint, tensor_hash
+from ..records import optimizer_fingerprint, read, tensor_hash
 from ..wrap import wrap
 from .checkpoint import resumed_step
 
@@ -73,17 +73,6 @@ def record(kind: str, role: str, **fields: Any) -> None:
     Path(root).mkdir(parents=True, exist_ok=True)
     line = json.dumps({"kind": kind, "time": time.time(), "pid": os.getpid(), **fields}, default=_jsonable)
     _append(Path(root) / f"{role}-{os.getpid()}.jsonl", line)
-
-
-def read(root: str | Path, kind: str | None = None) -> list[dict]:
-    """All records under ``root`` (every process), in time order; only ``kind`` when given."""
-    out = []
-    for path in sorted(Path(root).glob("*.jsonl")):
-        for line in complete_lines(path):
-            rec = json.loads(line)
-            if kind is None or rec["kind"] == kind:
-                out.append(rec)
-    return sorted(out, key=lambda r: r["time"])
 
 
 def _jsonable(x):

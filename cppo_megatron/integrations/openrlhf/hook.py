@@ -36,12 +36,12 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from ...config import SELECTIVE_PARAMETERS, CPPOConfig
+from ...config import CPPOConfig
 from ...core import (
     advantages_from_stats,
     balance_partitions,
@@ -155,10 +155,10 @@ def _check_config(cfg: CPPOConfig) -> CPPOConfig:
     return cfg
 
 
-def check_settings(values: dict[str, Any], estimator: str) -> list[str]:
-    """CPPO settings set explicitly (the recipe's ``cppo:`` section, ``--cppo.FIELD``) that an
-    OpenRLHF run cannot honour: ValueError for those that would change the run, one-line
-    warnings (returned) for those that do nothing here."""
+def check_settings(values: Mapping[str, Any], estimator: str) -> list[str]:
+    """CPPO settings set explicitly (the recipe's ``cppo:`` section, ``--cppo.FIELD``; nested as
+    ``config.nest_keys`` gives them) that an OpenRLHF run cannot honour: ValueError for those that
+    would change the run, one-line warnings (returned) for those that do nothing here."""
     if values.get("dynamic_sampling"):
         raise ValueError(
             "cppo.dynamic_sampling=true is not supported under OpenRLHF: the hook prunes a finished rollout "
@@ -183,10 +183,11 @@ def check_settings(values: dict[str, Any], estimator: str) -> list[str]:
     if "max_refill_rounds" in values and not values.get("dynamic_sampling"):
         notes.append(f"cppo.max_refill_rounds={values['max_refill_rounds']} has no effect under OpenRLHF: refill "
                      "rounds belong to cppo.dynamic_sampling, which OpenRLHF runs do not support; remove it")
-    if not values.get("selective_rollout"):
-        notes += [f"cppo.{name}={values[name]} has no effect: it belongs to cppo.selective_rollout, which is off; "
-                  "set cppo.selective_rollout=true or remove it"
-                  for name in SELECTIVE_PARAMETERS if name in values]
+    selective = values.get("selective") or {}
+    if isinstance(selective, Mapping) and not selective.get("enabled"):
+        notes += [f"cppo.selective.{name}={value} has no effect: it belongs to cppo.selective.enabled, which is off; "
+                  "set cppo.selective.enabled=true or remove it"
+                  for name, value in selective.items() if name != "enabled"]
     return notes
 
 
@@ -215,13 +216,49 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
     new list of the kept samples (the same objects); the pruned ones are only counted.
     """
     cfg = _check_config(cfg or _config())
-    from openrlhf.trainer.ppo_utils import experience_maker as em  # its own length penalties
-
     args = maker.strategy.args
     adv_norm = check_supported(args)
     if not rollout_samples:
         return rollout_samples
-    for i, sample in enumerate(rollout_samples):
+    raw_rewards, rewards, group_ids = _step_rewards(rollout_samples, args)
+    # OpenRLHF's global step before this one (0-based): a resumed run continues the count
+    step = int(maker._cppo_step) if hasattr(maker, "_cppo_step") else resumed_step(args)
+    maker._cppo_step = step + 1
+    # selective rollout (GRESO): every generated group's outcome, under its prompt index, before pruning
+    recorded = selective.record_step(rollout_samples, raw_rewards, rewards, group_ids, step=step)
+    run_cfg = cfg if cfg.adv_norm == adv_norm else dataclasses.replace(cfg, adv_norm=adv_norm)
+    result = prune(rewards, group_ids, run_cfg, step=step)
+    kept, multiple = _kept_to_a_multiple(result, run_cfg, args, step)
+    metrics = _step_metrics(result, rewards, kept.numel(), multiple)
+    order_out, balance_metrics = _balanced_order(kept, rollout_samples, args, cfg)
+    metrics.update(balance_metrics)
+    if recorded is not None:
+        metrics.update(recorded[0])
+    account = _filter_account(rollout_samples, args, metrics, kept=kept.numel())
+    survivors = _survivors(rollout_samples, order_out, result, metrics)
+    logger.info(
+        "CPPO step %d: kept %d of %d (%d selected, %d topped up to a multiple of %d), %d groups, %d fully pruned",
+        step, kept.numel(), rewards.numel(), result.selection.num_kept, kept.numel() - result.selection.num_kept,
+        multiple, int(metrics["cppo/num_groups"]), int(metrics["cppo/groups_fully_pruned"]),
+    )  # fmt: skip
+    maker._cppo_last_metrics = metrics
+    if audit.enabled():
+        audit.record_prune(rollout_samples, rewards, group_ids, result.selection.kept, order_out.tolist(), step,
+                           account=None if account is None else account.to_record(),
+                           ledgers=[led.serial for led in filtering.ledgers_of(rollout_samples)],
+                           selective=None if recorded is None else recorded[1])
+    for sample in rollout_samples:  # accounted: the ledger need not travel on to the model actors
+        sample.__dict__.pop(filtering.FILTER_ATTR, None)
+    return survivors
+
+
+def _step_rewards(samples: list, args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(raw_rewards [N] as the reward function returned them, rewards [N] after OpenRLHF's length
+    penalties, group_ids [N]) of one rollout; refuses samples without a reward or of several rows,
+    and checks the groups DAPO's filter passed (it judged the rewards as returned)."""
+    from openrlhf.trainer.ppo_utils import experience_maker as em  # its own length penalties
+
+    for i, sample in enumerate(samples):
         if sample.rewards is None:
             raise ValueError(
                 f"rollout sample {i} has no reward: CPPO prunes before the model forwards, so rewards must come "
@@ -231,91 +268,74 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
             raise ValueError(f"rollout sample {i} holds {sample.sequences.shape[0]} rows; expected one")
         # as OpenRLHF's advantage step: at least fp32 for penalties and group statistics
         sample.rewards = sample.rewards.to(torch.promote_types(sample.rewards.dtype, torch.float32))
-    raw_rewards = torch.cat([s.rewards.reshape(1) for s in rollout_samples])  # as returned, before penalties
-
-    group_ids = group_ids_from_samples(rollout_samples, args.rollout.n_samples_per_prompt)
-    filter_on = filtering.enabled(args)
+    raw_rewards = torch.cat([s.rewards.reshape(1) for s in samples])  # as returned, before penalties
+    group_ids = group_ids_from_samples(samples, args.rollout.n_samples_per_prompt)
     # penalties change rewards, so they come before the group statistics (as in OpenRLHF)
-    em.apply_length_penalties(rollout_samples, args)
-    rewards = torch.cat([s.rewards.reshape(1) for s in rollout_samples])
+    em.apply_length_penalties(samples, args)
+    return raw_rewards, torch.cat([s.rewards.reshape(1) for s in samples]), group_ids
 
-    # OpenRLHF's global step before this one (0-based): a resumed run continues the count
-    step = int(maker._cppo_step) if hasattr(maker, "_cppo_step") else resumed_step(args)
-    maker._cppo_step = step + 1
-    # selective rollout (GRESO): every generated group's outcome, under its prompt index, before pruning
-    recorded = selective.record_step(rollout_samples, raw_rewards, rewards, group_ids, step=step,
-                                     group_size=int(args.rollout.n_samples_per_prompt))
-    run_cfg = cfg if cfg.adv_norm == adv_norm else dataclasses.replace(cfg, adv_norm=adv_norm)
-    result = prune(rewards, group_ids, run_cfg, step=step)
-    selection = result.selection
-    n_total = rewards.numel()
 
-    # keep more (next in the core's order) where OpenRLHF needs a multiple of `multiple`
+def _kept_to_a_multiple(result: Any, cfg: CPPOConfig, args: Any, step: int) -> tuple[torch.Tensor, int]:
+    """(kept [K] ascending indices, the multiple): the core's survivors, topped up with the next ones
+    in the core's order where OpenRLHF needs a multiple of ``multiple`` (``minimum_keep_multiple``)."""
     multiple = minimum_keep_multiple(args)
-    n_core = selection.num_kept
+    n_total, n_core = result.advantages.numel(), result.selection.num_kept
     n_keep = min(n_total, -(-n_core // multiple) * multiple)
-    kept_mask = selection.kept_mask()
+    kept_mask = result.selection.kept_mask()
     if n_keep > n_core:
-        order = keep_order(result.advantages, run_cfg, step=step)
-        extra = order[~kept_mask[order]][: n_keep - n_core]
-        kept_mask[extra] = True
-    kept = kept_mask.nonzero().squeeze(1)
+        order = keep_order(result.advantages, cfg, step=step)
+        kept_mask[order[~kept_mask[order]][: n_keep - n_core]] = True
+    return kept_mask.nonzero().squeeze(1), multiple
 
-    mean, std = result.stats.row_mean(), result.stats.row_std()
+
+def _step_metrics(result: Any, rewards: torch.Tensor, n_keep: int, multiple: int) -> dict[str, float]:
+    """The core's ``cppo/*`` metrics with the counts after the top-up."""
+    n_total, n_core = rewards.numel(), result.selection.num_kept
     metrics = result.metrics()
-    metrics.update(
-        {
-            "cppo/num_kept_selected": float(n_core),
-            "cppo/num_kept": float(n_keep),
-            "cppo/num_pruned": float(n_total - n_keep),
-            "cppo/kept_ratio": n_keep / n_total,
-            "cppo/topped_up": float(n_keep - n_core),
-            "cppo/keep_multiple": float(multiple),
-            # OpenRLHF's rollout/reward_mean only sees survivors from here on
-            "cppo/reward_mean_generated": float(rewards.mean()),
-        }
-    )
-    order_out, balance_metrics = _balanced_order(kept, rollout_samples, args, cfg)
-    metrics.update(balance_metrics)
-    if recorded is not None:
-        metrics.update(recorded[0])
-    account = None
-    if filter_on:
-        ledgers = filtering.ledgers_of(rollout_samples)
-        if ledgers:
-            account = filtering.account_step(ledgers, num_samples=n_total, kept=n_keep,
-                                             target=int(args.rollout.batch_size))
-            metrics.update(account.metrics())
-            if account.short:
-                logger.warning("dynamic filtering: only %d of %d groups passed before the prompts ran out; CPPO "
-                               "prunes them at the same rate (a short step, as in plain OpenRLHF)",
-                               account.passed, account.target)
-        else:
-            logger.warning("dynamic filtering is on but the rollout carries no filter ledger (OpenRLHF's samples "
-                           "generator is not hooked): the dropped groups are not accounted for this step")
+    metrics.update({
+        "cppo/num_kept_selected": float(n_core),
+        "cppo/num_kept": float(n_keep),
+        "cppo/num_pruned": float(n_total - n_keep),
+        "cppo/kept_ratio": n_keep / n_total,
+        "cppo/topped_up": float(n_keep - n_core),
+        "cppo/keep_multiple": float(multiple),
+        # OpenRLHF's rollout/reward_mean only sees survivors from here on
+        "cppo/reward_mean_generated": float(rewards.mean()),
+    })
+    return metrics
 
+
+def _filter_account(samples: list, args: Any, metrics: dict, *, kept: int) -> Any:
+    """With DAPO's filter on: the step's account of its filter ledgers (``filtering.account_step``),
+    its metrics added to ``metrics``; None when the filter is off or left no ledger (warned)."""
+    if not filtering.enabled(args):
+        return None
+    ledgers = filtering.ledgers_of(samples)
+    if not ledgers:
+        logger.warning("dynamic filtering is on but the rollout carries no filter ledger (OpenRLHF's samples "
+                       "generator is not hooked): the dropped groups are not accounted for this step")
+        return None
+    account = filtering.account_step(ledgers, num_samples=len(samples), kept=kept, target=int(args.rollout.batch_size))
+    metrics.update(account.metrics())
+    if account.short:
+        logger.warning("dynamic filtering: only %d of %d groups passed before the prompts ran out; CPPO "
+                       "prunes them at the same rate (a short step, as in plain OpenRLHF)",
+                       account.passed, account.target)
+    return account
+
+
+def _survivors(samples: list, order: torch.Tensor, result: Any, metrics: dict) -> list:
+    """The kept samples in ``order``, each carrying its full group's mean and std and a copy of the
+    step's metrics in its ``info`` (OpenRLHF averages info entries into its logs)."""
+    mean, std = result.stats.row_mean(), result.stats.row_std()
     survivors = []
-    for idx in order_out.tolist():
-        sample = rollout_samples[idx]
+    for idx in order.tolist():
+        sample = samples[idx]
         sample.info[MEAN_KEY] = mean[idx : idx + 1].to(sample.rewards.dtype)
         sample.info[STD_KEY] = std[idx : idx + 1].to(sample.rewards.dtype)
-        # per-sample copies of the step's metrics: OpenRLHF averages info entries into its logs
         for key, value in metrics.items():
             sample.info[key] = torch.tensor([value], dtype=torch.float32)
         survivors.append(sample)
-    logger.info(
-        "CPPO step %d: kept %d of %d (%d selected, %d topped up to a multiple of %d), %d groups, %d fully pruned",
-        step, n_keep, n_total, n_core, n_keep - n_core, multiple,
-        int(metrics["cppo/num_groups"]), int(metrics["cppo/groups_fully_pruned"]),
-    )  # fmt: skip
-    maker._cppo_last_metrics = metrics
-    if audit.enabled():
-        audit.record_prune(rollout_samples, rewards, group_ids, selection.kept, order_out.tolist(), step,
-                           account=None if account is None else account.to_record(),
-                           ledgers=[led.serial for led in filtering.ledgers_of(rollout_samples)],
-                           selective=None if recorded is None else recorded[1])
-    for sample in rollout_samples:  # accounted: the ledger need not travel on to the model actors
-        sample.__dict__.pop(filtering.FILTER_ATTR, None)
     return survivors
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from ...config import FIELD_NAMES
+from ...config import RENAMED, CPPOConfig, flatten_keys, nest_keys
 
 SECTIONS = ("description", "cppo", "openrlhf", "cpu")
 
@@ -39,9 +39,11 @@ def load_recipe(path: str | os.PathLike) -> dict[str, Any]:
     cppo = data.get("cppo")
     if cppo is not None and not isinstance(cppo, dict):
         raise ValueError(f"recipe {path}: 'cppo' must be a mapping of CPPOConfig fields or null")
-    bad = sorted(set(cppo or {}) - set(FIELD_NAMES))
-    if bad:
-        raise ValueError(f"recipe {path}: unknown cppo field(s) {bad}; known: {list(FIELD_NAMES)}")
+    if cppo is not None:  # nested sections, dotted keys and deprecated flat names (a FutureWarning each)
+        try:
+            data["cppo"] = nest_keys(CPPOConfig, cppo, where="cppo", renamed=RENAMED)
+        except ValueError as exc:
+            raise ValueError(f"recipe {path}: {exc}") from None
     data["_dir"] = str(path.resolve().parent)
     return data
 
@@ -70,8 +72,8 @@ def openrlhf_flags(recipe: dict[str, Any]) -> list[str]:
 def launcher_argv(recipe: dict[str, Any]) -> list[str]:
     """Arguments for ``cppo_megatron.integrations.openrlhf.train.main``."""
     cppo = recipe.get("cppo")
-    head = (["--cppo.off"] if cppo is None
-            else [f"--cppo.{k}={yaml.safe_dump(v).splitlines()[0]}" for k, v in cppo.items()])
+    head = (["--cppo.off"] if cppo is None  # one --cppo.KEY=VALUE per leaf key, dotted through sections
+            else [f"--cppo.{k}={yaml.safe_dump(v).splitlines()[0]}" for k, v in flatten_keys(cppo).items()])
     return head + openrlhf_flags(recipe)
 
 

@@ -1,6 +1,6 @@
 """Selective rollout (GRESO) in OpenRLHF 0.11.2: skip prompts before generation.
 
-Inert unless the run's CPPO config sets ``selective_rollout`` (``install(cfg)``, called by
+Inert unless the run's CPPO config sets ``selective.enabled`` (``install(cfg)``, called by
 ``hook.install``). Who draws prompts: in OpenRLHF's synchronous loop one process, the
 ``PPOTrainer`` Ray actor, holds the prompt dataloader and calls ``SamplesGenerator.generate_samples``
 (``trainer/ppo_trainer.py:477-489,530``); the actor ranks (``PolicyModelActor``) only receive
@@ -66,20 +66,9 @@ from typing import Any
 
 import torch
 
-from ...core import (
-    ExplorationRates,
-    FilledBatch,
-    OutcomeCounts,
-    SelectiveHistory,
-    adapt_from_config,
-    count_rounds,
-    estimate_tokens_saved,
-    fill_batch,
-    group_outcomes,
-    step_metrics,
-)
-from ...core.selective import load_run_state, run_state
-from ...core.settings import CPPOConfig
+from ...config import CPPOConfig
+from ...core import FilledBatch, check_int
+from ...core.selective_run import SelectiveRun
 from ..importhook import after_import, remove
 from ..wrap import unwrap, wrap
 from . import audit
@@ -99,8 +88,6 @@ DATASET_MODULE = "openrlhf.datasets.prompts_dataset"
 GENERATOR_MODULE = "openrlhf.trainer.ppo_utils.samples_generator"
 LOADER_MODULE = "torchdata.stateful_dataloader.stateful_dataloader"  # OpenRLHF's prompt dataloader class
 WRAP_TAG = __name__
-_TOTALS = ("prompts_drawn", "prompts_skipped", "prompts_generated", "tokens_saved_estimate")
-EASY_THRESHOLD = 1.0  # a zero-variance group is easy when every reward (as returned) is >= this
 
 _CONFIG: CPPOConfig | None = None
 # the train data sets whose items carry their row, and the train dataloaders whose state carries the
@@ -119,25 +106,25 @@ def enabled() -> bool:
 # ---------------------------------------------------------------------------------- refusals
 def check_args(args: Any) -> list[str]:
     """Launch-time (and first-draw) check of OpenRLHF's parsed ``args`` for a run with
-    ``cppo.selective_rollout``: ValueError naming flag, value and fix for what is not built; else
+    ``cppo.selective.enabled``: ValueError naming flag, value and fix for what is not built; else
     the notes the dry run prints (one line each)."""
     if bool(getattr(args.train, "async_enable", False)):
         raise ValueError(
-            "cppo.selective_rollout=true with --train.async_enable: the asynchronous trainer draws prompts in "
+            "cppo.selective.enabled=true with --train.async_enable: the asynchronous trainer draws prompts in "
             "another actor, steps ahead of the one that records their groups, so the skip decisions could not "
-            "see the history they depend on (not built); remove --train.async_enable or cppo.selective_rollout"
+            "see the history they depend on (not built); remove --train.async_enable or cppo.selective.enabled"
         )
     if bool(getattr(args.algo, "dynamic_filtering_enable", False)):
         raise ValueError(
-            "cppo.selective_rollout=true with --algo.dynamic_filtering_enable: OpenRLHF's filter drops the "
+            "cppo.selective.enabled=true with --algo.dynamic_filtering_enable: OpenRLHF's filter drops the "
             "zero-variance groups inside the samples generator, before the hook where selective rollout records "
             "outcomes, so exactly the groups it learns from would go unrecorded (not built); remove "
-            "--algo.dynamic_filtering_enable or cppo.selective_rollout"
+            "--algo.dynamic_filtering_enable or cppo.selective.enabled"
         )
     gen = getattr(args.rollout, "vllm_generate_batch_size", None)
     if gen and int(gen) != int(args.rollout.batch_size):
         raise ValueError(
-            f"cppo.selective_rollout=true with --rollout.vllm_generate_batch_size {gen}: one generation call's "
+            f"cppo.selective.enabled=true with --rollout.vllm_generate_batch_size {gen}: one generation call's "
             f"groups would be trained (and recorded) over several steps of {args.rollout.batch_size} prompts, "
             "while the skips were decided for the first; leave --rollout.vllm_generate_batch_size unset"
         )
@@ -251,118 +238,89 @@ class _KeptPrompts(Iterator):
                 batches.append(batch)
             return rows
 
-        st = self.state
-        fb = fill_batch(take, 1, st.history, seed=st.cfg.seed, step=self.draw.step, rates=st.rates)
+        fb = self.state.fill(take, 1)  # at most 1 + num_prompts draws: the epoch ends first
         self.draw.rounds.append(fb)
         if fb.kept.numel() == 0:  # the epoch ended while skipping
             raise StopIteration
-        batch = batches[-1]  # wanted=1: fill_batch stops at the first kept candidate, the last drawn
-        row = int(fb.kept[0])
-        if int(fb.drawn[-1]) != row:
-            raise RuntimeError(f"selective rollout: kept prompt {row} is not the last one drawn ({int(fb.drawn[-1])})")
-        self.draw.kept.append((row, batch[1][0], batch[2][0]))
+        batch = batches[-1]  # the one kept is the last drawn: fill stops at the first kept, or forces the last
+        self.draw.kept.append((int(fb.kept[0]), batch[1][0], batch[2][0]))
         return batch
 
 
 # ---------------------------------------------------------------------------------- the run state
-class OpenRLHFSelective:
-    """History, exploration rates and counters of one OpenRLHF run, and the step in progress.
+class OpenRLHFSelective(SelectiveRun):
+    """The core's driver (``SelectiveRun``) with OpenRLHF's side: the generation calls of a step
+    (``SelectiveDraw``s, pending until the hook records the step) and the step they decide for.
 
     Args:
-        cfg: the run's ``CPPOConfig`` (``selective_*`` fields; ``seed`` seeds the draws).
+        cfg: the run's ``CPPOConfig`` (its ``selective`` section; ``seed`` seeds the draws).
         num_prompts: rows in the train data set (one pass = one epoch).
         step: the step the next generation call decides for (OpenRLHF's global step before it,
             0-based: the hook's count; a resumed run starts at the checkpoint's).
+        group_size: G (``--rollout.n_samples_per_prompt``), for the tokens-saved estimate.
     """
 
-    def __init__(self, cfg: CPPOConfig, *, num_prompts: int, step: int = 0) -> None:
-        if not isinstance(cfg, CPPOConfig):
-            raise ValueError(f"cfg must be a CPPOConfig, got {type(cfg).__name__}")
-        if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
-            raise ValueError(f"selective rollout needs a non-empty train data set, got num_prompts={num_prompts!r}")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an int >= 0 (OpenRLHF's global step), got {step!r}")
-        self.cfg = cfg
-        self.num_prompts = num_prompts
-        self.history = SelectiveHistory()
-        self.rates = ExplorationRates(p_easy=cfg.selective_p_easy, p_hard=cfg.selective_p_hard)
-        self.totals = dict.fromkeys(_TOTALS, 0.0)
-        self.step = step
+    def __init__(self, cfg: CPPOConfig, *, num_prompts: int, step: int = 0, group_size: int = 1) -> None:
+        super().__init__(cfg, num_prompts=num_prompts, group_size=group_size, warn=logger.warning)
+        self.next_step = check_int("step (OpenRLHF's global step)", step, minimum=0)
         self.pending: list[SelectiveDraw] = []  # this step's generation calls, not yet recorded
         self._serial = 0
-        self._adapt: bool | None = None
+        self._open = False
+
+    def _open_step(self) -> None:
+        if not self._open:  # whether this step moves the rates is decided at its first call
+            self.start_step(self.next_step)
+            self._open = True
 
     # ------------------------------------------------------------------ before generation
     def begin_call(self) -> SelectiveDraw:
-        """A new generation call for ``self.step``; whether this step moves the rates is decided at
-        its first call (after the first pass over the data set, unless configured otherwise)."""
-        if self._adapt is None:
-            self._adapt = (not self.cfg.selective_adapt_after_first_epoch
-                           or self.totals["prompts_drawn"] >= self.num_prompts)
+        """A new generation call for ``next_step``."""
+        self._open_step()
         self._serial += 1
-        draw = SelectiveDraw(step=self.step, serial=self._serial, rounds=[], kept=[])
+        draw = SelectiveDraw(step=self.next_step, serial=self._serial, rounds=[], kept=[])
         self.pending.append(draw)
         return draw
 
     # ------------------------------------------------------------------ after rewards
-    def record(self, step: int, rows: Sequence[int], zero_variance: torch.Tensor, easy: torch.Tensor,
-               completion_lengths: torch.Tensor, group_size: int) -> dict[str, float]:
+    def record(self, step: int, rows: Sequence[int], rewards: torch.Tensor, raw_rewards: torch.Tensor,
+               group: torch.Tensor, completion_lengths: torch.Tensor) -> dict[str, float]:
         """File the step's generated groups, adapt the rates, count; the step's ``selective/*`` metrics.
 
         Args:
             step: the hook's step (OpenRLHF's global step before this one); must be the step the
                 draws were decided for.
             rows: [M] the prompt index of each generated group, in rollout order.
-            zero_variance, easy: [M] bool per group.
-            completion_lengths: [M * G] tokens generated per completion (the estimate's mean).
-            group_size: G.
+            rewards: [N] float after OpenRLHF's length penalties (zero variance: what the advantage uses).
+            raw_rewards: [N] float as the reward function returned them (easy: all >= 1).
+            group: [N] int64 position of each sample's group in ``rows``.
+            completion_lengths: [N] tokens generated per completion (the estimate's mean).
         """
-        draws = self.pending
-        wrong = sorted({d.step for d in draws} - {step})
+        wrong = sorted({d.step for d in self.pending} - {step})
         if wrong:
             raise RuntimeError(f"selective rollout: the prompts of hook step {step} were drawn for step(s) {wrong}; "
                                "one generation call per step is required (leave --rollout.vllm_generate_batch_size "
                                "unset)")
-        rounds = [fb for d in draws for fb in d.rounds]
-        counts = count_rounds(rounds)
-        if len(rows) != counts.generated:
-            raise ValueError(
-                f"selective rollout, step {step}: the rollout holds {len(rows)} groups but the draws kept "
-                f"{counts.generated} prompts ({counts.drawn} drawn = {counts.skipped} skipped + {counts.generated} "
-                "kept): every kept prompt must come back as one group"
-            )
-        self.history.update(torch.as_tensor(list(rows), dtype=torch.int64), zero_variance, easy, step=step)
-        outcomes = OutcomeCounts.from_flags(zero_variance, easy)
-        adapt = bool(self._adapt)
-        if adapt:
-            self.rates = adapt_from_config(self.rates, self.cfg, outcomes)
-        # an estimate: the skipped prompts' completions were never generated, their length is unknown
-        saved = estimate_tokens_saved(counts.skipped, group_size, completion_lengths)
-        for key, v in zip(_TOTALS, (counts.drawn, counts.skipped, counts.generated, saved), strict=True):
-            self.totals[key] += float(v)
-        out = step_metrics(rounds, self.rates, outcomes, tokens_saved=saved)
-        out.update({
-            "selective/adapted": float(adapt),
-            "selective/history_prompts": float(self.history.num_prompts),
-        })
-        out.update({f"selective/total_{k}": v for k, v in self.totals.items()})
-        self.pending, self._adapt = [], None
-        self.step = step + 1
+        self.next_step = step
+        self._open_step()
+        out = self.file_groups(torch.as_tensor(list(rows), dtype=torch.int64), rewards.to(torch.float64), group,
+                               easy_values=raw_rewards.to(torch.float64), completion_lengths=completion_lengths)
+        self.pending, self._open = [], False
+        self.next_step = step + 1
         return out
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
         """History (its event log), rates, running counters, and the data set's size and the step
         they belong to."""
-        return {**run_state(self.history, self.rates, self.totals), "num_prompts": self.num_prompts,
-                "step": self.step}
+        return {**super().state_dict(), "num_prompts": self.num_prompts, "step": self.next_step}
 
-    def load_state_dict(self, state: dict[str, Any], *, step: int) -> None:
-        """Restore ``state_dict()`` saved at OpenRLHF's global step ``step`` (the checkpoint's)."""
+    def load_state_dict(self, state: dict[str, Any], *, step: int | None = None) -> None:
+        """Restore ``state_dict()`` saved at OpenRLHF's global step ``step`` (the checkpoint's; None:
+        the saved one)."""
         if not isinstance(state, dict):
             raise ValueError(f"selective rollout checkpoint state must be a dict, got {type(state).__name__}")
         saved_step = state.get("step")
-        if saved_step is not None and int(saved_step) != int(step):
+        if step is not None and saved_step is not None and int(saved_step) != int(step):
             raise ValueError(f"selective rollout: the checkpoint of global step {step} holds the history of step "
                              f"{saved_step}; it was not saved by this run's hook")
         saved_n = state.get("num_prompts")
@@ -370,9 +328,13 @@ class OpenRLHFSelective:
             warnings.warn(f"cppo: the selective-rollout history was saved over a train data set of {saved_n} prompts, "
                           f"this run has {self.num_prompts}: prompt indices may name other prompts now (same "
                           "--data.prompt_dataset, --data.max_samples and --data.prompt_probs keep them)", stacklevel=2)
-        self.history, self.rates, self.totals = load_run_state(
-            {k: state[k] for k in ("history", "rates", "totals") if k in state}, _TOTALS)
-        self.step, self.pending, self._adapt = int(step), [], None
+        super().load_state_dict({k: state[k] for k in ("history", "rates", "totals") if k in state})
+        resumed = saved_step if step is None else step
+        if resumed is None:
+            raise ValueError("selective rollout: the checkpoint state has no step; pass load_state_dict(state, "
+                             "step=OpenRLHF's global step)")
+        self.next_step = int(resumed)
+        self.pending, self._open = [], False
 
 
 def state_of(generator: Any) -> OpenRLHFSelective:
@@ -382,13 +344,14 @@ def state_of(generator: Any) -> OpenRLHFSelective:
         if _CONFIG is None:
             raise RuntimeError("selective rollout is not installed in this process (selective.install(cfg))")
         _STATES[generator] = OpenRLHFSelective(_CONFIG, num_prompts=len(generator.prompts_dataloader.dataset),
-                                               step=resumed_step(generator.args))
+                                               step=resumed_step(generator.args),
+                                               group_size=int(generator.args.rollout.n_samples_per_prompt))
     return _STATES[generator]
 
 
 # ---------------------------------------------------------------------------------- the hook's call
 def record_step(samples: Sequence[Any], raw_rewards: torch.Tensor, rewards: torch.Tensor, group_ids: torch.Tensor,
-                *, step: int, group_size: int) -> tuple[dict[str, float], dict] | None:
+                *, step: int) -> tuple[dict[str, float], dict] | None:
     """File the outcome of every generated group of one rollout (called by the CPPO hook before it
     prunes); returns (``selective/*`` metrics, the step's account for the audit) or None when the run
     has no selective rollout.
@@ -400,7 +363,6 @@ def record_step(samples: Sequence[Any], raw_rewards: torch.Tensor, rewards: torc
         rewards: [N] float, after OpenRLHF's length penalties (what the advantage uses: zero variance).
         group_ids: [N] int64 the hook's groups (consecutive, one per generated prompt).
         step: the hook's step.
-        group_size: G (``--rollout.n_samples_per_prompt``), for the tokens-saved estimate.
     """
     if not enabled():
         return None
@@ -429,12 +391,9 @@ def record_step(samples: Sequence[Any], raw_rewards: torch.Tensor, rewards: torc
             raise ValueError(f"selective rollout, step {step}: group {g} mixes prompt indices {sorted(its)}")
         group_rows.append(its.pop())
     pos = torch.unique_consecutive(gids, return_inverse=True)[1]  # a group's position keys repeats apart
-    by_reward = group_outcomes(rewards.to(torch.float64), pos)
-    by_raw = group_outcomes(raw_rewards.to(torch.float64), pos, easy_threshold=EASY_THRESHOLD)
-    zv = by_reward.zero_variance
-    easy = zv & by_raw.easy
     lengths = torch.cat([torch.as_tensor(s.response_length).reshape(-1) for s in samples]).to(torch.float64)
-    metrics = state.record(step, group_rows, zv, easy, lengths, group_size)
+    metrics = state.record(step, group_rows, rewards, raw_rewards, pos, lengths)
+    _, zv, easy = state.last_filed
     account = {"step": step, "drawn": int(metrics["selective/prompts_drawn"]),
                "skipped": int(metrics["selective/prompts_skipped"]),
                "generated": int(metrics["selective/prompts_generated"]), "serials": sorted(d.serial for d in
@@ -567,7 +526,7 @@ def _wrap_loader_load(original):
                 warnings.warn(f"cppo: the checkpoint of global step {step} has no selective-rollout state "
                               f"({STATE_KEY} in its data_loader_state_dict); resuming with an empty history and "
                               "the initial rates", stacklevel=2)
-                state.step = step
+                state.next_step = step
             else:
                 state.load_state_dict(saved, step=step)
                 logger.info("selective rollout: resumed at step %d with the history of %d prompts", step,
@@ -605,12 +564,12 @@ _PATCHES = ((DATASET_MODULE, _patch_dataset), (GENERATOR_MODULE, _patch_generato
 
 
 def install(cfg: CPPOConfig) -> bool:
-    """Selective rollout in this process when ``cfg.selective_rollout`` (the seams are wrapped as
+    """Selective rollout in this process when ``cfg.selective.enabled`` (the seams are wrapped as
     their modules are imported; idempotent); otherwise removes it. Returns whether it is on."""
     global _CONFIG
     if not isinstance(cfg, CPPOConfig):
         raise ValueError(f"selective.install expects a CPPOConfig, got {type(cfg).__name__}")
-    if not cfg.selective_rollout:
+    if not cfg.selective.enabled:
         uninstall()
         return False
     _CONFIG = cfg

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
 import runpy
@@ -30,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from ...config import CPPOConfig
+from ...config import RENAMED, CPPOConfig, keep_count, nest_keys
 from .. import vllm_shm
 from . import hook
 from .checkpoint import checkpoint_warnings, resume_hint
@@ -137,7 +136,7 @@ def plan(cfg: CPPOConfig, args: Any) -> dict[str, float]:
     elif cfg.keep_per_group is not None:
         selected = prompts * cfg.keep_per_group
     else:
-        selected = max(1, math.floor(total * (1 - cfg.rate) + 1e-6))
+        selected = keep_count(total, cfg.pruning_rate, None)  # the batch as one pool
     multiple = hook.minimum_keep_multiple(args)
     kept = min(total, -(-selected // multiple) * multiple)
     return {
@@ -276,7 +275,9 @@ def run_argv(argv: list[str], cpu_num_gpus: int | None = None) -> int:
     With the CPU mode on (``cpu.enabled()``), the CPU mode's required flags are added."""
     from . import cpu
 
-    values, dry_run, forwarded = split_argv(argv)
+    raw, dry_run, forwarded = split_argv(argv)
+    # nested sections, dotted keys and deprecated flat names (a FutureWarning each) as CPPOConfig takes them
+    values = None if raw is None else nest_keys(CPPOConfig, raw, where="cppo", renamed=RENAMED)
     if cpu.enabled():
         from .cpu.prepare import required_flags
 
@@ -304,7 +305,7 @@ def run_argv(argv: list[str], cpu_num_gpus: int | None = None) -> int:
             args = parse_openrlhf_args(forwarded)
     for note in checkpoint_warnings(args):
         print(f"warning: {note}", file=sys.stderr)
-    if cfg is not None and cfg.selective_rollout:  # GRESO before generation: refused where not built, else explained
+    if cfg is not None and cfg.selective.enabled:  # GRESO before generation: refused where not built, else explained
         from .selective import check_args as check_selective
 
         for note in check_selective(args):

@@ -7,7 +7,7 @@ point, or through ``VERL_USE_EXTERNAL_MODULES=cppo_megatron.integrations.verl``)
   the full-group statistics recorded at pruning time;
 - hooks ``_balance_batch`` of the V1 ``PPOTrainer`` and the legacy ``RayPPOTrainer`` as
   their modules are imported; the hook acts only when the estimator is ``cppo``;
-- with ``cppo.selective_rollout=true``, hooks V1's ``_fetch_one_gen_batch``, ``_save_checkpoint``
+- with ``cppo.selective.enabled=true``, hooks V1's ``_fetch_one_gen_batch``, ``_save_checkpoint``
   and ``_load_checkpoint`` (``selective.py``: skip prompts before generation).
 
 Run: ``python -m cppo_megatron.integrations.verl.main [veRL overrides] cppo.pruning_rate=0.875``.
@@ -47,7 +47,7 @@ def load() -> None:
     register_estimator()
     install()
     async_modes.install()  # separate_async: veRL's mini-batch assert in CPPO's units
-    selective.install()  # cppo.selective_rollout: V1's dataloader fetch and checkpoints
+    selective.install()  # cppo.selective.enabled: V1's dataloader fetch and checkpoints
     cpu.enable()
     audit.install()
     audit_vllm.install()  # what veRL's vLLM rollout serves after each sync

@@ -25,7 +25,7 @@ plugin append JSON lines to ``DIR/<role>-<pid>.jsonl``:
 - ``draw``, ``evict``, ``clear`` (V1, ``dapo.py``): every prompt submitted for generation (the
   step's batch and each refill of DAPO's filter), the groups the filter drops with their rewards,
   and every group the replay buffer clears unsampled (evicted or surplus);
-- ``selective`` (V1 with ``cppo.selective_rollout``, ``selective.py``, once a step at the CPPO seam):
+- ``selective`` (V1 with ``cppo.selective.enabled``, ``selective.py``, once a step at the CPPO seam):
   every candidate the hook drew, in draw order, with its skip decision and why (streak, kind of
   its last group, skip probability, the rates and seed used), and the groups it filed in the
   history with their outcome;
@@ -51,7 +51,7 @@ import torch
 
 from ..importhook import after_import
 from ..records import append as _append
-from ..records import complete_lines, optimizer_fingerprint
+from ..records import optimizer_fingerprint, read
 from ..wrap import wrap
 from .dapo import REPLAY_BUFFER, recorders
 
@@ -76,17 +76,6 @@ def record(kind: str, role: str = "trainer", **fields: Any) -> None:
     Path(root).mkdir(parents=True, exist_ok=True)
     line = json.dumps({"kind": kind, "time": time.time(), **fields}, default=_jsonable)
     _append(Path(root) / f"{role}-{os.getpid()}.jsonl", line)
-
-
-def read(root: str | Path, kind: str | None = None) -> list[dict]:
-    """All records under ``root`` (every process), in time order; only ``kind`` when given."""
-    out = []
-    for path in sorted(Path(root).glob("*.jsonl")):
-        for line in complete_lines(path):
-            rec = json.loads(line)
-            if kind is None or rec["kind"] == kind:
-                out.append(rec)
-    return sorted(out, key=lambda r: r["time"])
 
 
 def _jsonable(x):

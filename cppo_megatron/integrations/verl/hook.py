@@ -137,7 +137,7 @@ def prune_kv_batch(trainer, batch, metrics: dict):
     pads = [i for i, p in enumerate(padding) if p]
     keys = [batch.keys[i] for i in real]
     _check_single_output_sessions(keys)
-    # selective rollout (off unless cppo.selective_rollout) also reads the rows' response lengths
+    # selective rollout (off unless cppo.selective.enabled) also reads the rows' response lengths
     with_lengths = selective.enabled(trainer.config)
     data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id,
                            select_fields=["uid", "rm_scores"] + (["response_mask"] if with_lengths else []))

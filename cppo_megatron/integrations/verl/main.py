@@ -189,6 +189,24 @@ def recipe_args(argv: list[str], file_overrides: list[str] | None = None) -> lis
     return [*extra, *argv]
 
 
+def renamed_override(arg: str) -> str:
+    """A hydra override of a deprecated flat cppo key (``cppo.selective_rollout=true``, also with
+    ``+`` / ``++``) under its new dotted key (``cppo.selective.enabled=true``), a FutureWarning naming
+    both; every other argument as is. (The config group has only the new keys, so hydra would refuse
+    the old ones.)"""
+    import warnings
+
+    from ...config import renamed_key
+
+    sign = arg[: len(arg) - len(arg.lstrip("+"))]
+    key, eq, value = arg[len(sign):].partition("=")
+    new = renamed_key(key[len("cppo."):]) if eq and key.startswith("cppo.") else None
+    if new is None:
+        return arg
+    warnings.warn(f"{key} is deprecated: write cppo.{new}={value} (same meaning)", FutureWarning, stacklevel=2)
+    return f"{sign}cppo.{new}={value}"
+
+
 def _names_a_recipe(arg: str) -> bool:
     """A recipe file or a shipped recipe's name (``qwen2.5-7b-math-megatron-cppo``), not a hydra
     option (``--config-name=...``) or override (``key=value``, ``+key=...``, ``~key``)."""
@@ -219,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     if override_file:
         keys = ", ".join(o[2:].split("=", 1)[0] for o in extra)
         print(f"cppo: {len(extra)} overrides from {override_file} (the command line's win over them): {keys}")
-    argv = recipe_args(argv, extra)
+    argv = [renamed_override(a) for a in recipe_args(argv, extra)]
     sys.argv = [sys.argv[0]] + argv
 
     @hydra.main(config_path=CONFIG_DIR, config_name="cppo_trainer", version_base=None)

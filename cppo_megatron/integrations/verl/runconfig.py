@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, cast
 
-from ...config import ESTIMATOR_NAME, FIELD_NAMES, SELECTIVE_PARAMETERS, CPPOConfig
+from ...config import ESTIMATOR_NAME, CPPOConfig, SelectiveConfig, renamed_key
 from .dapo import check_filter_groups, filter_groups_warnings
 from .layout import dp_size
 
@@ -61,10 +61,13 @@ def cppo_config_from(config: Any) -> CPPOConfig:
     values = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
     if not isinstance(values, dict):
         raise ValueError(f"cppo: must be a mapping of CPPO settings, got {type(values).__name__}: {values!r}")
-    unknown = sorted(set(values) - set(FIELD_NAMES))
-    if unknown:
-        raise ValueError(f"cppo.{unknown[0]} is not a CPPO setting; known: {sorted(FIELD_NAMES)}")
-    return CPPOConfig.from_dict(cast("dict[str, Any]", values))  # every key is one of FIELD_NAMES (above)
+    for old in [str(k) for k in values if renamed_key(str(k))]:
+        # a deprecated flat name (a recipe's group may add it) wins over the group's default of the new key
+        new = str(renamed_key(old))
+        warnings.warn(f"cppo.{old} is deprecated: write cppo.{new} (same meaning)", FutureWarning, stacklevel=2)
+        section, key = new.split(".")
+        values.setdefault(section, {})[key] = values.pop(old)
+    return CPPOConfig.from_dict(cast("dict[str, Any]", values))  # an unknown key is an error naming it
 
 
 @dataclass(frozen=True)
@@ -184,47 +187,47 @@ def _sel_get(node: Any, dotted: str, default: Any = None) -> Any:
 
 
 def selective_enabled(config: Any) -> bool:
-    """True when the veRL config selects the cppo estimator and ``cppo.selective_rollout``."""
-    return is_cppo(config) and bool(cppo_config_from(config).selective_rollout)
+    """True when the veRL config selects the cppo estimator and ``cppo.selective.enabled``."""
+    return is_cppo(config) and bool(cppo_config_from(config).selective.enabled)
 
 
 def check_selective(config: Any) -> None:
     """Raise ValueError, naming key, value and fix, for a selective-rollout setting the hooks do not
-    honour in veRL 0.9.1; nothing when ``cppo.selective_rollout`` is off."""
+    honour in veRL 0.9.1; nothing when ``cppo.selective.enabled`` is off."""
     if not selective_enabled(config):
         return
     if not bool(_sel_get(config, "trainer.use_v1", True)):
         raise ValueError(
-            "cppo.selective_rollout=true with trainer.use_v1=false: the hook sits in the V1 trainer's "
+            "cppo.selective.enabled=true with trainer.use_v1=false: the hook sits in the V1 trainer's "
             "dataloader seam (PPOTrainer._fetch_one_gen_batch); the legacy loop (RayPPOTrainer.fit) is not "
-            "hooked. Set trainer.use_v1=true or cppo.selective_rollout=false"
+            "hooked. Set trainer.use_v1=true or cppo.selective.enabled=false"
         )
     mode = str(_sel_get(config, "trainer.v1.trainer_mode", "sync"))
     if mode != "sync":
         raise ValueError(
-            f"cppo.selective_rollout=true with trainer.v1.trainer_mode={mode}: the asynchronous modes draw "
+            f"cppo.selective.enabled=true with trainer.v1.trainer_mode={mode}: the asynchronous modes draw "
             "prompts ahead of the step that trains them and carry groups (and in-flight prompts in their "
             "checkpoints) across steps, for which recording every generated group under its step is not "
             "built; set trainer.v1.trainer_mode=sync"
         )
     if bool(_sel_get(config, "algorithm.filter_groups.enable", False)):
         raise ValueError(
-            "cppo.selective_rollout=true with algorithm.filter_groups.enable=true: DAPO's filter evicts "
+            "cppo.selective.enabled=true with algorithm.filter_groups.enable=true: DAPO's filter evicts "
             "zero-variance groups inside the replay buffer before the seam where selective rollout records "
             "outcomes, so exactly the groups it learns from would go unrecorded (not built yet); set "
-            "algorithm.filter_groups.enable=false or cppo.selective_rollout=false"
+            "algorithm.filter_groups.enable=false or cppo.selective.enabled=false"
         )
     sampler = _sel_get(config, "trainer.v1.sampler.custom_sampler", None)
     if sampler is not None and _sel_get(sampler, "path") and _sel_get(sampler, "name"):
         raise ValueError(
-            f"cppo.selective_rollout=true with trainer.v1.sampler.custom_sampler.name={_sel_get(sampler, 'name')}: "
+            f"cppo.selective.enabled=true with trainer.v1.sampler.custom_sampler.name={_sel_get(sampler, 'name')}: "
             "a custom replay buffer decides which generated groups reach the step, so outcomes could go "
             "unrecorded; remove trainer.v1.sampler.custom_sampler"
         )
     gen = _sel_get(config, "data.gen_batch_size", None)
     if gen not in (None, 1):
         raise ValueError(
-            f"cppo.selective_rollout=true with data.gen_batch_size={gen}: the hook replaces each skipped prompt "
+            f"cppo.selective.enabled=true with data.gen_batch_size={gen}: the hook replaces each skipped prompt "
             "by the next one from the dataloader, one prompt per fetch; set data.gen_batch_size=1 (or leave it "
             "unset: cppo-megatron verl sets it)"
         )
@@ -252,19 +255,13 @@ def host_warnings(config: Any) -> list[str]:
             f"cppo.max_refill_rounds={cfg.max_refill_rounds} has no effect under veRL: refill rounds belong to "
             "cppo.dynamic_sampling, which veRL runs do not support; remove it"
         )
-    if not cfg.selective_rollout:
-        out += _inert_selective_keys(cfg, default_of=lambda name: default[name], host="veRL")
+    if not cfg.selective.enabled:  # then none of the section's other keys is read
+        initial = SelectiveConfig()
+        out += [f"cppo.selective.{f.name}={getattr(cfg.selective, f.name)} has no effect under veRL: it belongs to "
+                "cppo.selective.enabled, which is off; set cppo.selective.enabled=true or remove it"
+                for f in dataclasses.fields(SelectiveConfig)
+                if getattr(cfg.selective, f.name) != getattr(initial, f.name)]
     return out + filter_groups_warnings(config)
-
-
-def _inert_selective_keys(cfg: CPPOConfig, *, default_of: Any, host: str) -> list[str]:
-    """One warning per cppo.selective_* parameter changed from its default while
-    cppo.selective_rollout is off: then none of them is read."""
-    return [
-        f"cppo.{name}={getattr(cfg, name)} has no effect under {host}: it belongs to cppo.selective_rollout, "
-        "which is off; set cppo.selective_rollout=true or remove it"
-        for name in SELECTIVE_PARAMETERS if getattr(cfg, name) != default_of(name)
-    ]
 
 
 def unprepared_message(config: Any) -> str:

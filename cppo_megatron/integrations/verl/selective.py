@@ -1,7 +1,7 @@
 """Selective rollout (GRESO) in veRL 0.9.1's V1 sync trainer: skip prompts before generation.
 
 The seams, all on ``verl.trainer.ppo.v1.trainer_base.PPOTrainer`` and inert unless the run sets
-``algorithm.adv_estimator=cppo`` and ``cppo.selective_rollout=true``:
+``algorithm.adv_estimator=cppo`` and ``cppo.selective.enabled=true``:
 
 - ``_fetch_one_gen_batch`` (trainer_base.py:1466), the one place V1 takes prompts from the train
   dataloader (the step's batch in ``prepare_step`` and any refill go through ``_next_train_batch``,
@@ -35,21 +35,9 @@ from typing import Any
 
 import torch
 
-from ...core import (
-    ExplorationRates,
-    FilledBatch,
-    GroupOutcomes,
-    OutcomeCounts,
-    SelectiveHistory,
-    adapt_from_config,
-    count_rounds,
-    estimate_tokens_saved,
-    fill_batch,
-    group_outcomes,
-    step_metrics,
-)
-from ...core.selective import EASY, HARD, INFORMATIVE, load_run_state, run_state
-from ...core.settings import CPPOConfig
+from ...config import CPPOConfig
+from ...core.selective import EASY, HARD, INFORMATIVE
+from ...core.selective_run import SelectiveRun
 from ..importhook import after_import
 from ..wrap import unwrap, wrap
 from . import audit
@@ -73,31 +61,26 @@ TARGET = ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer")
 SEAMS = ("_fetch_one_gen_batch", "_save_checkpoint", "_load_checkpoint")
 WRAP_TAG = __name__
 enabled = selective_enabled
-_TOTALS = ("prompts_drawn", "prompts_skipped", "prompts_generated", "groups_recorded", "groups_unrecorded",
-           "tokens_saved_estimate")
+_COUNTERS = ("groups_recorded", "groups_unrecorded")  # veRL's own, beside the driver's (SelectiveRun)
+
+
+def _warn(message: str) -> None:
+    warnings.warn(f"cppo: {message.removeprefix('warning: ')}", stacklevel=3)
 
 
 # ---------------------------------------------------------------------------------- the state
-class VerlSelective:
-    """History, exploration rates and counters of one veRL run, and the step in progress.
+class VerlSelective(SelectiveRun):
+    """The core's driver (``SelectiveRun``) with veRL's side: one kept prompt per dataloader fetch, the
+    prompt index each row carries, the uid veRL gives each generated row, the audit record.
 
     Args:
-        cfg: the run's ``CPPOConfig`` (``selective_*`` fields; ``seed`` seeds the draws).
+        cfg: the run's ``CPPOConfig`` (its ``selective`` section; ``seed`` seeds the draws).
         num_prompts: rows in the train dataset (one pass = one epoch; bounds one fetch's draws).
         group_size: G, veRL's ``actor_rollout_ref.rollout.n`` (the tokens-saved estimate).
     """
 
     def __init__(self, cfg: CPPOConfig, *, num_prompts: int, group_size: int) -> None:
-        if num_prompts < 1:
-            raise ValueError(f"selective rollout needs a non-empty train dataset, got {num_prompts} prompts")
-        if group_size < 1:
-            raise ValueError(f"selective rollout needs actor_rollout_ref.rollout.n >= 1, got {group_size}")
-        self.cfg = cfg
-        self.num_prompts = int(num_prompts)
-        self.group_size = int(group_size)
-        self.history = SelectiveHistory()
-        self.rates = ExplorationRates(p_easy=cfg.selective_p_easy, p_hard=cfg.selective_p_hard)
-        self.totals = dict.fromkeys(_TOTALS, 0.0)
+        super().__init__(cfg, num_prompts=num_prompts, group_size=group_size, counters=_COUNTERS, warn=_warn)
         # the indices drawn in the dataloader's current pass (epoch): one pass is num_prompts draws
         # (one prompt per fetch), counted from the run's start; None: the count is not known (a
         # resume from a checkpoint without the selective state), so repeats are not checked
@@ -105,49 +88,33 @@ class VerlSelective:
         self._begin(-1)
 
     def _begin(self, step: int) -> None:
-        self.step = step
-        self.rounds: list[FilledBatch] = []
+        if step >= 0:
+            self.start_step(step)  # the rates move from the second pass on (the authors' rule), unless told otherwise
+        else:
+            self.step, self.rounds = -1, []
         self.generated: dict[str, int] = {}  # uid veRL gave the row -> its prompt index, this step
         self.drawn_this_step: list[int] = []
-        # the rates move from the second pass on (the authors' rule), unless told otherwise
-        self.adapt = (not self.cfg.selective_adapt_after_first_epoch
-                      or self.totals["prompts_drawn"] >= self.num_prompts)
 
     # ------------------------------------------------------------------ before generation
     def fetch(self, trainer: Any, original: Any) -> Any:
         """One kept prompt (veRL's one-row TensorDict); skipped candidates are replaced by the
-        next ones from ``original`` (veRL's ``_fetch_one_gen_batch``)."""
+        next ones from ``original`` (veRL's ``_fetch_one_gen_batch``, endless: it starts a new pass
+        itself). After ``1 + num_prompts`` skipped candidates the last of them is kept anyway
+        (``SelectiveRun.fill``): a fetch always returns a row."""
         step = int(trainer.global_steps)
         if step != self.step:
             self._begin(step)
-        rows: dict[int, Any] = {}
+        rows: list[Any] = []
 
         def draw(n: int) -> list[int]:
-            ids = []
             for _ in range(n):
-                row = original(trainer)
-                index = self._index_of(row, step)
-                rows[len(self.drawn_this_step) - 1] = row
-                ids.append(index)
-            return ids
+                rows.append(original(trainer))
+                self.drawn_this_step.append(self._index_of(rows[-1], step))
+            return self.drawn_this_step[len(self.drawn_this_step) - n:]
 
-        start = len(self.drawn_this_step)
-        fb = fill_batch(draw, 1, self.history, seed=self.cfg.seed, step=step, rates=self.rates,
-                        max_draws=1 + self.num_prompts)
-        self.rounds.append(fb)
-        kept = fb.decision.kept_ids().tolist()
-        if not kept:
-            raise RuntimeError(
-                f"selective rollout skipped all {fb.drawn.numel()} prompts drawn in step {step}: raise "
-                f"cppo.selective_p_min (now {self.cfg.selective_p_min}) or disable cppo.selective_rollout"
-            )
-        # wanted=1: the kept candidate is the last one drawn
-        position = start + fb.drawn.numel() - 1
-        row = rows[position]
-        if self.drawn_this_step[position] != int(kept[0]):  # fill_batch stops at the first kept candidate
-            raise RuntimeError(f"selective rollout: kept prompt {int(kept[0])} is not the last one drawn "
-                               f"({self.drawn_this_step[position]}) in step {step}")
-        self.generated[str(row["uid"][0])] = int(kept[0])
+        fb = self.fill(draw, 1)
+        row = rows[-1]  # the one kept is the last drawn: fill stops at the first kept, or forces the last
+        self.generated[str(row["uid"][0])] = int(fb.kept[0])
         return row
 
     def _index_of(self, row: Any, step: int) -> int:
@@ -180,7 +147,6 @@ class VerlSelective:
             )
         if self.epoch_seen is not None:
             self.epoch_seen.add(index)
-        self.drawn_this_step.append(index)
         return index
 
     # ------------------------------------------------------------------ after rewards
@@ -192,7 +158,7 @@ class VerlSelective:
         Args:
             step: veRL's ``global_steps``.
             uids: [N] veRL's prompt uid of each completion row (padding excluded).
-            rewards: [N] float, each row's reward (rm_scores summed).
+            rewards: [N] float, each row's reward (rm_scores summed); easy: all >= 1.
             response_tokens: [N] int64, each row's generated tokens (``response_mask`` summed): the
                 skipped prompts' tokens are estimated as skipped x G x their mean.
         """
@@ -205,64 +171,45 @@ class VerlSelective:
         for row, uid in enumerate(uids):
             order.setdefault(uid, []).append(row)
         known = [u for u in order if u in self.generated]
-        unknown = len(order) - len(known)
-        ids = torch.tensor([self.generated[u] for u in known], dtype=torch.int64)
-        outcomes: GroupOutcomes | OutcomeCounts = OutcomeCounts(num_groups=0, num_easy=0, num_hard=0)
-        if known:
-            rows = [r for u in known for r in order[u]]
-            pos = torch.tensor([j for j, u in enumerate(known) for _ in order[u]], dtype=torch.int64)
-            # per-group position keys keep a prompt generated twice in one step apart
-            outcomes = group_outcomes(rewards[rows].to(torch.float64), pos, easy_threshold=1.0)
-            self.history.update(ids, outcomes.zero_variance, outcomes.easy, step=step)
         unrecorded = len(self.generated) - len(known)  # generated but never reached the seam (failed)
-        if audit.enabled():
-            self._audit(step, ids, outcomes)
-        if self.adapt:
-            self.rates = adapt_from_config(self.rates, self.cfg, outcomes)
-        counts = count_rounds(self.rounds)
-        # an estimate: the skipped prompts' completions would not have had this step's mean length
-        saved = estimate_tokens_saved(counts.skipped, self.group_size, response_tokens)
-        for key, v in zip(_TOTALS, (counts.drawn, counts.skipped, counts.generated, len(known), unrecorded, saved),
-                          strict=True):
-            self.totals[key] += float(v)
-        out = step_metrics(self.rounds, self.rates, outcomes, tokens_saved=saved)
+        rows = [r for u in known for r in order[u]]
+        group = torch.tensor([j for j, u in enumerate(known) for _ in order[u]], dtype=torch.int64)
+        out = self.file_groups(torch.tensor([self.generated[u] for u in known], dtype=torch.int64),
+                               rewards[rows].to(torch.float64), group, completion_lengths=response_tokens,
+                               expect_all=False, counts={"groups_recorded": len(known),
+                                                         "groups_unrecorded": unrecorded})
         out.update({
             "selective/groups_recorded": float(len(known)),
             "selective/groups_unrecorded": float(unrecorded),
-            "selective/groups_unknown": float(unknown),
-            "selective/adapted": float(self.adapt),
-            "selective/history_prompts": float(self.history.num_prompts),
+            "selective/groups_unknown": float(len(order) - len(known)),
         })
-        out.update({f"selective/total_{k}": v for k, v in self.totals.items()})
-        # the step is filed: a second call in the same step (none in the sync loop) starts empty
-        self.rounds, self.generated = [], {}
+        if audit.enabled():
+            self._audit(step)
+        self.generated = {}  # the step is filed: a second call in the same step (none in the sync loop) starts empty
         return out
 
-    def _audit(self, step: int, ids: torch.Tensor, outcomes: GroupOutcomes | OutcomeCounts) -> None:
+    def _audit(self, step: int) -> None:
         """The ``selective`` audit record of the step: every candidate drawn, in draw order, with its
-        decision and why (streak, kind of its last group, skip probability, the rates used), and the
-        groups filed, in filing order, with their outcome (0 informative, 1 easy, 2 hard)."""
-        decisions = [fb.decision for fb in self.rounds]
+        decision and why (streak, kind of its last group, skip probability, the rates used), the ones
+        kept although skipped (``forced``), and the groups filed, in filing order, with their outcome
+        (0 informative, 1 easy, 2 hard)."""
+        rounds = self.rounds
 
         def cat(name: str) -> list:
-            return [v for d in decisions for v in getattr(d, name).tolist()]
+            return [v for fb in rounds for v in getattr(fb.decision, name).tolist()]
 
-        filed = [0] * int(ids.numel())
-        if isinstance(outcomes, GroupOutcomes):
-            filed = torch.where(outcomes.easy, EASY, torch.where(outcomes.hard, HARD, INFORMATIVE)).tolist()
+        ids, zv, easy = self.last_filed
+        filed = torch.where(easy, EASY, torch.where(zv, HARD, INFORMATIVE)).tolist()
         audit.record("selective", step=step, drawn=cat("prompt_ids"), skipped=cat("skip"),
+                     forced=[v for fb in rounds for v in fb.forced_mask.tolist()],
                      skip_prob=cat("skip_prob"), streak=cat("streak"), last_outcome=cat("last_outcome"),
                      rates={"p_easy": self.rates.p_easy, "p_hard": self.rates.p_hard}, seed=self.cfg.seed,
                      recorded=ids.tolist(), outcomes=filed, adapts=self.adapt)
 
     # ------------------------------------------------------------------ persistence
-    def state_dict(self) -> dict[str, Any]:
-        """History (its event log), rates and running counters: plain tensors and numbers."""
-        return run_state(self.history, self.rates, self.totals)
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``; a malformed entry is an error naming it."""
-        self.history, self.rates, self.totals = load_run_state(state, _TOTALS)
+        super().load_state_dict(state)
         self.epoch_seen = set()  # resumed inside a pass: its earlier draws are not known, the rest are checked
         self._begin(-1)
 

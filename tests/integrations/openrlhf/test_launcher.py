@@ -176,10 +176,10 @@ def test_launch_runs_openrlhfs_own_main_with_the_forwarded_arguments(monkeypatch
      "error: cppo.dynamic_sampling=true is not supported under OpenRLHF: the hook prunes a finished rollout and "
      "cannot draw replacement prompts; remove it and use OpenRLHF's own --algo.dynamic_filtering_enable, which "
      "replaces filtered prompts before the hook sees the rollout"),
-    (["--cppo.selective_rollout", "true", "--train.async_enable"],
-     "error: cppo.selective_rollout=true with --train.async_enable: the asynchronous trainer draws prompts in "
+    (["--cppo.selective.enabled", "true", "--train.async_enable"],
+     "error: cppo.selective.enabled=true with --train.async_enable: the asynchronous trainer draws prompts in "
      "another actor, steps ahead of the one that records their groups, so the skip decisions could not see the "
-     "history they depend on (not built); remove --train.async_enable or cppo.selective_rollout"),
+     "history they depend on (not built); remove --train.async_enable or cppo.selective.enabled"),
     (["--cppo.equal_size", "false"],
      "error: cppo.equal_size=false cannot be honoured under OpenRLHF: each actor gets an equal consecutive chunk "
      "of the survivors, so they are always balanced into equal-size parts; remove it"),
@@ -199,8 +199,12 @@ def test_settings_openrlhf_cannot_honour_are_refused(flags, message, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "warning: cppo.max_refill_rounds=5 has no effect under OpenRLHF: refill rounds belong to "
         "cppo.dynamic_sampling, which OpenRLHF runs do not support; remove it")
-    assert main(["--cppo.selective_p_easy", "0.2", "--dry-run", *recipe]) == 0
+    assert main(["--cppo.selective.p_easy", "0.2", "--dry-run", *recipe]) == 0
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "warning: cppo.selective_p_easy=0.2 has no effect: it belongs to cppo.selective_rollout, which is off; "
-        "set cppo.selective_rollout=true or remove it")
+        "warning: cppo.selective.p_easy=0.2 has no effect: it belongs to cppo.selective.enabled, which is off; "
+        "set cppo.selective.enabled=true or remove it")
+    # the flat name of earlier versions is still read, with a warning naming the new key
+    with pytest.warns(FutureWarning, match="cppo.selective_p_easy is deprecated: write cppo.selective.p_easy"):
+        assert main(["--cppo.selective_p_easy", "0.2", "--dry-run", *recipe]) == 0
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("warning: cppo.selective.p_easy=0.2 has no")
     assert main(["--cppo.equal_size", "true", "--cppo.adv_norm", "std", "--dry-run", *recipe]) == 0  # honoured

@@ -107,3 +107,22 @@ def test_bad_flags_and_recipes_are_named(tmp_path):
     bad.write_text(yaml.safe_dump({"cppo": {"pruning_rat": 0.5}, "openrlhf": {"x": 1}}))
     with pytest.raises(ValueError, match="pruning_rat"):
         load_recipe(bad)
+    bad.write_text(yaml.safe_dump({"cppo": {"selective": {"enabeld": True}}, "openrlhf": {"x": 1}}))
+    with pytest.raises(ValueError, match=r"cppo.selective.enabeld is not a CPPO setting"):
+        load_recipe(bad)
+
+
+def test_a_recipes_cppo_section_reaches_the_launcher_as_dotted_flags(tmp_path):
+    """Nested (selective:), dotted and deprecated flat keys all become one --cppo.KEY=VALUE per key."""
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"cppo": {"pruning_rate": 0.5, "selective": {"enabled": True},
+                                             "selective.p_hard": 0.2}, "openrlhf": {"x": 1}}))
+    argv = launcher_argv(load_recipe(path))
+    assert argv[:3] == ["--cppo.pruning_rate=0.5", "--cppo.selective.enabled=true", "--cppo.selective.p_hard=0.2"]
+    values, _, _ = split_argv(argv)
+    assert CPPOConfig.from_dict(values) == CPPOConfig.from_dict({"pruning_rate": 0.5, "selective": {
+        "enabled": True, "p_hard": 0.2}})
+    path.write_text(yaml.safe_dump({"cppo": {"selective_rollout": True}, "openrlhf": {"x": 1}}))
+    with pytest.warns(FutureWarning, match="cppo.selective_rollout is deprecated: write cppo.selective.enabled"):
+        recipe = load_recipe(path)
+    assert launcher_argv(recipe)[0] == "--cppo.selective.enabled=true"

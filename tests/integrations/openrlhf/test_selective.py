@@ -20,7 +20,7 @@ import types
 import pytest
 import torch
 
-from cppo_megatron import CPPOConfig
+from cppo_megatron.config import CPPOConfig, SelectiveConfig
 from cppo_megatron.core.selective import prompt_uniforms
 from cppo_megatron.integrations.openrlhf import audit, hook, selective
 
@@ -158,7 +158,8 @@ def _info(experiences, key):
 
 
 P_EASY, P_HARD = 0.2, 0.8
-CFG = CPPOConfig(pruning_rate=0.5, eps=1e-9, selective_rollout=True, selective_p_easy=P_EASY, selective_p_hard=P_HARD)
+CFG = CPPOConfig(pruning_rate=0.5, eps=1e-9,
+                 selective=SelectiveConfig(enabled=True, p_easy=P_EASY, p_hard=P_HARD))
 # what OpenRLHF's loop draws with torch.manual_seed(0) (its RandomSampler's seed), 3 episodes over the 8
 # rows at 3 prompts a step: (drawn, skipped) per step; episode 1 has no history, so nothing is skipped
 PINNED = [
@@ -316,11 +317,11 @@ def test_evaluation_draws_are_not_decided(run_fit, orl):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--train.async_enable"], "cppo.selective_rollout=true with --train.async_enable: the asynchronous trainer "
+    (["--train.async_enable"], "cppo.selective.enabled=true with --train.async_enable: the asynchronous trainer "
      "draws prompts in another actor"),
-    (["--algo.dynamic_filtering_enable"], "cppo.selective_rollout=true with --algo.dynamic_filtering_enable: "
+    (["--algo.dynamic_filtering_enable"], "cppo.selective.enabled=true with --algo.dynamic_filtering_enable: "
      "OpenRLHF's filter drops the zero-variance groups inside the samples generator"),
-    (["--rollout.vllm_generate_batch_size", "8"], "cppo.selective_rollout=true with "
+    (["--rollout.vllm_generate_batch_size", "8"], "cppo.selective.enabled=true with "
      "--rollout.vllm_generate_batch_size 8: one generation call's groups would be trained"),
 ])  # fmt: skip
 def test_what_is_not_built_is_refused_in_one_line(flags, message, capsys, make_args):
@@ -328,7 +329,7 @@ def test_what_is_not_built_is_refused_in_one_line(flags, message, capsys, make_a
 
     recipe = ["--actor.model_name_or_path", "m", "--algo.advantage.estimator", "group_norm",
               "--rollout.n_samples_per_prompt", "8", "--rollout.batch_size", "4", "--reward.remote_url", "r.py",
-              "--cppo.pruning_rate", "0.75", "--cppo.selective_rollout", "true"]  # fmt: skip
+              "--cppo.pruning_rate", "0.75", "--cppo.selective.enabled", "true"]  # fmt: skip
     assert main([*recipe, "--dry-run"]) == 0
     assert ("note: selective rollout: each step draws prompts from OpenRLHF's prompt dataloader until 16 are kept"
             in capsys.readouterr().out)
@@ -358,3 +359,24 @@ def test_the_history_rides_on_the_dataloader_state_because_the_trainer_actor_can
     assert ray_class.save_logs_and_checkpoints is not pt.BasePPOTrainer.save_logs_and_checkpoints
     for patch in (selective._patch_dataset, selective._patch_generator, selective._patch_loader):
         patch(types.ModuleType("half_imported"))  # no class defined yet: nothing to wrap, no error
+
+
+def test_the_run_state_loads_only_its_own_step_and_says_what_does_not_fit():
+    state = selective.OpenRLHFSelective(CFG, num_prompts=4, step=3)
+    saved = state.state_dict()
+    assert saved["step"] == 3 and saved["num_prompts"] == 4
+    other = selective.OpenRLHFSelective(CFG, num_prompts=4)
+    other.load_state_dict(saved)  # no step given: the saved one
+    assert other.next_step == 3 and other.fingerprint() == state.fingerprint()
+    with pytest.raises(ValueError, match="the checkpoint of global step 5 holds the history of step 3"):
+        other.load_state_dict(saved, step=5)
+    with pytest.raises(ValueError, match="checkpoint state has no step"):
+        other.load_state_dict({k: v for k, v in saved.items() if k != "step"})
+    with pytest.raises(ValueError, match="checkpoint state must be a dict, got list"):
+        other.load_state_dict([])  # type: ignore[arg-type]
+    bigger = selective.OpenRLHFSelective(CFG, num_prompts=8)
+    with pytest.warns(UserWarning, match="saved over a train data set of 4 prompts, this run has 8"):
+        bigger.load_state_dict(saved, step=3)
+    with pytest.raises(RuntimeError, match=r"the prompts of hook step 4 were drawn for step\(s\) \[3\]"):
+        state.begin_call()
+        state.record(4, [], torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.int64), torch.zeros(0))

@@ -486,7 +486,7 @@ def verdict(label) -> str:
 
 @pytest.fixture(scope="module")
 def selective_run(workdir):
-    """tiny_cpu_cppo.yaml with cppo.selective_rollout at P = 0.75 with allocation (16 prompts per step),
+    """tiny_cpu_cppo.yaml with cppo.selective.enabled at P = 0.75 with allocation (16 prompts per step),
     on the first 16 prompts of the data set for 2 episodes (--train.num_episodes 2): step 1 generates
     all 16, step 2 draws all 16 again in a new order and skips the zero-variance ones with p 0.95."""
     import json
@@ -500,8 +500,8 @@ def selective_run(workdir):
     allocated = PROMPTS * G // round(G * (1 - P))
     rows = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()][:allocated]
     (workdir / "reward_selective.py").write_text(REWARD_SELECTIVE)
-    run = run_openrlhf(workdir, "selective", "--cppo.pruning_rate", str(P), "--cppo.selective_rollout", "true",
-                       "--cppo.selective_p_easy", str(SELECTIVE_P), "--cppo.selective_p_hard", str(SELECTIVE_P),
+    run = run_openrlhf(workdir, "selective", "--cppo.pruning_rate", str(P), "--cppo.selective.enabled", "true",
+                       "--cppo.selective.p_easy", str(SELECTIVE_P), "--cppo.selective.p_hard", str(SELECTIVE_P),
                        "--reward.remote_url", str(workdir / "reward_selective.py"), "--data.max_samples",
                        str(allocated), "--train.num_episodes", "2", "--ckpt.save_steps", "1", max_steps=None)
     return {**run, "data": rows, "allocated": allocated}

@@ -470,7 +470,7 @@ def acc_filtered_values(records, step):
 SELECTIVE_ROWS, SELECTIVE_P = 24, 0.05
 V1_SELECTIVE = ("tiny_cpu_selective_cppo.yaml", f"cppo.pruning_rate={P}", *HF,
                 f"reward.custom_reward_function.path={DAPO_REWARD}", f"data.train_max_samples={SELECTIVE_ROWS}",
-                f"cppo.selective_p_easy={SELECTIVE_P}", f"cppo.selective_p_hard={SELECTIVE_P}",
+                f"cppo.selective.p_easy={SELECTIVE_P}", f"cppo.selective.p_hard={SELECTIVE_P}",
                 f"trainer.save_freq={STEPS}")
 
 

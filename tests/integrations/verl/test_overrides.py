@@ -80,3 +80,16 @@ def test_cli_dry_run_with_a_bad_override_file_is_one_line(tmp_path, capsys):
                      "--cpu", str(tmp_path / "nope.yaml")])
     err = capsys.readouterr().err
     assert code == 2 and "no such override file" in err and "Traceback" not in err
+
+
+def test_a_recipe_file_with_a_flat_key_of_earlier_versions_still_runs_and_is_told_the_new_name(tmp_path, capsys):
+    """A recipe's cppo group may add keys (hydra checks the struct only for command-line overrides, which
+    the launcher renames: test_runconfig.py): the old flat name is read, over the group's default of the
+    new key, with a warning naming it."""
+    from cppo_megatron import cli
+
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("defaults:\n  - cppo_ppo_trainer\n  - _self_\ncppo:\n  selective_rollout: true\n")
+    with pytest.warns(FutureWarning, match="cppo.selective_rollout is deprecated: write cppo.selective.enabled"):
+        assert cli.main(["verl", "--cppo-dry-run", str(recipe)]) == 0
+    assert "  gen_batch_size: 1\n" in capsys.readouterr().out  # prepare saw selective rollout on

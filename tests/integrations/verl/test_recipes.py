@@ -158,7 +158,7 @@ def test_cpu_selective_recipe_skips_on_the_v1_sync_loop_with_a_training_set_that
     from cppo_megatron.integrations.verl.runconfig import check_compatible
 
     (config,) = (compose(RECIPES, n, [SEARCHPATH]) for n in CPU_SELECTIVE)
-    assert config.cppo.selective_rollout and config.cppo.selective_p_hard == 0.5  # the defaults
+    assert config.cppo.selective.enabled and config.cppo.selective.p_hard == 0.5  # the defaults
     assert config.trainer.use_v1 and config.trainer.v1.trainer_mode == "sync"
     assert not config.algorithm.filter_groups.enable and config.data.train_max_samples == 256
     plan = prepare(config)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 from omegaconf import OmegaConf, open_dict
 
-from cppo_megatron import CPPOConfig
+from cppo_megatron.config import CONFIG_KEYS, CPPOConfig, flatten_keys
 from cppo_megatron.integrations.verl.hook import _check_single_output_sessions, decide
 from cppo_megatron.integrations.verl.runconfig import apply_allocation, check_compatible, cppo_config_from, prepare
 
@@ -21,12 +20,13 @@ def test_yaml_group_matches_cppo_config_defaults(plugin):
     node = OmegaConf.load(f"{CONFIG_DIR}/cppo_ppo_trainer.yaml").cppo
     mega = OmegaConf.load(f"{CONFIG_DIR}/cppo_ppo_megatron_trainer.yaml").cppo
     assert node == mega
-    defaults = {f.name: f.default for f in dataclasses.fields(CPPOConfig)}
-    assert set(node) == set(defaults)
+    defaults = flatten_keys(CPPOConfig().to_dict())  # every key, the selective section's dotted
+    group = flatten_keys(OmegaConf.to_container(node))
+    assert list(group) == list(defaults) == [*CONFIG_KEYS]
     # None means the default rate; veRL splits batches into equal per-rank parts
     host = {"pruning_rate": 0.875, "equal_size": True}
     for key, value in defaults.items():
-        assert node[key] == host.get(key, value), key
+        assert group[key] == host.get(key, value), key
 
 
 def test_allocation_grows_prompts(config):
@@ -274,17 +274,34 @@ def test_settings_veRL_cannot_honour_are_refused(config):
 def test_selective_rollout_passes_prepare_and_its_parameters_warn_when_it_is_off(config):
     """Selective rollout runs on the V1 sync loop (selective.py; its refusals: test_selective.py)."""
     with open_dict(config):
-        config.cppo.selective_rollout = True
+        config.cppo.selective.enabled = True
     prepare(config)
     assert config.data.gen_batch_size == 1  # one prompt per dataloader fetch
     with open_dict(config):
-        config.cppo.selective_rollout = False
-        config.cppo.selective_p_hard = 0.2
+        config.cppo.selective.enabled = False
+        config.cppo.selective.p_hard = 0.2
     with pytest.warns(UserWarning) as caught:
         prepare(config)
     assert [str(w.message) for w in caught if "cppo." in str(w.message)] == [
-        "cppo.selective_p_hard=0.2 has no effect under veRL: it belongs to cppo.selective_rollout, which is off; "
-        "set cppo.selective_rollout=true or remove it"]
+        "cppo.selective.p_hard=0.2 has no effect under veRL: it belongs to cppo.selective.enabled, which is off; "
+        "set cppo.selective.enabled=true or remove it"]
+
+
+def test_the_flat_selective_keys_of_earlier_versions_are_read_with_a_warning(config):
+    """A recipe's cppo group with the old flat names (force-added: veRL's struct has only the new ones), and
+    the launcher's hydra overrides of them, renamed before hydra sees them."""
+    from cppo_megatron.integrations.verl.main import renamed_override
+    from cppo_megatron.integrations.verl.runconfig import cppo_config_from, selective_enabled
+
+    OmegaConf.update(config, "cppo.selective_rollout", True, force_add=True)
+    OmegaConf.update(config, "cppo.selective_p_hard", 0.2, force_add=True)
+    with pytest.warns(FutureWarning, match="cppo.selective_rollout is deprecated: write cppo.selective.enabled"):
+        # the group also holds selective.enabled and .p_hard at their defaults: the old names win
+        assert selective_enabled(config) and cppo_config_from(config).selective.p_hard == 0.2
+    with pytest.warns(FutureWarning, match="cppo.selective_p_min is deprecated: write cppo.selective.p_min=0.1"):
+        assert renamed_override("+cppo.selective_p_min=0.1") == "+cppo.selective.p_min=0.1"
+    assert renamed_override("cppo.pruning_rate=0.5") == "cppo.pruning_rate=0.5"
+    assert renamed_override("recipes/verl/tiny_cpu_cppo.yaml") == "recipes/verl/tiny_cpu_cppo.yaml"
 
 
 def test_refill_rounds_without_dynamic_sampling_warn_and_prepare_marks_the_workers(config):

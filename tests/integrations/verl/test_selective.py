@@ -13,6 +13,7 @@ all wrong (hard), otherwise varied.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from types import SimpleNamespace
 
@@ -130,7 +131,7 @@ class Trainer:
 
 
 def selective_on(config, tmp_path, **keys):
-    OmegaConf.update(config, "cppo.selective_rollout", True, force_add=True)
+    OmegaConf.update(config, "cppo.selective.enabled", True, force_add=True)
     OmegaConf.update(config, "trainer.default_local_dir", str(tmp_path / "ckpt"), force_add=True)
     for key, value in keys.items():
         OmegaConf.update(config, key.replace("__", "."), value, force_add=True)
@@ -304,6 +305,45 @@ def test_every_prompt_drawn_is_generated_or_skipped_and_outcomes_are_keyed_by_pr
     assert state.rates != ExplorationRates(p_easy=0.5, p_hard=0.5)
 
 
+def test_a_run_whose_prompts_all_sit_at_the_keep_floor_finishes_its_steps_counting_the_forced_keeps(
+        config, tq, tmp_path):
+    """#43: 24 prompts, each all-correct in its last 10 groups (keep probability max(0.5 ** 10, 0.01) =
+    0.01). A fetch takes at most 1 + 24 candidates; when it skipped all of them (p = 0.99 ** 25 = 0.78)
+    it keeps the last one drawn anyway (the prompt veRL's order hands there) instead of stopping the
+    run, counts it in selective/forced_keeps and warns once."""
+    selective_on(config, tmp_path)
+    order = [100 + row for row in range(24)]
+    trainer = Trainer(config, tq, order)
+    state = selective.state_of(trainer)
+    floor = SelectiveHistory()
+    for step in range(10):
+        floor.update(torch.tensor(order), torch.ones(24, dtype=torch.bool), torch.ones(24, dtype=torch.bool), step=step)
+    state.history.load_state_dict(floor.state_dict())
+    # step 10, by the core's rule: 16 fetches of one prompt each from veRL's endless, wrapping order
+    endless = itertools.cycle(order)
+    fills = [fill_batch(endless, 1, floor, seed=0, step=10, rates=ExplorationRates(), max_draws=25, min_keep=1)
+             for _ in range(16)]
+    with pytest.warns(UserWarning, match="selective rollout skipped all 25 candidates drawn for 1 prompt") as caught:
+        steps = run(trainer, tq, range(10, 14))
+    warned = [str(w.message) for w in caught if "skipped all" in str(w.message)]
+    assert len(warned) == 1 and "counts them in selective/forced_keeps" in warned[0]  # once a run
+    assert steps[10]["generated"] == [int(fb.kept[0]) for fb in fills]
+    forced = [fb for fb in fills if fb.num_forced]
+    assert len(forced) > 8  # most fetches at the floor keep by force
+    for fb in forced:  # 25 drawn, every one skipped by the rule, the 25th generated
+        assert fb.drawn.numel() == 25 and bool(fb.decision.skip.all()) and fb.kept.tolist() == fb.drawn[-1:].tolist()
+    # the fetches go on through veRL's order: a step's 16 prompts are distinct (no prompt forced twice)
+    assert len(set(steps[10]["generated"])) == 16
+    m = steps[10]["metrics"]
+    assert m["selective/forced_keeps"] == len(forced) and m["selective/prompts_generated"] == 16
+    assert m["selective/prompts_drawn"] == sum(fb.drawn.numel() for fb in fills) == (
+        m["selective/prompts_skipped"] + m["selective/prompts_generated"])
+    # every step finished with a full batch; the forced keeps add up
+    assert all(len(steps[s]["generated"]) == 16 for s in steps)
+    total = sum(steps[s]["metrics"]["selective/forced_keeps"] for s in steps)
+    assert steps[13]["metrics"]["selective/total_forced_keeps"] == total >= len(forced)
+
+
 def test_a_resumed_run_takes_the_decisions_of_an_uninterrupted_one(config, tq, tmp_path):
     selective_on(config, tmp_path)
     straight = Trainer(config, tq, ORDER)
@@ -345,9 +385,9 @@ def test_a_checkpoint_without_selective_state_resumes_empty_and_says_so(config, 
 @pytest.mark.parametrize(
     "key,value,message",
     [
-        ("trainer.use_v1", False, "cppo.selective_rollout=true with trainer.use_v1=false: the hook sits in the V1 "
+        ("trainer.use_v1", False, "cppo.selective.enabled=true with trainer.use_v1=false: the hook sits in the V1 "
          "trainer's dataloader seam (PPOTrainer._fetch_one_gen_batch); the legacy loop (RayPPOTrainer.fit) is not "
-         "hooked. Set trainer.use_v1=true or cppo.selective_rollout=false"),
+         "hooked. Set trainer.use_v1=true or cppo.selective.enabled=false"),
         ("trainer.v1.trainer_mode", "colocate_async", "set trainer.v1.trainer_mode=sync"),
         ("trainer.v1.trainer_mode", "separate_async", "trainer.v1.trainer_mode=separate_async: the asynchronous"),
         ("algorithm.filter_groups.enable", True, "with algorithm.filter_groups.enable=true: DAPO's filter evicts"),
@@ -357,7 +397,7 @@ def test_a_checkpoint_without_selective_state_resumes_empty_and_says_so(config, 
     ],
 )
 def test_what_the_hook_does_not_honour_is_refused(config, key, value, message):
-    OmegaConf.update(config, "cppo.selective_rollout", True, force_add=True)
+    OmegaConf.update(config, "cppo.selective.enabled", True, force_add=True)
     OmegaConf.update(config, key, value, force_add=True, merge=False)
     with pytest.raises(ValueError) as err:
         check_compatible(config)
@@ -365,8 +405,8 @@ def test_what_the_hook_does_not_honour_is_refused(config, key, value, message):
 
 
 def test_prepare_sets_one_prompt_per_fetch_and_warns_only_when_off(config):
-    OmegaConf.update(config, "cppo.selective_rollout", True, force_add=True)
-    OmegaConf.update(config, "cppo.selective_p_hard", 0.2, force_add=True)
+    OmegaConf.update(config, "cppo.selective.enabled", True, force_add=True)
+    OmegaConf.update(config, "cppo.selective.p_hard", 0.2, force_add=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         prepare(config)
@@ -434,3 +474,11 @@ def test_state_round_trip_and_bad_state(config):
     with pytest.raises(ValueError, match=r"unknown counter\(s\) \['tokens'\]"):
         other.load_state_dict(bad)
     assert np.isfinite(other.totals["prompts_drawn"])
+
+
+def test_a_step_with_no_draw_through_the_hook_files_what_reaches_the_seam_and_lengths_must_match(config):
+    state = selective.VerlSelective(selective.cppo_config_from(config), num_prompts=4, group_size=G)
+    m = state.record(2, ["u1", "u1"], torch.tensor([1.0, 1.0]), torch.tensor([3, 4]))
+    assert state.step == 2 and m["selective/groups_unknown"] == 1.0 and m["selective/groups_recorded"] == 0.0
+    with pytest.raises(ValueError, match="1 response lengths for 2 rows at the CPPO seam"):
+        state.record(2, ["u1", "u1"], torch.tensor([1.0, 1.0]), torch.tensor([3]))

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ....recipes import root as recipes_root
 from ... import vllm_shm
+from ...cpu_run import CpuRun
 from . import worker_env
 
 __all__ = ["CPU_FLAGS", "CpuRun", "FIELDS", "cache_dir", "max_steps_flags", "prepare", "required_flags", "write_jsonl"]
@@ -58,21 +58,6 @@ def cache_dir() -> Path:
     """Persistent cache of compiled DeepSpeed CPU ops (``$CPPO_CACHE_DIR`` or ~/.cache/cppo-megatron)."""
     root = os.environ.get("CPPO_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cppo-megatron")
     return Path(root) / "torch_extensions"
-
-
-@dataclass(frozen=True)
-class CpuRun:
-    model_dir: Path
-    data_dir: Path
-    run_dir: Path
-    built_model: bool
-    wrote_data: bool
-    env: dict
-
-    def describe(self) -> str:
-        return (f"cpu mode: model {self.model_dir} ({'exported now' if self.built_model else 'reused'}), "
-                f"data {self.data_dir} ({'written now' if self.wrote_data else 'reused'}), "
-                f"metrics {self.run_dir / 'metrics.jsonl'}")
 
 
 def settings(section: Any) -> dict:
@@ -158,7 +143,7 @@ def prepare(section: Any, *, build: bool = True) -> CpuRun:
     registry = Path(os.environ.get(vllm_shm.REGISTRY_ENV) or run_dir / SHM_REGISTRY)
     env[vllm_shm.REGISTRY_ENV] = str(registry.resolve())
     os.environ.update(env)
-    return CpuRun(model_dir, data_dir, run_dir, built, wrote, env)
+    return CpuRun(model_dir, data_dir, run_dir, built, wrote, env=env)
 
 
 def required_flags(forwarded: list[str]) -> list[str]:

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ....recipes import root as recipes_root
 from ... import vllm_shm
+from ...cpu_run import CpuRun
 from ..audit import ENV as AUDIT_ENV
 from ..clock import ENV as CLOCK_ENV
 from ..keytrace import ENV as KEYS_ENV
@@ -54,26 +54,6 @@ CPU_ENV = {"VERL_PLATFORM": "cpu", "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARA
 GROUP = "cppo_cpu"
 START_MODEL_INFO = "cppo_start_model.json"  # what the warm-up reached, beside the exported model
 SHM_REGISTRY = "shm_segments.txt"  # in the run dir: what vLLM's processes recorded (integrations/vllm_shm.py)
-
-
-@dataclass(frozen=True)
-class CpuRun:
-    """The prepared paths of a CPU run and what was built now (False: reused)."""
-
-    model_dir: Path
-    data_dir: Path
-    run_dir: Path
-    built_model: bool
-    wrote_data: bool
-    start_model: dict | None = None  # cppo_start_model.json: warm-up accuracy, steps, seconds, threads
-
-    def describe(self) -> str:
-        acc = (self.start_model or {}).get("accuracy")
-        what = "exported now" if self.built_model else "reused"
-        what += f", held-out accuracy {acc:.3f}" if isinstance(acc, (int, float)) else ""
-        return (f"cpu mode: model {self.model_dir} ({what}), "
-                f"data {self.data_dir} ({'written now' if self.wrote_data else 'reused'}), "
-                f"metrics {self.run_dir / 'metrics.jsonl'}")
 
 
 def is_cpu_run(config: Any) -> bool:
@@ -336,5 +316,5 @@ def prepare_cpu_run(config: Any, phases: Phases | None = None) -> CpuRun | None:
     os.environ.update(env)
     export_plugin_to_workers(config, env)  # the Ray runtime env every Ray process starts with
     ray_address(config)
-    return CpuRun(model_dir, data_dir, run_dir, built, wrote, start_model_info(model_dir))
+    return CpuRun(model_dir, data_dir, run_dir, built, wrote, start_model=start_model_info(model_dir))
 
