@@ -61,6 +61,11 @@ def test_recipe_runs_two_steps(name, tmp_path):
     for s in steps:
         assert s["rollout/completions"] == s["alloc/prompts_drawn"] * 4
         assert 1 <= s["rollout/mean_length"] <= recipe.rollout.max_new_tokens
+        # signal/*: every generated group, the same figures rollout/* reports
+        assert s["signal/completions"] == s["rollout/completions"] and s["signal/groups"] == s["alloc/prompts_drawn"]
+        assert s["signal/mean_length"] == s["rollout/mean_length"] and s["signal/generated_tokens"] == s["rollout/tokens"]
+        assert s["signal/zero_variance_share"] == pytest.approx(s["signal/all_correct_share"] + s["signal/all_wrong_share"])
+        assert s["signal/gen_share"] == pytest.approx((s["time/rollout"] + s["time/reward"]) / s["time/step"])
 
 
 def test_the_task_has_the_regime_of_the_issue():

@@ -178,6 +178,28 @@ def test_reward_scores_the_completion_after_the_prompt():
         completion_text("x", prompt)
 
 
+
+def test_worked_reward_grades_the_steps_against_the_prompt():
+    """reward_worked.py as OpenRLHF loads it (by path): the question comes from the prompt."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reward_worked", ROOT / "recipes" / "openrlhf" / "reward_worked.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    prompt = "<|im_start|>47+8-25+63="
+    good = "47+8=55\n55-25=30\n30+63=93\n<answer>93</answer>"
+    slip = "47+8=55\n55-25=31\n31+63=94\n<answer>94</answer>"
+    lucky = "47+8=55\n55-25=30\n30+63=92\n<answer>93</answer>"
+    queries = [prompt + t + "<|im_end|>" for t in (good, slip, lucky, "<answer>93")]
+    out = module.reward_func(queries, [prompt] * 4, ["93"] * 4)
+    assert out["rewards"].tolist() == out["scores"].tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert out["extra_logs"]["formatted"].tolist() == [1.0, 1.0, 1.0, 0.0]
+    assert out["extra_logs"]["steps"].tolist() == pytest.approx([1.0, 1 / 3, 2 / 3, 0.0])
+    with pytest.raises(ValueError, match="2 queries, 1 prompts"):
+        module.reward_func(queries[:2], [prompt], ["93"])
+    with pytest.raises(ValueError, match="no question like"):
+        module.reward_func(["<|im_start|>hello 93"], ["<|im_start|>hello "], ["93"])
+
 # every OpenRLHF line a seam cites (file, line, what the line must contain)
 CITED = [
     ("utils/deepspeed/deepspeed.py", 97, "torch.cuda.set_device("),
