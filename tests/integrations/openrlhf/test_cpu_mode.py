@@ -152,6 +152,20 @@ def test_tiny_cpu_recipes_dry_run(tmp_path):
     assert "CPPO off" in out and _flag(command, "--data.max_samples") == str(20 * 16)
 
 
+def test_worked_cpu_recipes_dry_run(tmp_path):
+    """The worked-arithmetic testbed's twins: the positions and lengths of the task, its reward file,
+    allocation in the CPPO one, P = 0 through the hook (signal/* logged) in the GRPO one."""
+    for name, prompts in (("worked_cpu_cppo", 128), ("worked_cpu_grpo", 16)):
+        out = _dry_run(str(RECIPES / f"{name}.yaml"), cwd=tmp_path)
+        command = next(line for line in out.splitlines() if line.startswith("openrlhf: "))
+        assert _flag(command, "--rollout.batch_size") == str(prompts)
+        assert _flag(command, "--data.max_samples") == str(20 * prompts)
+        assert _flag(command, "--rollout.max_new_tokens") == "96" and _flag(command, "--data.max_len") == "128"
+        assert _flag(command, "--reward.remote_url") == str(RECIPES / "reward_worked.py")
+        assert _flag(command, "--actor.model_name_or_path") == str(tmp_path / "runs/openrlhf_worked/model")
+        assert "CPPO off" not in out
+    assert not (tmp_path / "runs").exists()  # a dry run builds nothing
+
 @pytest.mark.parametrize("name", CLUSTER)
 def test_cluster_recipes_with_the_cpu_override_keep_their_flags(name, tmp_path):
     recipe = yaml.safe_load((RECIPES / name).read_text())["openrlhf"]
