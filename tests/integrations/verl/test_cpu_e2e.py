@@ -20,7 +20,8 @@ worker, then the same command to the end; ``RESUME_TESTS=all`` adds a SIGKILL of
 them), the V1 DAPO + CPPO run (veRL's group filter, then pruning: every prompt drawn accounted
 for) and the V1 selective-rollout run (prompts skipped before generation by their history, replayed
 through the core) generate with the ``hf`` stand-in (HF generate in a Ray actor, ~1.5 min a run) for
-CI time. With
+CI time, as does the 2-step run of the worked-arithmetic recipe (its reward with the question, its
+signal metrics; 76 s at load 5-10). With
 ``E2E_TESTS=all`` also: V1 GRPO and colocate_async CPPO on vLLM. The start model is the main job's
 architecture, random-init and exported as an HF directory (no warm-up: the checks are about which
 rows reach which pass, not about learning).
