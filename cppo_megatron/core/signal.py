@@ -60,6 +60,9 @@ def signal_metrics(rewards: torch.Tensor, group_ids: torch.Tensor, *, correct: t
         raise ValueError(f"lengths must be >= 0 tokens, got {n_tok.min():g}")
     if not isinstance(prefix, str):
         raise ValueError(f"prefix must be a str such as 'signal/', got {type(prefix).__name__}")
+    number = isinstance(easy_threshold, (int, float)) and not isinstance(easy_threshold, bool)
+    if not number or easy_threshold != easy_threshold:  # a NaN differs from itself
+        raise ValueError(f"easy_threshold must be a number (a correct completion's reward), got {easy_threshold!r}")
     n = r.numel()
     if n:
         _, inv, size = torch.unique(g.to("cpu", torch.int64), return_inverse=True, return_counts=True)

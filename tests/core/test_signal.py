@@ -63,6 +63,8 @@ def test_empty_batch_and_refusals():
         signal_metrics(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), lengths=torch.tensor([3, -1]))
     with pytest.raises(ValueError, match="rewards"):
         signal_metrics(torch.tensor([1.0, float("nan")]), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="easy_threshold must be a number"):
+        signal_metrics(torch.tensor([1.0]), torch.tensor([0]), easy_threshold="1")
     with pytest.raises(ValueError, match="prefix must be a str"):
         signal_metrics(torch.tensor([1.0]), torch.tensor([0]), prefix=None)
 
