@@ -20,7 +20,7 @@ def generation_warning(split: PhaseSplit, rows: list[RateAdvice]) -> str | None:
     best = max(rows, key=lambda r: r.P)
     return (f"generation is {split.generation_share:.0%} of a step: pruning shortens only the other "
             f"{1 - split.generation_share:.0%}, so CPPO alone gains at most {best.s_max:.2f}x (P={best.P:g}) and will "
-            "not pay for itself. Save on generation instead: selective rollout (cppo.selective_rollout=true: skip "
+            "not pay for itself. Save on generation instead: selective rollout (cppo.selective.enabled=true: skip "
             "prompts whose recent groups all had equal rewards; docs/selective_rollout.md), or stopping unpromising "
             "completions early inside the rollout engine (in development); then prune what is left.")
 

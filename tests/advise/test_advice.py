@@ -49,7 +49,7 @@ def test_a_generation_bound_run_is_flagged():
     assert split.generation_share == GENERATION_BOUND
     text = format_advice(split, rows)
     assert "WARNING: generation is 80% of a step" in text and "at most 1.23x (P=0.9375)" in text
-    assert "selective rollout (cppo.selective_rollout=true" in text and "stopping unpromising completions early" in text
+    assert "selective rollout (cppo.selective.enabled=true" in text and "stopping unpromising completions early" in text
     assert rows[0].change == "cppo-megatron openrlhf RECIPE --cppo.pruning_rate 0.5 --cppo.allocation true"
 
 

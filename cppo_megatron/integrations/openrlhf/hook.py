@@ -50,6 +50,7 @@ from ...core import (
     prune,
     sequence_workload,
 )
+from ...core.signal import signal_metrics
 from ..importhook import after_import, remove
 from ..wrap import is_wrapped, unwrap, wrap
 from . import audit, filtering, selective
@@ -230,6 +231,9 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
     result = prune(rewards, group_ids, run_cfg, step=step)
     kept, multiple = _kept_to_a_multiple(result, run_cfg, args, step)
     metrics = _step_metrics(result, rewards, kept.numel(), multiple)
+    # signal/*: every group of the step before pruning, on the rewards the advantages see
+    lengths = torch.cat([torch.as_tensor(s.response_length).reshape(-1) for s in rollout_samples])
+    metrics.update(signal_metrics(rewards, group_ids, lengths=lengths))
     order_out, balance_metrics = _balanced_order(kept, rollout_samples, args, cfg)
     metrics.update(balance_metrics)
     if recorded is not None:

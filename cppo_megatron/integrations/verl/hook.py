@@ -15,11 +15,13 @@ installed here runs only when ``algorithm.adv_estimator == "cppo"``:
 6. the core balancer is run on the same workloads (veRL's model, 24576 s + s^2); when it
    lowers the largest rank's workload (``cppo.rebalance``), its order replaces veRL's.
 
-Metrics go into veRL's metrics dict under ``cppo/``. With DAPO's filter on (``algorithm.filter_groups``,
-V1 sync only: ``dapo.py``), veRL's replay buffer has already dropped the groups whose filter metric
-is equal and refilled the batch when it reaches this seam; the hook prunes what passed and counts
-the groups among them whose rewards are all equal (``cppo/filter_passed_zero_variance``: none under
-``metric=reward``, possible under ``acc`` and the other ``reward_extra_info`` fields).
+Metrics go into veRL's metrics dict under ``cppo/``, and ``signal/*`` (``signal.py``) over the rows
+before pruning — with any estimator: a run without ``cppo`` gets only those. With DAPO's filter on
+(``algorithm.filter_groups``, V1 sync only: ``dapo.py``), veRL's replay buffer has already dropped
+the groups whose filter metric is equal and refilled the batch when it reaches this seam; the hook
+prunes what passed and counts the groups among them whose rewards are all equal
+(``cppo/filter_passed_zero_variance``: none under ``metric=reward``, possible under ``acc`` and the
+other ``reward_extra_info`` fields).
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ from ...core import balance_partitions, prune, sequence_workload
 from .. import importhook
 from ..importhook import after_import
 from ..wrap import is_wrapped, unwrap, wrap
-from . import audit, dapo, selective
+from . import audit, dapo, selective, signal
 from .runconfig import PREPARED_ENV, cppo_config_from, is_cppo, unprepared_message
+from .signal import row_rewards as _row_rewards
+from .signal import row_tokens as _row_tokens
 from .stats import GroupRecord, record_groups
 
 __all__ = [
@@ -104,23 +108,6 @@ def _metrics(result, cfg, extra: dict[str, float]) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------- V1 trainer
-def _row_rewards(rm_scores) -> torch.Tensor:
-    """[N] per-row sums of ``rm_scores`` (a jagged nested tensor in TransferQueue, or [N, T])."""
-    if getattr(rm_scores, "is_nested", False):
-        return rm_scores.to_padded_tensor(0.0).sum(dim=-1)
-    t = torch.as_tensor(rm_scores)
-    return t.sum(dim=-1) if t.dim() > 1 else t
-
-
-def _row_tokens(response_mask) -> torch.Tensor:
-    """[N] int64 tokens generated per row: ``response_mask`` summed per row (a jagged nested tensor in
-    TransferQueue, or [N, T]); a tool's tokens inside a multi-turn response are masked out."""
-    if getattr(response_mask, "is_nested", False):
-        return response_mask.to_padded_tensor(0).sum(dim=-1).to(torch.int64)
-    t = torch.as_tensor(response_mask)
-    return (t.sum(dim=-1) if t.dim() > 1 else t).to(torch.int64)
-
-
 def prune_kv_batch(trainer, batch, metrics: dict):
     """V1: prune a ``KVBatchMeta`` before ``_balance_batch``; returns the survivors' meta.
 
@@ -137,14 +124,15 @@ def prune_kv_batch(trainer, batch, metrics: dict):
     pads = [i for i, p in enumerate(padding) if p]
     keys = [batch.keys[i] for i in real]
     _check_single_output_sessions(keys)
-    # selective rollout (off unless cppo.selective.enabled) also reads the rows' response lengths
-    with_lengths = selective.enabled(trainer.config)
+    # the response lengths: signal/* and selective rollout (off unless cppo.selective.enabled)
     data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id,
-                           select_fields=["uid", "rm_scores"] + (["response_mask"] if with_lengths else []))
+                           select_fields=["uid", "rm_scores", "response_mask"])
     uids = [str(u) for u in list(data["uid"])]
     rewards = _row_rewards(data["rm_scores"]).to(torch.float32)
-    if with_lengths:  # every finished group of the step is here: file their outcomes
-        selective.record(trainer, uids, rewards, _row_tokens(data["response_mask"]), metrics)
+    lengths = _row_tokens(data["response_mask"])
+    metrics.update(signal.batch_signal(uids, rewards, lengths))
+    if selective.enabled(trainer.config):  # every finished group of the step is here: file their outcomes
+        selective.record(trainer, uids, rewards, lengths, metrics)
     result, records = decide(uids, rewards, cfg, getattr(trainer, "global_steps", 0))
     kept = [real[j] for j in result.selection.kept.tolist()] + pads
     pruned_keys = [batch.keys[real[j]] for j in result.selection.pruned.tolist()]
@@ -256,6 +244,7 @@ def prune_dataproto(trainer, batch, metrics: dict):
     cfg = cppo_config_from(trainer.config)
     uids = [str(u) for u in batch.non_tensor_batch["uid"]]
     rewards = _row_rewards(batch.batch["rm_scores"])
+    metrics.update(signal.dataproto_signal(batch))
     result, records = decide(uids, rewards, cfg, getattr(trainer, "global_steps", 0))
     if audit.enabled():  # row identities for the audit records of the later passes
         batch.non_tensor_batch["cppo_row"] = np.arange(len(uids), dtype=np.int64)
@@ -332,6 +321,7 @@ def _pruning_balance_batch(original, prune_fn, v1: bool):
     @functools.wraps(original)
     def _balance_batch(self, batch, metrics, *args, **kwargs):
         if not is_cppo(self.config):
+            metrics.update(signal.kv_batch_signal(batch) if v1 else signal.dataproto_signal(batch))
             return original(self, batch, metrics, *args, **kwargs)
         warn_if_unprepared(self.config)
         before = len(batch)

@@ -155,7 +155,9 @@ class Rollout:
                 key = f"{uid}_{s}_0"
                 score, acc = reward_of(int(index), s)
                 self.tq.tags["train"][key] = {"global_steps": self.trainer.global_steps}
-                self.tq.data["train"][key] = {"uid": uid, "index": index, "rm_scores": torch.tensor([0.0, score]),
+                self.tq.data["train"][key] = {"uid": uid, "index": index,  # every veRL row has a mask
+                                              "rm_scores": torch.tensor([0.0, score]),
+                                              "response_mask": torch.ones(2, dtype=torch.int64),
                                               "extra_fields": {"reward_extra_info": {"score": score, "acc": acc}}}
             self.tq.tags["train"][uid]["status"] = "finished"
 
