@@ -73,8 +73,8 @@ def test_resume_without_a_checkpoint_is_one_line_exit_2(tmp_path, monkeypatch, c
     code = cli.main(["train", recipe_path("tiny_cpu"), *RUN, "log.checkpoint_every=1", f"out_dir={out}", "--resume"])
     err = capsys.readouterr().err
     assert code == 2
-    assert err.splitlines() == [f"cppo-megatron train: --resume: no checkpoint under {out / 'checkpoints'}; check "
-                                "out_dir, or drop --resume to start a new run"]
+    assert err.splitlines() == [f"cppo-megatron train: error: --resume: no checkpoint under {out / 'checkpoints'}; check "
+                                "out_dir, or drop --resume to start a new run (--debug shows the traceback)"]
     assert not out.exists()
 
 
