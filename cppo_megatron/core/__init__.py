@@ -12,6 +12,9 @@ library; ``tests/core/test_layering.py`` keeps it so).
 - ``pipeline``: ``prune`` = advantages + selection in one call
 - ``selective``: selective rollout (GRESO): per-prompt history, pre-rollout skip decisions,
   adaptive exploration rates, batch filling, a step's ``selective/*`` metrics
+- ``early_stop`` (settings: ``early_stop_settings``): early stopping inside the rollout engine:
+  prefix features, the online predictor and its history, the stop rule, the estimator for
+  groups with stopped completions, accounting and predictor quality
 """
 
 from ._checks import check_int  # public: the int check adapters share with the core
@@ -25,6 +28,16 @@ from .balance import (
     pack_micro_batches,
     sequence_workload,
 )
+from .early_stop import (
+    PrefixPredictor,
+    StopAccounting,
+    StopDecision,
+    StopHistory,
+    decide_stops,
+    early_stop_prune,
+    prefix_features,
+)
+from .early_stop_settings import EarlyStopConfig
 from .loss import (
     KL_KINDS,
     LOSS_AGG_MODES,
@@ -67,6 +80,7 @@ __all__ = [
     "AllocationTotals",
     "CPPOConfig",
     "DEFAULT_PRUNING_RATE",
+    "EarlyStopConfig",
     "ExplorationRates",
     "FilledBatch",
     "GroupOutcomes",
@@ -76,6 +90,7 @@ __all__ = [
     "METRICS",
     "OutcomeCounts",
     "Partition",
+    "PrefixPredictor",
     "PromptSampler",
     "PruneResult",
     "RoundCounts",
@@ -83,6 +98,9 @@ __all__ = [
     "Selection",
     "SelectiveHistory",
     "SkipDecision",
+    "StopAccounting",
+    "StopDecision",
+    "StopHistory",
     "adapt_exploration",
     "adapt_from_config",
     "advantages_from_stats",
@@ -92,6 +110,8 @@ __all__ = [
     "clipped_surrogate",
     "count_rounds",
     "decide_skips",
+    "decide_stops",
+    "early_stop_prune",
     "estimate_tokens_saved",
     "fill_batch",
     "group_outcomes",
@@ -105,6 +125,7 @@ __all__ = [
     "lower_bound",
     "naive_partition",
     "pack_micro_batches",
+    "prefix_features",
     "prune",
     "seeded_generator",
     "select_completions",

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._checks import check_int
+from .early_stop_settings import EarlyStopConfig
 
 __all__ = [
     "ADV_NORMS",
@@ -105,6 +106,10 @@ def document_fields(cls: type) -> type:
     return cls
 
 
+# the cppo.early_stop section: its own dataclass in its own module (which imports nothing of ours)
+document_fields(EarlyStopConfig)
+
+
 @document_fields
 @dataclass
 class CPPOConfig:
@@ -182,8 +187,13 @@ class CPPOConfig:
         until the first pass over the training prompts is complete, and adapt after every step that starts after it
         (the authors' trainer adapts from the second epoch); false: adapt after every step. Read only with
         selective_rollout.""")
+    early_stop: EarlyStopConfig = setting(None, """early stopping inside the rollout engine (beyond CPPO): the
+        cppo.early_stop section (core.early_stop_settings.EarlyStopConfig, docs/early_stopping.md).""",
+        default_factory=EarlyStopConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.early_stop, Mapping):  # a nested mapping (from_dict, a YAML section)
+            self.early_stop = EarlyStopConfig.from_dict(self.early_stop)
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -246,6 +256,11 @@ class CPPOConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"CPPOConfig.seed must be an integer, got {self.seed!r}")
         self._validate_selective()
+        if not isinstance(self.early_stop, EarlyStopConfig):
+            raise ValueError(f"CPPOConfig.early_stop must be a section of early_stop keys, got {self.early_stop!r}")
+        self.early_stop.validate().check_with(is_grpo=self.is_grpo, scope=self.scope, keep_mass=self.keep_mass,
+                                              dynamic_sampling=self.dynamic_sampling,
+                                              selective_rollout=self.selective_rollout)
         return self
 
     def _validate_selective(self) -> None:
@@ -367,6 +382,8 @@ class CPPOConfig:
             f"adv_norm={self.adv_norm} eps={self.eps:g} allocation={self.allocation} "
             f"dynamic_sampling={self.dynamic_sampling} seed={self.seed}"
             + (" selective_rollout=True" if self.selective_rollout else "")
+            + (f" early_stop(segment={self.early_stop.segment_tokens}, estimator={self.early_stop.estimator})"
+               if self.early_stop.enabled else "")
         )
 
 

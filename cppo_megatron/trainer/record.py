@@ -42,9 +42,12 @@ def step_record(recipe, rollout, planner, sampler, batch, surv, rows, old, ref, 
 
     rec: dict = {f"time/{k}": v for k, v in seconds.items()}
     rec["time/step"] = time.perf_counter() - t_step
-    rec["reward/mean"] = float(batch.rewards.double().mean())  # float64: a float32 sum drifts at 1e-9
-    rec["reward/correct_rate"] = float(batch.correct.double().mean())
-    rec["reward/format_rate"] = float(batch.formatted.double().mean())
+    # over the completions that finished (all of them unless cppo.early_stop stopped some: a stopped
+    # completion has no reward; early_stop/reward_mean_estimate imputes them)
+    fin = batch.finished
+    rec["reward/mean"] = float(batch.rewards[fin].double().mean())  # float64: a float32 sum drifts at 1e-9
+    rec["reward/correct_rate"] = float(batch.correct[fin].double().mean())
+    rec["reward/format_rate"] = float(batch.formatted[fin].double().mean())
     rec["reward/mean_kept"] = float(batch.rewards[surv.kept].mean())
     rec.update(surv.prune.metrics())
     rec.update(surv.alloc)
