@@ -12,6 +12,8 @@ predictor, and the unfinished ones it expects in the majority are stopped.
     StopHistory          those completions: boundary features and outcomes, by step
     explore_groups       the groups of a round generated in full (unbiased labels, AUC)
     decide_stops         the rule: which unfinished completions of each group to stop
+    decide_at_boundary   one boundary as a host runs it: features, scores, the rule, explore
+                         groups' shadow decisions (the embedded trainer and veRL's coordinator)
     imputed_moments      a stopped completion's expected reward and squared reward
     early_stop_prune     the estimator (group statistics with stopped completions) and CPPO's
                          selection over the finished completions
@@ -55,15 +57,18 @@ __all__ = [
     "RUNNING",
     "FINISHED",
     "STOPPED",
+    "BoundaryOutcome",
     "EarlyStopPrune",
     "PrefixPredictor",
     "StopAccounting",
     "StopHistory",
     "StopDecision",
     "calibration",
+    "decide_at_boundary",
     "decide_stops",
     "early_stop_prune",
     "estimate_full_lengths",
+    "explore_group",
     "explore_groups",
     "feature_names",
     "imputed_moments",
@@ -394,6 +399,66 @@ def decide_stops(q: torch.Tensor, group_ids: torch.Tensor, status: torch.Tensor,
         rank = torch.arange(order.numel()) - start[inv[order]]
         stop[order[rank < allowed[inv[order]]]] = True
     return StopDecision(stop=stop, majority=majority, expected_share=share)
+
+
+def explore_group(key: str, share: float, *, seed: int, step: int) -> bool:
+    """Whether the group named ``key`` (a host's prompt uid) is generated in full: a uniform
+    drawn from (seed, step, key) alone is below ``share`` (for hosts that decide group by group)."""
+    import hashlib
+
+    share = check_float("share", share, minimum=0.0)
+    digest = hashlib.sha256(f"{seed}:{step}:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < share
+
+
+@dataclass(frozen=True)
+class BoundaryOutcome:
+    """One boundary of ``decide_at_boundary`` over R rows (every member of the groups deciding).
+
+    present: [R] bool, rows not stopped before (the ones with features). x: [P, F] float64 their
+    features (P = present rows). q: [P] float64 their scores, or None without a predictor.
+    stop: [R] bool rows to stop now. shadow: [R] bool explore rows the rule would have stopped now.
+    status: [R] the statuses the rule saw (explore rows shadow-stopped earlier count as stopped)."""
+
+    present: torch.Tensor
+    x: torch.Tensor
+    q: torch.Tensor | None
+    stop: torch.Tensor
+    shadow: torch.Tensor
+    status: torch.Tensor
+
+
+def decide_at_boundary(predictor: PrefixPredictor | None, *, logprobs: torch.Tensor, lengths: torch.Tensor,
+                       status: torch.Tensor, group_ids: torch.Tensor, explore: torch.Tensor, q_last: torch.Tensor,
+                       shadowed: torch.Tensor, segment_tokens: int, max_new_tokens: int, min_running: int,
+                       min_confidence: float, seed: int, step: int, stream: int,
+                       entropies: torch.Tensor | None = None, hidden: torch.Tensor | None = None) -> BoundaryOutcome:
+    """One boundary: features of the present rows, their scores, the rule; explore rows are never
+    stopped (their would-be stops come back as ``shadow``). ``q_last`` [R] float64 is updated in
+    place with the new scores (stopped rows keep the q they were stopped with).
+
+    Args (all [R], row-aligned, every member of each deciding group): logprobs [R, T], lengths,
+    status (RUNNING / FINISHED / STOPPED), group_ids, explore (bool: the row's group runs in
+    full), q_last, shadowed (bool: explore rows the rule stopped at an earlier boundary);
+    ``predictor``: None (or unfitted) scores nothing and stops nothing; entropies [R, T] and
+    hidden [R, D] when the feature set has them.
+    """
+    present = torch.as_tensor(status) != STOPPED
+    x = prefix_features(logprobs[present], lengths[present], group_ids[present],
+                        torch.as_tensor(status)[present] == FINISHED, segment_tokens=segment_tokens,
+                        max_new_tokens=max_new_tokens, entropies=None if entropies is None else entropies[present],
+                        hidden=None if hidden is None else hidden[present])
+    R = present.numel()
+    seen = torch.as_tensor(status).clone()
+    if predictor is None or not predictor.fitted:
+        none = torch.zeros(R, dtype=torch.bool)
+        return BoundaryOutcome(present=present, x=x, q=None, stop=none, shadow=none.clone(), status=seen)
+    q = predictor.predict(x)
+    q_last[present] = q
+    seen[shadowed & (seen == RUNNING)] = STOPPED
+    d = decide_stops(q_last, group_ids, seen, min_running=min_running, min_confidence=min_confidence, seed=seed,
+                     step=step, stream=stream)
+    return BoundaryOutcome(present=present, x=x, q=q, stop=d.stop & ~explore, shadow=d.stop & explore, status=seen)
 
 
 # ---------------------------------------------------------------------------------- estimator

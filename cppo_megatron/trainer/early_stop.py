@@ -25,17 +25,13 @@ from typing import Any
 import torch
 
 from ..core.early_stop import (
-    FINISHED,
-    RUNNING,
-    STOPPED,
     PrefixPredictor,
     StopAccounting,
     StopHistory,
-    decide_stops,
+    decide_at_boundary,
     estimate_full_lengths,
     explore_groups,
     imputed_moments,
-    prefix_features,
     quality_metrics,
 )
 from ..core.settings import CPPOConfig
@@ -68,30 +64,24 @@ class RoundMonitor:
 
     def on_boundary(self, tokens: int, view: BoundaryView) -> torch.Tensor:
         es = self.owner.es
-        present = view.status != STOPPED
-        rows = view.rows[present]
-        x = prefix_features(
-            view.logprobs[present], view.lengths[present], rows // self.G, view.status[present] == FINISHED,
-            segment_tokens=es.segment_tokens, max_new_tokens=self.owner.max_new_tokens,
-            entropies=None if view.entropies is None else view.entropies[present],
-            hidden=None if view.hidden is None else view.hidden[present])
-        stop = torch.zeros(view.rows.numel(), dtype=torch.bool)
-        q = None
-        if self.ready:
-            q = self.owner.predictor.predict(x)
-            self.q_last[rows] = q
-            status = view.status.clone()
-            status[self.shadow[view.rows] & (status == RUNNING)] = STOPPED
-            d = decide_stops(self.q_last[view.rows], view.rows // self.G, status, min_running=self.owner.min_running,
-                             min_confidence=es.min_confidence, seed=self.owner.cfg.seed, step=self.step,
-                             stream=1000 * self.round + self.boundaries)
-            explore = self.explore[view.rows // self.G]
-            self.shadow[view.rows[d.stop & explore]] = True
-            stop = d.stop & ~explore
-            self.stopped_at[view.rows[stop]] = tokens
-        self.records.append({"boundary": tokens, "rows": rows.clone(), "x": x, "q": q})
+        rows = view.rows
+        q_last = self.q_last[rows]
+        out = decide_at_boundary(
+            self.owner.predictor if self.ready else None, logprobs=view.logprobs, lengths=view.lengths,
+            status=view.status, group_ids=rows // self.G, explore=self.explore[rows // self.G], q_last=q_last,
+            shadowed=self.shadow[rows], segment_tokens=es.segment_tokens, max_new_tokens=self.owner.max_new_tokens,
+            min_running=self.owner.min_running, min_confidence=es.min_confidence, seed=self.owner.cfg.seed,
+            step=self.step, stream=1000 * self.round + self.boundaries, entropies=view.entropies, hidden=view.hidden)
+        self.q_last[rows] = q_last
+        self.shadow[rows[out.shadow]] = True
+        self.stopped_at[rows[out.stop]] = tokens
+        record: dict[str, Any] = {"boundary": tokens, "rows": rows[out.present].clone(), "x": out.x, "q": out.q}
+        if out.q is not None:  # what the rule saw and decided (audit, tests): every member, stopped ones too
+            record.update(decided_rows=rows.clone(), decided_q=q_last.clone(), decided_status=out.status,
+                          stop=out.stop.clone(), explore=self.explore[rows // self.G])
+        self.records.append(record)
         self.boundaries += 1
-        return stop
+        return out.stop
 
 
 class EarlyStopping:

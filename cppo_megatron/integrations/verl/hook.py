@@ -32,11 +32,11 @@ import warnings
 import numpy as np
 import torch
 
-from ...core import balance_partitions, prune, sequence_workload
+from ...core import PruneResult, balance_partitions, early_stop_prune, prune, sequence_workload
 from .. import importhook
 from ..importhook import after_import
 from ..wrap import is_wrapped, unwrap, wrap
-from . import audit, selective
+from . import audit, early_stop, selective
 from .runconfig import PREPARED_ENV, cppo_config_from, is_cppo, unprepared_message
 from .stats import GroupRecord, record_groups
 
@@ -60,13 +60,17 @@ WRAP_TAG = __name__  # marks our layer on ``_balance_batch`` (integrations/wrap.
 
 
 # ---------------------------------------------------------------------------------- decision
-def decide(uids: list, rewards: torch.Tensor, cfg, step: int):
+def decide(uids: list, rewards: torch.Tensor, cfg, step: int, *, stopped: torch.Tensor | None = None,
+           moments: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Prune one batch: returns (PruneResult, {uid: GroupRecord} for groups with survivors).
 
     Args:
         uids: [N] prompt ids (veRL ``uid`` strings); group ids are assigned by first
             appearance, so every rank that sees the same batch decides identically.
         rewards: [N] outcome rewards.
+        stopped: [N] bool, rows ``cppo.early_stop`` stopped in the rollout (their rewards are never
+            read: ``core.early_stop_prune``, with ``moments`` = their expected reward and squared
+            reward); the records then carry the estimator's group statistics.
     """
     if len(uids) != int(rewards.numel()):
         raise ValueError(f"{len(uids)} uids for {int(rewards.numel())} rewards")
@@ -74,7 +78,12 @@ def decide(uids: list, rewards: torch.Tensor, cfg, step: int):
         raise ValueError("cppo: the batch reaching _balance_batch is empty")
     first: dict[str, int] = {}
     gids = torch.tensor([first.setdefault(str(u), len(first)) for u in uids], dtype=torch.int64)
-    result = prune(rewards.detach().cpu(), gids, cfg, step=max(int(step), 0))
+    if stopped is not None:
+        es = early_stop_prune(rewards.detach().cpu(), stopped, gids, cfg, expected=None if moments is None else
+                              moments[0], expected_sq=None if moments is None else moments[1], step=max(int(step), 0))
+        result = PruneResult(es.advantages.to(torch.float32), es.stats, es.selection)
+    else:
+        result = prune(rewards.detach().cpu(), gids, cfg, step=max(int(step), 0))
     stats, sel = result.stats, result.selection
     names = list(first)  # group m has id m: ids were assigned 0..M-1
     records = {
@@ -135,15 +144,27 @@ def prune_kv_batch(trainer, batch, metrics: dict):
     pads = [i for i, p in enumerate(padding) if p]
     keys = [batch.keys[i] for i in real]
     _check_single_output_sessions(keys)
-    # selective rollout (off unless cppo.selective_rollout) also reads the rows' response lengths
-    with_lengths = selective.enabled(trainer.config)
+    # selective rollout (off unless cppo.selective_rollout) also reads the rows' response lengths;
+    # early stopping (cppo.early_stop) the lengths and each row's stop info (extra_fields)
+    stopping = early_stop.enabled(trainer.config)
+    with_lengths = selective.enabled(trainer.config) or stopping
     data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id,
-                           select_fields=["uid", "rm_scores"] + (["response_mask"] if with_lengths else []))
+                           select_fields=["uid", "rm_scores"] + (["response_mask"] if with_lengths else [])
+                           + (["extra_fields"] if stopping else []))
     uids = [str(u) for u in list(data["uid"])]
     rewards = _row_rewards(data["rm_scores"]).to(torch.float32)
-    if with_lengths:  # every finished group of the step is here: file their outcomes
+    if selective.enabled(trainer.config):  # every finished group of the step is here: file their outcomes
         selective.record(trainer, uids, rewards, _row_tokens(data["response_mask"]), metrics)
-    result, records = decide(uids, rewards, cfg, getattr(trainer, "global_steps", 0))
+    step = int(getattr(trainer, "global_steps", 0))
+    if stopping:
+        es = early_stop.state_of(trainer)
+        infos = early_stop.parse_infos(data["extra_fields"], len(uids))
+        stopped = torch.tensor([bool(i["stopped"]) for i in infos])
+        result, records = decide(uids, rewards, cfg, step, stopped=stopped, moments=es.moments(infos))
+        metrics.update(es.end_step(step, uids, rewards, _row_tokens(data["response_mask"]), infos,
+                                   result.selection.kept))
+    else:
+        result, records = decide(uids, rewards, cfg, step)
     kept = [real[j] for j in result.selection.kept.tolist()] + pads
     pruned_keys = [batch.keys[real[j]] for j in result.selection.pruned.tolist()]
     if audit.enabled():

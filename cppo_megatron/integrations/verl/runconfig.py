@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, cast
@@ -164,6 +165,9 @@ def check_compatible(config: Any) -> None:
             "prunes, or use the embedded trainer (cppo-megatron train)"
         )
     check_selective(config)
+    from . import early_stop
+
+    early_stop.check(config)
     node = config.get("cppo", None)
     if node is not None and node.get("equal_size", None) is False:
         raise ValueError(
@@ -433,6 +437,10 @@ def prepare(config: Any) -> AllocationPlan | None:
         warnings.warn(message, stacklevel=2)
     plan = apply_allocation(config)
     apply_selective(config)
+    from . import early_stop
+
+    for message in early_stop.apply(config):
+        print(f"cppo: {message}", file=sys.stderr)
     export_plugin_to_workers(config, {PREPARED_ENV: "1"})
     return plan
 
