@@ -39,6 +39,9 @@ class Evaluator:
         if problems > len(task.test):
             raise ValueError(f"--eval-problems {problems}: the task has {len(task.test)} test problems")
         self.problems = list(task.test)[:problems]
+        from ..integrations.verl.reward import data_source_for
+
+        self.data_source = data_source_for(task.name)
         self.tok = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.start = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -60,7 +63,7 @@ class Evaluator:
         start model). Results are cached per file content (size and mtime)."""
         import torch
 
-        from ..integrations.verl.reward import DATA_SOURCE, compute_score
+        from ..integrations.verl.reward import compute_score
         from ..rollout import SamplingParams
 
         key = "start" if weights is None else f"{Path(weights).resolve()}:{Path(weights).stat().st_mtime_ns}"
@@ -73,7 +76,7 @@ class Evaluator:
         correct = 0.0
         for toks, p in zip(out.tokens, self.problems, strict=True):
             text = str(self.tok.decode(toks, skip_special_tokens=True))  # one sequence: a str
-            correct += compute_score(DATA_SOURCE, text, str(p.answer))["acc"]
+            correct += compute_score(self.data_source, text, str(p.answer), {"question": p.question})["acc"]
         n = len(self.problems)
         acc = correct / n
         res = {"accuracy": acc, "stderr": math.sqrt(max(acc * (1 - acc), 1e-12) / n), "problems": n}

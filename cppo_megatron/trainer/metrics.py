@@ -2,8 +2,9 @@
 
 Every ``kind: step`` record in metrics.jsonl has the same keys whichever backend wrote it
 (a test compares them): ``time/<phase>`` for each of ``PHASES``, ``reward/*``, ``cppo/*``,
-``alloc/*``, ``rollout/*``, ``train/*``, ``rank/*`` (one entry per process), ``data/epoch``,
-``sys/peak_rss_mb``. The report, ``bench speedup`` and ``study`` read ``PHASES`` from here.
+``alloc/*``, ``rollout/*``, ``signal/*`` (``core.signal``: the keys the veRL and OpenRLHF hooks
+log too), ``train/*``, ``rank/*`` (one entry per process), ``data/epoch``, ``sys/peak_rss_mb``.
+The report, ``bench speedup`` and ``study`` read ``PHASES`` from here.
 """
 
 from __future__ import annotations

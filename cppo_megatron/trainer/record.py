@@ -8,8 +8,9 @@ import time
 
 import torch
 
+from ..core.signal import gen_share, signal_metrics
 from ..distributed import wait_stats
-from .metrics import logprob_diff, logprob_diff_sums, rollout_metrics, update_metrics
+from .metrics import GEN_PHASES, logprob_diff, logprob_diff_sums, rollout_metrics, update_metrics
 
 __all__ = ["step_record"]
 
@@ -58,6 +59,9 @@ def step_record(recipe, rollout, planner, sampler, batch, surv, rows, old, ref, 
     rec.update(rollout_metrics(batch.completion_lengths, batch.truncated,
                                max(x["generate_seconds"] for x in ranks)))
     rec.update(diff)
+    # signal/*: every group generated this step (dropped and pruned ones too), as in the hosts
+    rec.update(signal_metrics(batch.rewards, batch.group_ids, correct=batch.correct, lengths=batch.completion_lengths))
+    rec.update(gen_share(sum(seconds[p] for p in GEN_PHASES), rec["time/step"]))
     rec.update(update_metrics(upd.iterations, lr=upd.lr, tokens=upd.tokens, sequences=upd.sequences,
                               micro_batches=upd.micro_batches))
     for key in ("pass_seconds", "old_logprob_seconds", "forwarded_sequences", "received", "owned",

@@ -13,7 +13,7 @@ from cppo_megatron.trainer.config import load_recipe, recipe_to_dict
 from cppo_megatron.trainer.preflight import check_inputs
 from tests.recipes import recipe_path
 
-TWINS = [("worked_cpu", "worked_cpu_grpo")]
+TWINS = [("worked_cpu", "worked_cpu_grpo"), ("worked_cpu_megatron", "worked_cpu_megatron_grpo")]
 
 # micro model, the recipe's task and lengths: a 2-step run in seconds
 MICRO = ["threads=1", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=2",
@@ -50,7 +50,7 @@ def test_positions_cover_prompt_and_every_new_token(name):
     assert inputs.fit.longest_answer < r.rollout.max_new_tokens  # room beyond the longest reference
 
 
-@pytest.mark.parametrize("name", [n for pair in TWINS for n in pair])
+@pytest.mark.parametrize("name", TWINS[0])
 def test_recipe_runs_two_steps(name, tmp_path):
     recipe = load_recipe(recipe_path(name), [*MICRO, f"out_dir={tmp_path}"])
     summary = Trainer(recipe).run()
@@ -61,6 +61,11 @@ def test_recipe_runs_two_steps(name, tmp_path):
     for s in steps:
         assert s["rollout/completions"] == s["alloc/prompts_drawn"] * 4
         assert 1 <= s["rollout/mean_length"] <= recipe.rollout.max_new_tokens
+        # signal/*: every generated group, the same figures rollout/* reports
+        assert s["signal/completions"] == s["rollout/completions"] and s["signal/groups"] == s["alloc/prompts_drawn"]
+        assert s["signal/mean_length"] == s["rollout/mean_length"] and s["signal/generated_tokens"] == s["rollout/tokens"]
+        assert s["signal/zero_variance_share"] == pytest.approx(s["signal/all_correct_share"] + s["signal/all_wrong_share"])
+        assert s["signal/gen_share"] == pytest.approx((s["time/rollout"] + s["time/reward"]) / s["time/step"])
 
 
 def test_the_task_has_the_regime_of_the_issue():
@@ -70,3 +75,17 @@ def test_the_task_has_the_regime_of_the_issue():
     lengths = sorted(len(task.sft_target(p)) + 1 for p in task.train)
     assert lengths[len(lengths) // 2] >= 40
     assert {p.meta["level"][0] for p in task.train} == {2, 3, 4, 5, 6}
+
+
+@pytest.mark.parametrize("name", TWINS[1])
+def test_megatron_recipes_fit_four_processes(name, capsys):
+    """The Megatron twins' launch-time sizing (``--dry-run``: no process is started)."""
+    from cppo_megatron.cli import main
+
+    assert main(["train", recipe_path(name), "--nproc", "4", "--dry-run"]) == 0
+    assert "fits" in capsys.readouterr().out
+
+
+def test_megatron_twins_match_the_single_process_ones():
+    hf, meg = (_flat(recipe_to_dict(load_recipe(recipe_path(n)))) for n in ("worked_cpu", "worked_cpu_megatron"))
+    assert {k for k in hf if hf[k] != meg[k]} == {"out_dir", "backend", "threads", "megatron.tp"}

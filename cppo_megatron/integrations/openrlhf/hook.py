@@ -50,6 +50,7 @@ from ...core import (
     prune,
     sequence_workload,
 )
+from ...core.signal import signal_metrics
 from ..importhook import after_import, remove
 from ..wrap import is_wrapped, unwrap, wrap
 from . import audit, filtering, selective
@@ -268,6 +269,9 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
 
     mean, std = result.stats.row_mean(), result.stats.row_std()
     metrics = result.metrics()
+    # signal/*: every group of the step before pruning, on the rewards the advantages see
+    lengths = torch.cat([torch.as_tensor(s.response_length).reshape(-1) for s in rollout_samples])
+    metrics.update(signal_metrics(rewards, group_ids, lengths=lengths))
     metrics.update(
         {
             "cppo/num_kept_selected": float(n_core),

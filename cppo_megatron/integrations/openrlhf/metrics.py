@@ -9,7 +9,8 @@ recipe with a ``cpu:`` section, ``RUN_DIR/metrics.jsonl``, together with
   dict: ``timing/*``, ``policy_loss``, ``reward``, ``cppo/*``, ...);
 - ``{"step": N, "kind": "eval", "data": {...}}`` for every evaluation (``eval_*_pass1`` ...).
 
-Both come from OpenRLHF's ``TensorboardLogger.log_train`` / ``log_eval``
+A train line (and TensorBoard) also gets ``signal/gen_share`` (``with_gen_share``). Both come
+from OpenRLHF's ``TensorboardLogger.log_train`` / ``log_eval``
 (``utils/logging_utils.py:122,132``), wrapped to also write the line. (The trainer itself is
 a Ray actor class that Ray ships by value, so its own methods cannot be wrapped from
 outside; the logger is imported by reference.)
@@ -33,7 +34,7 @@ from ..importhook import after_import
 from ..wrap import wrap
 from .checkpoint import resumed_step
 
-__all__ = ["ENV", "EVAL_BEFORE_ENV", "install", "read", "write"]
+__all__ = ["ENV", "EVAL_BEFORE_ENV", "install", "read", "with_gen_share", "write"]
 
 ENV = "CPPO_OPENRLHF_METRICS"
 EVAL_BEFORE_ENV = "CPPO_OPENRLHF_EVAL_BEFORE_TRAIN"
@@ -74,9 +75,21 @@ def read(path: str | Path, kind: str = "train") -> list[dict]:
     return rows
 
 
+def with_gen_share(logs: dict) -> dict:
+    """``logs`` plus ``signal/gen_share`` = ``timing/generation / timing/step_total`` (the share of
+    the step OpenRLHF spent generating, as the embedded trainer and veRL log it) when both are there."""
+    if "timing/generation" not in logs or "timing/step_total" not in logs:
+        return logs
+    from ...core.signal import gen_share
+
+    return {**logs, **gen_share(float(logs["timing/generation"]), float(logs["timing/step_total"]))}
+
+
 def _wrap_log(original, kind: str):
     @functools.wraps(original)
     def log(self, global_step, logs_dict):
+        if kind == "train":
+            logs_dict = with_gen_share(logs_dict or {})
         write(global_step, kind, logs_dict)
         return original(self, global_step, logs_dict)
 

@@ -7,6 +7,8 @@ point, or through ``VERL_USE_EXTERNAL_MODULES=cppo_megatron.integrations.verl``)
   the full-group statistics recorded at pruning time;
 - hooks ``_balance_batch`` of the V1 ``PPOTrainer`` and the legacy ``RayPPOTrainer`` as
   their modules are imported; the hook acts only when the estimator is ``cppo``;
+- logs ``signal/*`` (groups with equal rewards, completion lengths, tokens generated, generation's
+  share of the step) in every run (``signal.py``);
 - with ``cppo.selective_rollout=true``, hooks V1's ``_fetch_one_gen_batch``, ``_save_checkpoint``
   and ``_load_checkpoint`` (``selective.py``: skip prompts before generation);
 - registers the ``cppo_early_stop`` agent loop and, with ``cppo.early_stop.enabled=true``, keeps the
@@ -45,10 +47,11 @@ def load() -> None:
     """Register the estimator, install the hook and, with ``VERL_PLATFORM=cpu``, the CPU mode;
     the audit recorders, the key trace and the wall-clock budget when their variables are set
     (idempotent)."""
-    from . import async_modes, audit, audit_vllm, clock, cpu, early_stop, keytrace, selective
+    from . import async_modes, audit, audit_vllm, clock, cpu, early_stop, keytrace, selective, signal
 
     register_estimator()
     install()
+    signal.install()  # signal/gen_share in veRL's timing metrics (signal/* at the hook's seam)
     async_modes.install()  # separate_async: veRL's mini-batch assert in CPPO's units
     selective.install()  # cppo.selective_rollout: V1's dataloader fetch and checkpoints
     early_stop.install()  # cppo.early_stop: the agent loop's registry entry, V1's checkpoints

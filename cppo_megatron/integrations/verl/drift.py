@@ -58,6 +58,8 @@ PINNED = {
     "verl.trainer.ppo.ray_trainer:compute_advantage": "314695381c755264",
     "verl.trainer.ppo.core_algos:register_adv_est": "d560ae823494d769",
     "verl.trainer.ppo.core_algos:agg_loss": "fd052ff7eb539f78",
+    # signal/gen_share (signal.py): the timing metrics both loops compute, wrapped where they call them
+    "verl.trainer.ppo.metric_utils:compute_timing_metrics": "48d054a7ac300dca",
     "verl.trainer.main_ppo:main": "eb706c4f6622ed04",
     "verl.trainer.main_ppo:run_ppo": "a65eddb189e56ae1",
     # separate_async (async_modes.py): the assert the wrap answers, what else runs while it presents the

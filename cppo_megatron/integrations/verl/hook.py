@@ -15,9 +15,11 @@ installed here runs only when ``algorithm.adv_estimator == "cppo"``:
 6. the core balancer is run on the same workloads (veRL's model, 24576 s + s^2); when it
    lowers the largest rank's workload (``cppo.rebalance``), its order replaces veRL's.
 
-Metrics go into veRL's metrics dict under ``cppo/``. With DAPO's filter on (``algorithm.filter_groups``,
-V1 sync only: ``dapo.py``), veRL's replay buffer has already dropped the zero-variance groups and
-refilled the batch when it reaches this seam; the hook prunes what passed.
+Metrics go into veRL's metrics dict under ``cppo/``, and ``signal/*`` (``signal.py``) over the rows
+before pruning — with any estimator: a run without ``cppo`` gets only those. With DAPO's filter on
+(``algorithm.filter_groups``, V1 sync only: ``dapo.py``), veRL's replay buffer has already dropped
+the zero-variance groups and refilled the batch when it reaches this seam; the hook prunes what
+passed.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from ...core import PruneResult, balance_partitions, early_stop_prune, prune, se
 from .. import importhook
 from ..importhook import after_import
 from ..wrap import is_wrapped, unwrap, wrap
-from . import audit, early_stop, selective
+from . import audit, early_stop, selective, signal
 from .runconfig import PREPARED_ENV, cppo_config_from, is_cppo, unprepared_message
 from .stats import GroupRecord, record_groups
 
@@ -144,26 +146,27 @@ def prune_kv_batch(trainer, batch, metrics: dict):
     pads = [i for i, p in enumerate(padding) if p]
     keys = [batch.keys[i] for i in real]
     _check_single_output_sessions(keys)
-    # selective rollout (off unless cppo.selective_rollout) also reads the rows' response lengths;
-    # early stopping (cppo.early_stop) the lengths and each row's stop info (extra_fields)
+    # the response lengths: signal/*, selective rollout (off unless cppo.selective_rollout) and early
+    # stopping (cppo.early_stop: also each row's stop info, extra_fields)
     stopping = early_stop.enabled(trainer.config)
-    with_lengths = selective.enabled(trainer.config) or stopping
     data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id,
-                           select_fields=["uid", "rm_scores"] + (["response_mask"] if with_lengths else [])
-                           + (["extra_fields"] if stopping else []))
+                           select_fields=["uid", "rm_scores", "response_mask"] + (["extra_fields"] if stopping else []))
     uids = [str(u) for u in list(data["uid"])]
     rewards = _row_rewards(data["rm_scores"]).to(torch.float32)
-    if selective.enabled(trainer.config):  # every finished group of the step is here: file their outcomes
-        selective.record(trainer, uids, rewards, _row_tokens(data["response_mask"]), metrics)
+    lengths = _row_tokens(data["response_mask"])
     step = int(getattr(trainer, "global_steps", 0))
-    if stopping:
+    if stopping:  # a stopped row has no reward: signal/* over the finished rows
         es = early_stop.state_of(trainer)
         infos = early_stop.parse_infos(data["extra_fields"], len(uids))
         stopped = torch.tensor([bool(i["stopped"]) for i in infos])
+        fin = (~stopped).nonzero().squeeze(1).tolist()
+        metrics.update(signal.batch_signal([uids[i] for i in fin], rewards[fin], lengths[fin]))
         result, records = decide(uids, rewards, cfg, step, stopped=stopped, moments=es.moments(infos))
-        metrics.update(es.end_step(step, uids, rewards, _row_tokens(data["response_mask"]), infos,
-                                   result.selection.kept))
+        metrics.update(es.end_step(step, uids, rewards, lengths, infos, result.selection.kept))
     else:
+        metrics.update(signal.batch_signal(uids, rewards, lengths))
+        if selective.enabled(trainer.config):  # every finished group of the step is here: file their outcomes
+            selective.record(trainer, uids, rewards, lengths, metrics)
         result, records = decide(uids, rewards, cfg, step)
     kept = [real[j] for j in result.selection.kept.tolist()] + pads
     pruned_keys = [batch.keys[real[j]] for j in result.selection.pruned.tolist()]
@@ -254,6 +257,7 @@ def prune_dataproto(trainer, batch, metrics: dict):
     cfg = cppo_config_from(trainer.config)
     uids = [str(u) for u in batch.non_tensor_batch["uid"]]
     rewards = _row_rewards(batch.batch["rm_scores"])
+    metrics.update(signal.dataproto_signal(batch))
     result, records = decide(uids, rewards, cfg, getattr(trainer, "global_steps", 0))
     if audit.enabled():  # row identities for the audit records of the later passes
         batch.non_tensor_batch["cppo_row"] = np.arange(len(uids), dtype=np.int64)
@@ -330,6 +334,7 @@ def _pruning_balance_batch(original, prune_fn, v1: bool):
     @functools.wraps(original)
     def _balance_batch(self, batch, metrics, *args, **kwargs):
         if not is_cppo(self.config):
+            metrics.update(signal.kv_batch_signal(batch) if v1 else signal.dataproto_signal(batch))
             return original(self, batch, metrics, *args, **kwargs)
         warn_if_unprepared(self.config)
         before = len(batch)

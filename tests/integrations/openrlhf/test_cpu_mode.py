@@ -152,6 +152,20 @@ def test_tiny_cpu_recipes_dry_run(tmp_path):
     assert "CPPO off" in out and _flag(command, "--data.max_samples") == str(20 * 16)
 
 
+def test_worked_cpu_recipes_dry_run(tmp_path):
+    """The worked-arithmetic testbed's twins: the positions and lengths of the task, its reward file,
+    allocation in the CPPO one, P = 0 through the hook (signal/* logged) in the GRPO one."""
+    for name, prompts in (("worked_cpu_cppo", 128), ("worked_cpu_grpo", 16)):
+        out = _dry_run(str(RECIPES / f"{name}.yaml"), cwd=tmp_path)
+        command = next(line for line in out.splitlines() if line.startswith("openrlhf: "))
+        assert _flag(command, "--rollout.batch_size") == str(prompts)
+        assert _flag(command, "--data.max_samples") == str(20 * prompts)
+        assert _flag(command, "--rollout.max_new_tokens") == "96" and _flag(command, "--data.max_len") == "128"
+        assert _flag(command, "--reward.remote_url") == str(RECIPES / "reward_worked.py")
+        assert _flag(command, "--actor.model_name_or_path") == str(tmp_path / "runs/openrlhf_worked/model")
+        assert "CPPO off" not in out
+    assert not (tmp_path / "runs").exists()  # a dry run builds nothing
+
 @pytest.mark.parametrize("name", CLUSTER)
 def test_cluster_recipes_with_the_cpu_override_keep_their_flags(name, tmp_path):
     recipe = yaml.safe_load((RECIPES / name).read_text())["openrlhf"]
@@ -177,6 +191,28 @@ def test_reward_scores_the_completion_after_the_prompt():
     with pytest.raises(ValueError, match="does not start"):
         completion_text("x", prompt)
 
+
+
+def test_worked_reward_grades_the_steps_against_the_prompt():
+    """reward_worked.py as OpenRLHF loads it (by path): the question comes from the prompt."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reward_worked", ROOT / "recipes" / "openrlhf" / "reward_worked.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    prompt = "<|im_start|>47+8-25+63="
+    good = "47+8=55\n55-25=30\n30+63=93\n<answer>93</answer>"
+    slip = "47+8=55\n55-25=31\n31+63=94\n<answer>94</answer>"
+    lucky = "47+8=55\n55-25=30\n30+63=92\n<answer>93</answer>"
+    queries = [prompt + t + "<|im_end|>" for t in (good, slip, lucky, "<answer>93")]
+    out = module.reward_func(queries, [prompt] * 4, ["93"] * 4)
+    assert out["rewards"].tolist() == out["scores"].tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert out["extra_logs"]["formatted"].tolist() == [1.0, 1.0, 1.0, 0.0]
+    assert out["extra_logs"]["steps"].tolist() == pytest.approx([1.0, 1 / 3, 2 / 3, 0.0])
+    with pytest.raises(ValueError, match="2 queries, 1 prompts"):
+        module.reward_func(queries[:2], [prompt], ["93"])
+    with pytest.raises(ValueError, match="no question like"):
+        module.reward_func(["<|im_start|>hello 93"], ["<|im_start|>hello "], ["93"])
 
 # every OpenRLHF line a seam cites (file, line, what the line must contain)
 CITED = [

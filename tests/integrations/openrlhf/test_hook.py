@@ -141,6 +141,27 @@ def test_survivors_and_full_group_advantages_in_openrlhf_output(
     assert all(torch.all(e.info["cppo/kept_ratio"] == m["cppo/kept_ratio"]) for e in out)
 
 
+
+def test_signal_metrics_cover_every_sample_before_pruning(orl, make_args, make_maker, make_rollout, fresh):
+    from cppo_megatron.core.signal import signal_metrics
+    from cppo_megatron.integrations.openrlhf.metrics import with_gen_share
+
+    args = make_args("--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "8",
+                     "--rollout.micro_batch_size", "1", "--train.batch_size", "1")
+    samples = make_rollout(GROUPS)
+    lengths = torch.cat([torch.as_tensor(s.response_length).reshape(-1) for s in samples])
+    maker, out = _run(orl, make_maker, args, fresh(samples), CPPOConfig(pruning_rate=0.75, eps=1e-9))
+    got = {k: v for k, v in maker._cppo_last_metrics.items() if k.startswith("signal/")}
+    assert got == signal_metrics(REWARDS, GROUP_IDS, lengths=lengths)
+    # p2 (all 0) is the one group with equal rewards: all wrong; 45 samples, not the 11 kept
+    assert (got["signal/zero_variance_share"], got["signal/all_wrong_share"], got["signal/all_correct_share"]) == (
+        pytest.approx(1 / 6), pytest.approx(1 / 6), 0.0)
+    assert got["signal/completions"] == len(samples) and got["signal/generated_tokens"] == float(lengths.sum())
+    assert float(out[0].info["signal/groups"][0]) == 6.0  # carried on the survivors for OpenRLHF's logs
+    # the share of the step generating, from OpenRLHF's own timings, where the logger writes
+    assert with_gen_share({"timing/generation": 3.0, "timing/step_total": 4.0})["signal/gen_share"] == 0.75
+    assert with_gen_share({"timing/ppo_train": 1.0}) == {"timing/ppo_train": 1.0}
+
 @pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo"])
 def test_kept_advantages_equal_vanilla_full_batch(orl, make_args, make_maker, make_rollout, fresh, estimator):
     # whole groups of 8, so OpenRLHF's own reshape by n is right and serves as the reference

@@ -190,3 +190,36 @@ def test_run_without_our_entry_point_warns_that_allocation_was_skipped(plugin, c
     with pytest.warns(UserWarning, match=r"the mini-batches were not shrunk to the kept count: "
                                          r"actor.ppo_mini_batch_size=4 prompts where 1 would follow"):
         assert hook.warn_if_unprepared(config) is True
+
+
+@pytest.mark.parametrize("estimator", ["cppo", "grpo"])
+def test_signal_metrics_over_the_rows_before_pruning(plugin, config, estimator):
+    """signal/* at the seam, with the cppo estimator and without it: core.signal over every row
+    that reached it (before pruning), lengths from the response mask."""
+    from omegaconf import open_dict
+
+    from cppo_megatron.core.signal import signal_metrics
+
+    with open_dict(config):
+        config.algorithm.adv_estimator = estimator
+    rewards = rewards_table(seed=2, prompts=B, group=G)
+    rewards[1] = 1.1  # one all-correct group beside the all-wrong group 0
+    batch = make_dataproto(rewards, seed=2)
+    lengths = batch.batch["response_mask"].sum(-1)
+    metrics: dict = {}
+    bare_trainer(config, dp_size=2)._balance_batch(batch, metrics=metrics)
+    want = signal_metrics(rewards.reshape(-1), torch.arange(B * G) // G, lengths=lengths)
+    assert {k: v for k, v in metrics.items() if k.startswith("signal/")} == want
+    assert want["signal/all_correct_share"] == want["signal/all_wrong_share"] == 0.25
+    assert want["signal/generated_tokens"] == float(lengths.sum()) and want["signal/completions"] == B * G
+
+
+def test_signal_gen_share_in_verl_timing_metrics(plugin):
+    from verl.trainer.ppo import ray_trainer
+    from verl.trainer.ppo.v1 import trainer_base
+
+    batch = make_dataproto(rewards_table(seed=2, prompts=B, group=G), seed=2)
+    for module in (ray_trainer, trainer_base):
+        out = module.compute_timing_metrics(batch=batch, timing_raw={"gen": 3.0, "step": 4.0, "update_actor": 1.0})
+        assert out["signal/gen_share"] == 0.75 and out["timing_s/gen"] == 3.0
+        assert "signal/gen_share" not in module.compute_timing_metrics(batch, {"update_actor": 1.0})

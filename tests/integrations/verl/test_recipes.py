@@ -16,7 +16,7 @@ from .conftest import RECIPES, ROOT, compose
 
 TOY = RECIPES / "cpu_toy.yaml"  # the override set that runs a Megatron cluster recipe on CPU at toy size
 NAMES = sorted(p.stem for p in RECIPES.glob("*.yaml")
-               if not p.stem.startswith("tiny_cpu") and p != TOY)  # GPU clusters
+               if not p.stem.startswith(("tiny_cpu", "worked_cpu")) and p != TOY)  # GPU clusters
 MEGATRON = [n for n in NAMES if "megatron" in n]
 PAIRS = sorted({re.sub(r"-(grpo|cppo)$", "", n) for n in NAMES})
 CPU = ["tiny_cpu_grpo", "tiny_cpu_cppo"]  # veRL's CPU mode (test_cpu_e2e.py runs them)
@@ -25,6 +25,8 @@ CPU_DAPO = ["tiny_cpu_dapo_cppo"]  # DAPO's filter, then CPPO, V1 (test_cpu_e2e.
 CPU_SELECTIVE = ["tiny_cpu_selective_cppo"]  # selective rollout, then CPPO, V1 (test_cpu_e2e.py runs it)
 # veRL's CPU mode with the Megatron engine (test_cpu_megatron_e2e.py runs them)
 CPU_MEGATRON = ["tiny_cpu_megatron_grpo", "tiny_cpu_megatron_cppo"]
+# the worked-arithmetic testbed (recipes/worked_cpu.yaml's task): FSDP and Megatron twins
+WORKED = [("worked_cpu_grpo", "worked_cpu_cppo"), ("worked_cpu_megatron_grpo", "worked_cpu_megatron_cppo")]
 
 
 def test_recipe_set_is_complete():
@@ -194,6 +196,33 @@ def test_cpu_megatron_recipes_compose_validate_and_allocate(bases, plugin, monke
     assert (plan.train_batch_size_before, plan.train_batch_size, plan.kept_per_step) == (16, 128, 256)
     validate_config(cppo, use_reference_policy=need_reference_policy(cppo), use_critic=need_critic(cppo))
 
+
+@pytest.mark.parametrize("grpo_name, cppo_name", WORKED)
+def test_worked_recipes_compose_validate_and_allocate(grpo_name, cppo_name, bases, plugin):
+    """The worked-arithmetic twins: the engine of the tiny_cpu recipe they build on, the task's
+    lengths within the start model's 128 positions, GRPO vs CPPO P = 0.875 with allocation."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from cppo_megatron.integrations.verl.main import SEARCHPATH
+    from cppo_megatron.trainer.config import load_recipe
+
+    assert sorted(p.stem for p in RECIPES.glob("worked_cpu*.yaml")) == sorted(n for pair in WORKED for n in pair)
+    grpo, cppo = (compose(RECIPES, n, [SEARCHPATH]) for n in (grpo_name, cppo_name))
+    embedded = load_recipe(ROOT / "recipes" / "worked_cpu.yaml")
+    megatron = "megatron" in grpo_name
+    for c in (grpo, cppo):
+        assert c.trainer.device == "cpu" and c.actor_rollout_ref.rollout.name == "vllm"
+        assert c.cppo_cpu.warmup_recipe == "worked_cpu.yaml" and list(c.cppo_cpu.warmup_overrides) == []
+        assert c.data.max_response_length == embedded.rollout.max_new_tokens == 96
+        assert c.data.max_prompt_length + c.data.max_response_length <= embedded.model.max_position
+        assert c.actor_rollout_ref.actor.strategy == ("megatron" if megatron else "fsdp2")
+        assert c.cppo_cpu.model_dir.endswith("model_vocab8" if megatron else "verl_worked/model")
+    assert grpo.algorithm.adv_estimator == "grpo" and cppo.algorithm.adv_estimator == "cppo"
+    assert prepare(grpo) is None
+    plan = prepare(cppo)
+    assert (plan.train_batch_size_before, plan.train_batch_size, plan.kept_per_step) == (16, 128, 256)
+    validate_config(cppo, use_reference_policy=need_reference_policy(cppo), use_critic=need_critic(cppo))
 
 @pytest.mark.parametrize("name", MEGATRON)
 def test_cpu_toy_override_set_applies_to_every_megatron_cluster_recipe(name, bases, plugin):

@@ -141,6 +141,27 @@ def test_v1_prune_balance_advantage(tq, plugin, config):
     tq.kv_clear(keys=out.keys, partition_id="train")
 
 
+
+@pytest.mark.parametrize("estimator", ["cppo", "grpo"])
+def test_v1_signal_metrics_over_the_rows_before_pruning(tq, plugin, config, estimator):
+    """signal/* at V1's seam from TransferQueue, with and without the cppo estimator."""
+    from omegaconf import open_dict
+
+    from cppo_megatron.core.signal import signal_metrics
+
+    with open_dict(config):
+        config.algorithm.adv_estimator = estimator
+    rewards = rewards_table(seed=5, prompts=B, group=G)
+    meta, keys = put_rollout(tq, rewards, seed=5)
+    lengths = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["response_mask"])["response_mask"]
+    lengths = torch.tensor([int(x.sum()) for x in lengths.unbind()])
+    metrics: dict = {}
+    bare_v1_trainer(config)._balance_batch(meta, metrics=metrics)
+    want = signal_metrics(rewards.reshape(-1), torch.arange(B * G) // G, lengths=lengths)
+    assert {k: v for k, v in metrics.items() if k.startswith("signal/")} == want
+    assert want["signal/zero_variance_share"] == 0.25 and want["signal/all_wrong_share"] == 0.25
+    tq.kv_clear(keys=list(tq.kv_list("train")["train"]), partition_id="train")
+
 def test_dp_size_of_a_megatron_actor_is_world_over_model_parallel():
     """TP 2 x DP 2: veRL registers each worker's Megatron DP rank ([0, 0, 1, 1]), so the hook
     balances over 2 DP ranks, not the 4 workers; each DP rank gets one contiguous half."""
