@@ -18,9 +18,17 @@ skipped ones included: S_max assumes each prompt consumed is generated, so a ski
 prompt is where such a run can go beyond the bound. The history needs repeats: give a
 small ``task.train_size`` and ``--warmup-steps`` (unrecorded steps that build it).
 
+With ``--early-stop`` each rate also runs with early stopping inside the engine
+(``cppo.early_stop``: completions the predictor expects in their group's majority are stopped
+at a segment boundary, docs/early_stopping.md): generation itself shrinks, which S_max(P) does
+not model, so this is where a run can go beyond the bound. The predictor learns from earlier
+steps: give ``--warmup-steps`` so it is fitted before the measured steps (it stops nothing
+until it has seen ``cppo.early_stop.min_examples`` completions of each outcome).
+
   cppo-megatron bench speedup recipes/tiny_cpu.yaml --rates 0,0.5,0.75,0.875,0.9375
   cppo-megatron bench speedup recipes/tiny_cpu.yaml task.train_size=256 --rates 0.875 --allocation on \
       --selective --warmup-steps 8
+  cppo-megatron bench speedup recipes/worked_cpu.yaml --rates 0.875 --allocation on --early-stop --warmup-steps 4
 """
 
 from __future__ import annotations
@@ -50,6 +58,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--selective", action="store_true",
                         help="also run each rate with selective rollout (cppo.selective_rollout); its time per prompt "
                              "counts skipped prompts as consumed (see --warmup-steps)")
+    parser.add_argument("--early-stop", action="store_true",
+                        help="also run each rate with early stopping inside the engine (cppo.early_stop); give "
+                             "--warmup-steps so its predictor is fitted before the measured steps")
     parser.add_argument("--warmup-steps", type=int, default=0,
                         help="unrecorded steps per run before the measured ones (default 0); with --selective they "
                              "build the per-prompt history (use a small task.train_size so prompts repeat)")
@@ -89,15 +100,16 @@ def warm_start(recipe, out: Path, explicit: str | None) -> Path:
     return path
 
 
-def _bench_recipe(recipe, out: Path, warm: Path, rate: float, allocation: bool, selective: bool = False):
+def _bench_recipe(recipe, out: Path, warm: Path, rate: float, allocation: bool, variant: str = ""):
+    """The recipe of one run; ``variant``: "" (CPPO / GRPO), "selective" or "early_stop"."""
     return replace_recipe(
         recipe,
         out_dir=str(out / "runs" / f"p{rate:g}_{'alloc' if allocation else 'noalloc'}"
-                    f"{'_selective' if selective else ''}"),
+                    f"{'_' + variant if variant else ''}"),
         init_checkpoint=str(warm),
         **{
             "cppo.pruning_rate": rate, "cppo.keep_per_group": None, "cppo.allocation": allocation,
-            "cppo.selective_rollout": selective,
+            "cppo.selective_rollout": variant == "selective", "cppo.early_stop.enabled": variant == "early_stop",
             "warmup.enabled": False, "eval.every": 0, "log.progress": False, "log.tensorboard": False,
             "log.plots": False, "log.checkpoint_every": 0, "train.steps": 10**9, "train.max_time_s": 0.0,
         },
@@ -106,9 +118,10 @@ def _bench_recipe(recipe, out: Path, warm: Path, rate: float, allocation: bool, 
 
 def measure(recipe, rates: list[float], allocations: list[bool], steps: int, repeats: int, warm: Path,
             out: Path, progress: bool = True, warmup_steps: int = 0,
-            selective: bool = False) -> dict[tuple, list[dict]]:
+            selective: bool = False, early_stop: bool = False) -> dict[tuple, list[dict]]:
     """Interleave the runs' steps; return every step record per (rate, allocation), and per
-    (rate, allocation, "selective") for the selective-rollout runs ``selective`` adds.
+    (rate, allocation, "selective") / (rate, allocation, "early_stop") for the runs ``selective``
+    and ``early_stop`` add (early stopping: rates > 0 only).
 
     ``warmup_steps`` unrecorded steps per run come first (on a GPU the first steps pay for
     kernel selection and allocator growth at each run's batch shape; with selective rollout
@@ -116,10 +129,11 @@ def measure(recipe, rates: list[float], allocations: list[bool], steps: int, rep
     from ..trainer import Trainer
 
     plain = [(p, a) for a in allocations for p in rates if not (p == 0.0 and a != allocations[0])]
-    keys: list[tuple] = plain + ([(p, a, "selective") for p, a in plain] if selective else [])
+    keys: list[tuple] = plain + ([(p, a, "selective") for p, a in plain] if selective else []) + (
+        [(p, a, "early_stop") for p, a in plain if p > 0] if early_stop else [])
     trainers = {}
     for key in keys:
-        t = Trainer(_bench_recipe(recipe, out, warm, key[0], key[1], selective=len(key) == 3))
+        t = Trainer(_bench_recipe(recipe, out, warm, key[0], key[1], variant=key[2] if len(key) == 3 else ""))
         t.prepare(initial_eval=False)
         trainers[key] = t
     for k in keys:
@@ -158,12 +172,12 @@ def analyse(records: dict, rates: list[float], allocations: list[bool]) -> tuple
     t_rest = sum(per_prompt(base, f"time/{ph}") for ph in REST_PHASES)
     t_base = per_prompt(base, "time/step")
     rows = []
-    for selective in (False, True):
+    for variant in ("", "selective", "early_stop"):
         for a in allocations:
             for p in rates:
                 key: tuple = (p, allocations[0]) if p == 0.0 else (p, a)
-                if selective:
-                    key = (*key, "selective")
+                if variant:
+                    key = (*key, variant)
                 if key not in records:
                     continue
                 recs = records[key]
@@ -173,7 +187,8 @@ def analyse(records: dict, rates: list[float], allocations: list[bool]) -> tuple
                 row = {
                     "P": p,
                     "allocation": a,
-                    "selective": selective,
+                    "selective": variant == "selective",
+                    "early_stop": variant == "early_stop",
                     "prompts/step": median(r.get("selective/prompts_drawn", r["alloc/prompts_drawn"]) for r in recs),
                     "generated/step": median(r["alloc/prompts_drawn"] for r in recs),
                     "trained/step": median(r["cppo/num_kept"] for r in recs),
@@ -184,6 +199,8 @@ def analyse(records: dict, rates: list[float], allocations: list[bool]) -> tuple
                 }
                 for ph in ALL_PHASES:
                     row[f"ms/prompt {ph}"] = 1e3 * per_prompt(recs, f"time/{ph}")
+                row["tokens/prompt"] = per_prompt(recs, "rollout/tokens")
+                row["stopped share"] = median(r.get("early_stop/stopped_share", 0.0) for r in recs)
                 row["steps measured"] = len(recs)
                 rows.append(row)
     return rows, {"t_gen_per_prompt_s": t_gen, "t_rest_per_prompt_s": t_rest, "t_step_per_prompt_s": t_base}
@@ -203,7 +220,7 @@ def run(args: argparse.Namespace) -> Report:
     t0 = time.perf_counter()
     warm = warm_start(recipe, out, args.warmup_checkpoint)
     records = measure(recipe, rates, allocations, args.steps, args.repeats, warm, out, recipe.log.progress,
-                      warmup_steps=args.warmup_steps, selective=args.selective)
+                      warmup_steps=args.warmup_steps, selective=args.selective, early_stop=args.early_stop)
     rows, split = analyse(records, rates, allocations)
     report = Report(
         name="speedup",
@@ -211,15 +228,17 @@ def run(args: argparse.Namespace) -> Report:
               f"({args.steps} steps x {args.repeats} interleaved rounds)",
         params={"recipe": args.recipe, "overrides": args.overrides, "rates": rates, "allocation": args.allocation,
                 "steps": args.steps, "repeats": args.repeats, "warm_start": str(warm),
-                "selective": args.selective, "warmup_steps": args.warmup_steps},
-        columns=["P", "allocation", "selective", "prompts/step", "generated/step", "trained/step", "ms/prompt",
-                 "speedup", "bound", "of bound", "ms/prompt rollout", "ms/prompt update"],
+                "selective": args.selective, "early_stop": args.early_stop, "warmup_steps": args.warmup_steps},
+        columns=["P", "allocation", "selective", "early_stop", "prompts/step", "generated/step", "trained/step",
+                 "tokens/prompt", "stopped share", "ms/prompt", "speedup", "bound", "of bound", "ms/prompt rollout",
+                 "ms/prompt update"],
         rows=rows,
         notes=[
             f"GRPO phase split per prompt: T_gen (rollout + reward) {1e3 * split['t_gen_per_prompt_s']:.2f} ms, "
             f"T_rest (old + ref + update) {1e3 * split['t_rest_per_prompt_s']:.2f} ms",
             "bound S_max(P) = (T_gen + T_rest) / (T_gen + (1-P) T_rest); 'of bound' = speedup / S_max",
             *_selective_notes(rows),
+            *_early_stop_notes(rows),
             f"total bench time {time.perf_counter() - t0:.0f} s",
         ],
         extras={"phase_split": split},
@@ -241,15 +260,32 @@ def _selective_notes(rows: list[dict]) -> list[str]:
     return out
 
 
+def _early_stop_notes(rows: list[dict]) -> list[str]:
+    """Per early-stopping row: tokens per prompt against CPPO's at the same rate, and the bound."""
+    out = []
+    plain = {(r["P"], r["allocation"]): r for r in rows if not r["selective"] and not r["early_stop"]}
+    for r in rows:
+        if r["early_stop"]:
+            base = plain.get((r["P"], r["allocation"]))
+            tokens = f"{r['tokens/prompt']:.1f} tokens per prompt" + (
+                f" (CPPO alone {base['tokens/prompt']:.1f}, speedup {base['speedup']:.2f}x)" if base else "")
+            beyond = "beyond" if r["speedup"] > r["bound"] else "within"
+            out.append(f"P={r['P']:g} {'with' if r['allocation'] else 'without'} allocation + early stopping: "
+                       f"{r['stopped share']:.0%} of completions stopped (median), {tokens}; speedup "
+                       f"{r['speedup']:.2f}x vs S_max {r['bound']:.2f}x: {beyond} the bound")
+    return out
+
+
 def _plot(fig, rows: list[dict], allocations: list[bool]) -> None:
     ax = fig.add_subplot(1, 1, 1)
-    for selective in (False, True):
+    for variant, style in (("", "o-"), ("selective", "s--"), ("early_stop", "^-.")):
         for a in allocations:
-            sel = [r for r in rows if r["allocation"] == a and r["selective"] == selective]
+            sel = [r for r in rows if r["allocation"] == a and (variant == "selective") == r["selective"]
+                   and (variant == "early_stop") == r["early_stop"]]
             if sel:
-                ax.plot([r["P"] for r in sel], [r["speedup"] for r in sel], "s--" if selective else "o-",
-                        label=f"measured, allocation {'on' if a else 'off'}{' + selective' if selective else ''}")
-    sel = [r for r in rows if r["allocation"] == allocations[0] and not r["selective"]]
+                ax.plot([r["P"] for r in sel], [r["speedup"] for r in sel], style,
+                        label=f"measured, allocation {'on' if a else 'off'}{' + ' + variant if variant else ''}")
+    sel = [r for r in rows if r["allocation"] == allocations[0] and not r["selective"] and not r["early_stop"]]
     ax.plot([r["P"] for r in sel], [r["bound"] for r in sel], "k--", label="bound S_max(P)")
     ax.set(xlabel="pruning rate P", ylabel="speedup vs GRPO (time per prompt)", title="CPPO speedup and its bound")
     ax.grid(alpha=0.3)

@@ -31,7 +31,10 @@ GENERATION = {
     "all": ({}, ""),  # every prompt drawn is generated, every group trained on (CPPO prunes after rewards)
     "selective": ({"cppo.selective_rollout": True}, " + selective rollout"),  # GRESO: skip before generation
     "dapo": ({"cppo.dynamic_sampling": True}, " + DAPO filter"),  # drop zero-variance groups, refill
+    "early_stop": ({"cppo.early_stop.enabled": True}, " + early stopping"),  # stop completions inside the engine
 }
+# generation modes that need pruning (P > 0): their GRPO arm would be the plain one
+NEEDS_PRUNING = ("early_stop",)
 
 
 def grid(args) -> list[dict]:
@@ -66,11 +69,12 @@ def grid(args) -> list[dict]:
                     if p == 0 and a != allocs[0]:
                         continue
                     runs += [{"kind": "rl", "P": p, "metric": "grpo" if p == 0 else m, "allocation": a, "seed": seed,
-                              "keep_mass": None, "generation": g} for g in gens]
+                              "keep_mass": None, "generation": g} for g in gens
+                             if not (p == 0 and g in NEEDS_PRUNING)]
         if "keep_mass" in metrics:
             for a in allocs:
                 runs += [{"kind": "rl", "P": None, "metric": "keep_mass", "allocation": a, "seed": seed,
-                          "keep_mass": f, "generation": g} for g in gens]
+                          "keep_mass": f, "generation": g} for g in gens if g not in NEEDS_PRUNING]
         if not args.no_control:
             runs.append({"kind": "control", "P": None, "metric": "sft", "allocation": None, "seed": seed,
                          "keep_mass": None, "generation": None})

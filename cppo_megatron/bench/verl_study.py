@@ -89,7 +89,8 @@ STEP_LIMIT = 1_000_000  # veRL needs a step count; the clock ends the run long b
 DAPO_OVERRIDES = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=reward",
                   "algorithm.filter_groups.max_inflight_gen_batches=1"]
 # what --generation sets in veRL (the embedded study's keys are the trainer's: study_table.GENERATION)
-VERL_GENERATION = {"all": [], "selective": ["cppo.selective_rollout=true"], "dapo": DAPO_OVERRIDES}
+VERL_GENERATION = {"all": [], "selective": ["cppo.selective_rollout=true"], "dapo": DAPO_OVERRIDES,
+                   "early_stop": ["cppo.early_stop.enabled=true"]}
 
 
 def is_verl_recipe(path: str | Path) -> bool:

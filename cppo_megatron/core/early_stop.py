@@ -14,6 +14,8 @@ predictor, and the unfinished ones it expects in the majority are stopped.
     decide_stops         the rule: which unfinished completions of each group to stop
     decide_at_boundary   one boundary as a host runs it: features, scores, the rule, explore
                          groups' shadow decisions (the embedded trainer and veRL's coordinator)
+    replay_early_stop    the decisions an engine would have made on completions generated in full
+                         (bench gradient; the history of a run without stopping)
     imputed_moments      a stopped completion's expected reward and squared reward
     early_stop_prune     the estimator (group statistics with stopped completions) and CPPO's
                          selection over the finished completions
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -74,6 +76,7 @@ __all__ = [
     "imputed_moments",
     "prefix_features",
     "quality_metrics",
+    "replay_early_stop",
     "roc_auc",
 ]
 
@@ -96,6 +99,15 @@ def feature_names(features: str, hidden_size: int = 0) -> tuple[str, ...]:
     if features == "hidden":
         names += tuple(f"hidden_{i}" for i in range(hidden_size))
     return names
+
+
+class Scorer(Protocol):
+    """What a boundary decision scores with: a ``PrefixPredictor``, or scores known per row."""
+
+    @property
+    def fitted(self) -> bool: ...
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 # ---------------------------------------------------------------------------------- features
@@ -428,7 +440,7 @@ class BoundaryOutcome:
     status: torch.Tensor
 
 
-def decide_at_boundary(predictor: PrefixPredictor | None, *, logprobs: torch.Tensor, lengths: torch.Tensor,
+def decide_at_boundary(predictor: Scorer | None, *, logprobs: torch.Tensor, lengths: torch.Tensor,
                        status: torch.Tensor, group_ids: torch.Tensor, explore: torch.Tensor, q_last: torch.Tensor,
                        shadowed: torch.Tensor, segment_tokens: int, max_new_tokens: int, min_running: int,
                        min_confidence: float, seed: int, step: int, stream: int,
@@ -459,6 +471,81 @@ def decide_at_boundary(predictor: PrefixPredictor | None, *, logprobs: torch.Ten
     d = decide_stops(q_last, group_ids, seen, min_running=min_running, min_confidence=min_confidence, seed=seed,
                      step=step, stream=stream)
     return BoundaryOutcome(present=present, x=x, q=q, stop=d.stop & ~explore, shadow=d.stop & explore, status=seen)
+
+
+@dataclass(frozen=True)
+class Replay:
+    """``replay_early_stop``'s result over N rows: stopped [N] bool, stopped_at [N] int64 (-1: ran
+    to its end), q_last [N] float64 (NaN: never scored), examples: (x [E, F], row [E] int64) the
+    features of every row at every boundary it was present at."""
+
+    stopped: torch.Tensor
+    stopped_at: torch.Tensor
+    q_last: torch.Tensor
+    examples: tuple[torch.Tensor, torch.Tensor]
+
+
+class _Known:
+    """A predictor whose scores are given per row (an oracle, a planted test score): ``rows`` must be
+    set to the present rows before each ``predict``."""
+
+    @property
+    def fitted(self) -> bool:
+        return True
+
+    def __init__(self, q: torch.Tensor) -> None:
+        self.q = torch.as_tensor(q, dtype=torch.float64)
+        self.rows = torch.zeros(0, dtype=torch.int64)
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q[self.rows]
+
+
+def replay_early_stop(predictor: PrefixPredictor | None, logprobs: torch.Tensor, lengths: torch.Tensor,
+                      ended: torch.Tensor, group_ids: torch.Tensor, *, cfg, group_size: int, keep: int,
+                      max_new_tokens: int, seed: int = 0, step: int = 0, explore: torch.Tensor | None = None,
+                      known_q: torch.Tensor | None = None) -> Replay:
+    """The stops an engine would have made, boundary by boundary, on completions generated in full
+    (a completion's prefix does not depend on its group's stops, so the decisions are the engine's).
+
+    Args:
+        predictor: the predictor (None or unfitted: features only, nothing stops).
+        logprobs: [N, T] float sampled-token log-probs; lengths: [N] int64 full lengths; ended: [N]
+            bool, the completion ended by EOS (False: it hit ``max_new_tokens``).
+        group_ids: [N] int64; cfg: the ``EarlyStopConfig``; group_size, keep: G and CPPO's k
+            (``min_running_for``); explore: [N] bool rows of explore groups (default none).
+        known_q: [N] float scores given per row instead of the predictor's (an oracle that knows the
+            outcome: the upper bound of early stopping).
+    """
+    N = int(lengths.numel())
+    n = torch.as_tensor(lengths, dtype=torch.int64)
+    g = as_group_ids("group_ids", group_ids, N)
+    stopped_at = torch.full((N,), -1, dtype=torch.int64)
+    q_last = torch.full((N,), float("nan"), dtype=torch.float64)
+    shadowed = torch.zeros(N, dtype=torch.bool)
+    ex = torch.zeros(N, dtype=torch.bool) if explore is None else torch.as_tensor(explore, dtype=torch.bool)
+    min_running = cfg.min_running_for(group_size, keep)
+    known = None if known_q is None else _Known(known_q)
+    xs, rows = [], []
+    for b, t in enumerate(range(cfg.segment_tokens, max_new_tokens, cfg.segment_tokens)):
+        status = torch.where(stopped_at >= 0, STOPPED, torch.where(ended & (n <= t) | (n < t), FINISHED, RUNNING))
+        if not bool((status == RUNNING).any()):
+            break
+        if known is not None:
+            known.rows = (status != STOPPED).nonzero().squeeze(1)
+        scorer = known if known is not None else predictor
+        out = decide_at_boundary(scorer, logprobs=logprobs, lengths=torch.minimum(n, torch.tensor(t)),
+                                 status=status, group_ids=g, explore=ex, q_last=q_last, shadowed=shadowed,
+                                 segment_tokens=cfg.segment_tokens, max_new_tokens=max_new_tokens,
+                                 min_running=min_running, min_confidence=cfg.min_confidence, seed=seed, step=step,
+                                 stream=b)
+        xs.append(out.x)
+        rows.append(out.present.nonzero().squeeze(1))
+        shadowed |= out.shadow
+        stopped_at[out.stop] = t
+    x = torch.cat(xs) if xs else torch.zeros(0, 0, dtype=torch.float64)
+    r = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+    return Replay(stopped=stopped_at >= 0, stopped_at=stopped_at, q_last=q_last, examples=(x, r))
 
 
 # ---------------------------------------------------------------------------------- estimator

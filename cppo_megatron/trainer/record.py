@@ -59,8 +59,10 @@ def step_record(recipe, rollout, planner, sampler, batch, surv, rows, old, ref, 
     rec.update(rollout_metrics(batch.completion_lengths, batch.truncated,
                                max(x["generate_seconds"] for x in ranks)))
     rec.update(diff)
-    # signal/*: every group generated this step (dropped and pruned ones too), as in the hosts
-    rec.update(signal_metrics(batch.rewards, batch.group_ids, correct=batch.correct, lengths=batch.completion_lengths))
+    # signal/*: every group generated this step (dropped and pruned ones too), as in the hosts; the
+    # completions that finished (cppo.early_stop: a stopped one has no reward)
+    rec.update(signal_metrics(batch.rewards[fin], batch.group_ids[fin], correct=batch.correct[fin],
+                              lengths=batch.completion_lengths[fin]))
     rec.update(gen_share(sum(seconds[p] for p in GEN_PHASES), rec["time/step"]))
     rec.update(update_metrics(upd.iterations, lr=upd.lr, tokens=upd.tokens, sequences=upd.sequences,
                               micro_batches=upd.micro_batches))

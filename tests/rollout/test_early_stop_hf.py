@@ -102,3 +102,54 @@ def test_hidden_needs_a_final_norm(tiny):
 
     with pytest.raises(ValueError, match="features=logprob"):
         _final_norm(NoNorm())
+
+
+def test_replay_on_full_completions_names_the_stops_the_engine_makes(tiny):
+    """core.replay_early_stop on greedy completions generated in full stops what the engine stopped
+    with the same predictor, boundary by boundary (bench gradient relies on it)."""
+    from cppo_megatron.core.early_stop import PrefixPredictor, decide_at_boundary, replay_early_stop
+    from cppo_megatron.core.early_stop_settings import EarlyStopConfig
+
+    model, tok, task = tiny
+    prompts = sample_prompts(tok, task, 8)
+    es = EarlyStopConfig(enabled=True, segment_tokens=3, min_confidence=0.5)
+    gen = torch.Generator().manual_seed(4)
+    p = PrefixPredictor().fit(torch.randn(40, 10, generator=gen), torch.tensor([0.0, 1.0] * 20), torch.rand(40))
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=10, logprobs=True)
+    G = 4
+
+    class Monitor:
+        segment_tokens, entropies, hidden = 3, False, False
+
+        def __init__(self):
+            self.q = torch.full((8,), float("nan"), dtype=torch.float64)
+            self.b = 0
+
+        def on_boundary(self, tokens, view):
+            out = decide_at_boundary(p, logprobs=view.logprobs, lengths=view.lengths, status=view.status,
+                                     group_ids=view.rows // G, explore=torch.zeros(8, dtype=torch.bool),
+                                     q_last=self.q, shadowed=torch.zeros(8, dtype=torch.bool), segment_tokens=3,
+                                     max_new_tokens=10, min_running=es.min_running_for(G, 1), min_confidence=0.5,
+                                     seed=0, step=0, stream=self.b)
+            self.b += 1
+            return out.stop
+
+    stopped_run = _engine(model, tok).generate(prompts, params, monitor=Monitor())
+    whole = _engine(model, tok).generate(prompts, params)
+    lp = torch.zeros(8, 10)
+    for i, v in enumerate(whole.logprobs):
+        lp[i, : v.numel()] = v
+    rep = replay_early_stop(p, lp, torch.tensor(whole.lengths), torch.tensor([r == "stop" for r in whole.finish_reasons]),
+                            torch.arange(8) // G, cfg=es, group_size=G, keep=1, max_new_tokens=10)
+    engine_stopped = [r == "stopped" for r in stopped_run.finish_reasons]
+    assert rep.stopped.tolist() == engine_stopped and any(engine_stopped)
+    for i in range(8):
+        if engine_stopped[i]:
+            assert int(rep.stopped_at[i]) == len(stopped_run.tokens[i])
+    known = replay_early_stop(None, lp, torch.tensor(whole.lengths), torch.zeros(8, dtype=torch.bool),
+                              torch.arange(8) // G, cfg=es, group_size=G, keep=1, max_new_tokens=10,
+                              known_q=torch.tensor([0.9, 0.1, 0.1, 0.1, 0.9, 0.9, 0.9, 0.1]))
+    # group 0 (share 0.3): the likely failures 1-3 are the candidates; group 1 (0.7): the likely successes
+    # 4-6; two of each may go (min_running 2); rows 0 and 7, in their group's minority, never
+    s = known.stopped.tolist()
+    assert not s[0] and not s[7] and 0 < sum(s[1:4]) <= 2 and 0 < sum(s[4:7]) <= 2

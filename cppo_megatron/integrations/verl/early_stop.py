@@ -52,9 +52,17 @@ AGENT_NAME = "cppo_early_stop"
 AGENT_TARGET = "cppo_megatron.integrations.verl.early_stop_loop.EarlyStopAgentLoop"
 TARGET = ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer")
 AGENT_MODULE = ("verl.experimental.agent_loop.agent_loop", "AgentLoopWorker")
+SERVER = ("verl.workers.rollout.vllm_rollout.vllm_async_server", "vLLMHttpServer")
+# vLLM's own counters (its Prometheus stat logger, on with rollout.disable_log_stats=false), read in
+# the server process after each request in audit mode: what vLLM itself says it generated
+VLLM_COUNTERS = {"generation_tokens": "vllm:generation_tokens", "prompt_tokens": "vllm:prompt_tokens",
+                 "prompt_tokens_cached": "vllm:prompt_tokens_cached", "prefix_cache_hits": "vllm:prefix_cache_hits"}
+COUNTERS_KEY = "cppo_vllm_counters"
 WRAP_TAG = __name__
 _STATES: weakref.WeakKeyDictionary[Any, VerlEarlyStop] = weakref.WeakKeyDictionary()
 _LOCAL: dict[int, dict] = {}  # the store when Ray is not running (in-process tests)
+# the publishing process keeps its handle: a named, non-detached Ray actor dies with its last handle
+_STORE_HANDLE: list[Any] = []
 _TOTALS = ("started", "stopped", "kept", "tokens_generated", "tokens_saved_estimate")
 
 
@@ -146,8 +154,9 @@ def publish(step: int, state: dict) -> None:
         return
     import ray
 
-    store: Any = ray.remote(_Store).options(name=STORE, get_if_exists=True, num_cpus=0).remote()
-    ray.get(store.put.remote(int(step), state))
+    if not _STORE_HANDLE:
+        _STORE_HANDLE.append(ray.remote(_Store).options(name=STORE, get_if_exists=True, num_cpus=0).remote())
+    ray.get(_STORE_HANDLE[0].put.remote(int(step), state))
 
 
 async def fetch_state(step: int) -> dict | None:
@@ -165,6 +174,15 @@ async def fetch_state(step: int) -> dict | None:
 
 
 # ---------------------------------------------------------------------------------- the trainer side
+def step_counters(extra_fields: Any) -> dict | None:
+    """vLLM's counters after the step's last request (audit mode): the largest of the rows' readings."""
+    rows = extra_fields.tolist() if hasattr(extra_fields, "tolist") else list(extra_fields)
+    seen = [ef[COUNTERS_KEY] for ef in rows if isinstance(ef, dict) and COUNTERS_KEY in ef]
+    if not seen:
+        return None
+    return {key: max(float(c[key]) for c in seen) for key in VLLM_COUNTERS}
+
+
 def parse_infos(extra_fields: Any, n: int) -> list[dict]:
     """Each row's ``cppo_early_stop`` info from the rows' ``extra_fields`` (a TransferQueue field);
     a row without one (an agent loop other than ``cppo_early_stop``) is an error naming it."""
@@ -199,7 +217,7 @@ class VerlEarlyStop:
         return imputed_moments(torch.nan_to_num(q, nan=0.5), self.predictor.class_means)
 
     def end_step(self, step: int, uids: list[str], rewards: torch.Tensor, lengths: torch.Tensor, infos: list[dict],
-                 kept: torch.Tensor) -> dict[str, float]:
+                 kept: torch.Tensor, counters: dict | None = None) -> dict[str, float]:
         """The step's ``early_stop/*`` metrics; then the finished rows join the history, the
         predictor is refitted and published for step ``step + 1``."""
         N = len(infos)
@@ -240,7 +258,7 @@ class VerlEarlyStop:
                          stopped_at=[int(i["stopped_at"]) for i in infos], q=[i["q"] for i in infos],
                          kept=kept.tolist(), explore=[bool(i["explore"]) for i in infos],
                          ready=acc.extra["predictor_ready"], version=acc.extra["predictor_version"],
-                         lengths=lengths.tolist())
+                         lengths=lengths.tolist(), vllm_counters=counters)
         return metrics
 
     def _quality(self, infos: list[dict], y: torch.Tensor, stopped: torch.Tensor) -> dict[str, float]:
@@ -358,6 +376,36 @@ def _validating(original):
     return _run_agent_loop
 
 
+def vllm_counters() -> dict[str, float]:
+    """vLLM's cumulative token counters in this process (the vLLM server's), summed over engines."""
+    from prometheus_client import REGISTRY
+
+    out = dict.fromkeys(VLLM_COUNTERS, 0.0)
+    wanted = {f"{name}_total": key for key, name in VLLM_COUNTERS.items()}
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name in wanted:
+                out[wanted[sample.name]] += float(sample.value)
+    return out
+
+
+def _counting(original):
+    @functools.wraps(original)
+    async def generate(self, *args, **kwargs):
+        out = await original(self, *args, **kwargs)
+        out.extra_fields[COUNTERS_KEY] = vllm_counters()
+        return out
+
+    return generate
+
+
+def _patch_server(module) -> None:
+    cls = getattr(module, SERVER[1], None)
+    if cls is None or "generate" not in cls.__dict__:
+        raise RuntimeError(f"cppo: {SERVER[0]}.{SERVER[1]}.generate is gone; veRL changed (pinned 0.9.1)")
+    wrap(cls, "generate", _counting, tag=WRAP_TAG)
+
+
 def _patch_trainer(module) -> None:
     cls = getattr(module, TARGET[1], None)
     for name, make in (("_save_checkpoint", _saving), ("_load_checkpoint", _loading)):
@@ -380,6 +428,8 @@ def install() -> None:
     """Register the agent loop and wrap the seams as veRL's modules are imported (idempotent)."""
     after_import(TARGET[0], _patch_trainer)
     after_import(AGENT_MODULE[0], _patch_agent_loop)
+    if audit.enabled():  # the counters' read costs a registry walk per request: audit runs only
+        after_import(SERVER[0], _patch_server)
 
 
 def uninstall() -> None:
@@ -388,7 +438,9 @@ def uninstall() -> None:
 
     importhook.remove(_patch_trainer)
     importhook.remove(_patch_agent_loop)
-    for (mod, cls), names in ((TARGET, ("_save_checkpoint", "_load_checkpoint")), (AGENT_MODULE, ("_run_agent_loop",))):
+    importhook.remove(_patch_server)
+    for (mod, cls), names in ((TARGET, ("_save_checkpoint", "_load_checkpoint")), (AGENT_MODULE, ("_run_agent_loop",)),
+                              (SERVER, ("generate",))):
         module = sys.modules.get(mod)
         if module is not None:
             for name in names:

@@ -230,7 +230,7 @@ class SegmentedServer:
             c.leave(self.member)
             raise
         assert first is not None and last is not None  # the loop ran at least once
-        extra = dict(last.extra_fields)
+        extra = dict(last.extra_fields)  # the last request's: its global_steps, and vLLM's counters in audit mode
         extra["min_global_steps"] = first.extra_fields.get("min_global_steps", first.extra_fields.get("global_steps"))
         extra[INFO_KEY] = c.info(self.member)
         return TokenOutput(token_ids=tokens, log_probs=logp if last.log_probs is not None else None,

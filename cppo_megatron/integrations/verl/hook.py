@@ -162,7 +162,8 @@ def prune_kv_batch(trainer, batch, metrics: dict):
         fin = (~stopped).nonzero().squeeze(1).tolist()
         metrics.update(signal.batch_signal([uids[i] for i in fin], rewards[fin], lengths[fin]))
         result, records = decide(uids, rewards, cfg, step, stopped=stopped, moments=es.moments(infos))
-        metrics.update(es.end_step(step, uids, rewards, lengths, infos, result.selection.kept))
+        counters = early_stop.step_counters(data["extra_fields"]) if audit.enabled() else None
+        metrics.update(es.end_step(step, uids, rewards, lengths, infos, result.selection.kept, counters=counters))
     else:
         metrics.update(signal.batch_signal(uids, rewards, lengths))
         if selective.enabled(trainer.config):  # every finished group of the step is here: file their outcomes
