@@ -20,7 +20,13 @@ The loop defaults to the legacy ``RayPPOTrainer`` (``trainer.use_v1=false``): V1
 ``timing_s/gen`` carries a ~2 s floor from its replay buffer's poll interval, which on a tiny
 model would be most of the measured generation time.
 
+With ``--early-stop`` (V1 only: ``--loop v1``) one more run: CPPO at P with allocation and early
+stopping inside the rollout (``cppo.early_stop``, docs/early_stopping.md), which shrinks
+generation itself, the phase S_max(P) leaves alone. Tokens per prompt come from the rows
+(``early_stop/tokens_generated``, else ``signal/generated_tokens``).
+
   cppo-megatron bench verl recipes/verl/tiny_cpu_grpo.yaml --rate 0.875 --steps 6
+  cppo-megatron bench verl recipes/verl/worked_cpu_grpo.yaml --rate 0.875 --steps 8 --loop v1 --early-stop
 """
 
 from __future__ import annotations
@@ -52,15 +58,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip", type=int, default=1, help="first steps left out of the medians (default 1)")
     parser.add_argument("--loop", choices=["legacy", "v1"], default="legacy",
                         help="veRL loop (default legacy: no replay-buffer poll floor in timing_s/gen)")
+    parser.add_argument("--early-stop", action="store_true",
+                        help="also CPPO at --rate with allocation and early stopping inside the rollout "
+                             "(cppo.early_stop; needs --loop v1)")
     parser.add_argument("--reuse", action="store_true",
                         help="reuse a variant whose run in --out already logged --steps steps (rerun only the others)")
 
 
-def _variants(rate: float, allocation: str) -> list[tuple[str, list[str]]]:
+def _variants(rate: float, allocation: str, early_stop: bool = False) -> list[tuple[str, list[str]]]:
     out = [("grpo", ["algorithm.adv_estimator=cppo", "cppo.pruning_rate=0.0"])]
     for alloc in ([True, False] if allocation == "both" else [allocation == "on"]):
         out.append((f"cppo P={rate:g} {'alloc' if alloc else 'no-alloc'}",
                     ["algorithm.adv_estimator=cppo", f"cppo.pruning_rate={rate}", f"cppo.allocation={alloc}"]))
+    if early_stop:
+        out.append((f"cppo P={rate:g} alloc + early stop",
+                    ["algorithm.adv_estimator=cppo", f"cppo.pruning_rate={rate}", "cppo.allocation=True",
+                     "cppo.early_stop.enabled=true"]))
     return out
 
 
@@ -85,7 +98,10 @@ def summarize(rows: list[dict], skip: int) -> dict:
     prompts = [r["cppo/num_groups"] for r in steps]
     out = {"steps": len(steps), "prompts_per_step": median(prompts),
            "trained_per_step": median([r["cppo/num_kept"] for r in steps]),
-           "s_per_prompt": median([r["timing_s/step"] / p for r, p in zip(steps, prompts, strict=True)])}
+           "s_per_prompt": median([r["timing_s/step"] / p for r, p in zip(steps, prompts, strict=True)]),
+           "tokens_per_prompt": median([r.get("early_stop/tokens_generated", r.get("signal/generated_tokens", 0.0)) / p
+                                        for r, p in zip(steps, prompts, strict=True)]),
+           "stopped_share": median([r.get("early_stop/stopped_share", 0.0) for r in steps])}
     for phase in PHASES:
         key = f"timing_s/{phase}"
         out[f"{phase}_s_per_prompt"] = median([r.get(key, 0.0) / p for r, p in zip(steps, prompts, strict=True)])
@@ -114,11 +130,13 @@ def run(args: argparse.Namespace) -> Report:
         raise ValueError(f"--steps ({args.steps}) must exceed --skip ({args.skip})")
     if not Path(args.recipe).is_file():
         raise ValueError(f"recipe {args.recipe!r} not found")
+    if getattr(args, "early_stop", False) and args.loop != "v1":
+        raise ValueError("--early-stop runs on veRL's V1 loop (the predictor rides in its checkpoints): pass --loop v1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     results = {}
-    for name, extra in _variants(args.rate, args.allocation):
+    for name, extra in _variants(args.rate, args.allocation, getattr(args, "early_stop", False)):
         slug = name.replace(" ", "_").replace("=", "")
         run_dir = (out / "verl_runs" / slug).resolve()
         done = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
@@ -134,7 +152,7 @@ def run(args: argparse.Namespace) -> Report:
     t_rest = sum(base.get(f"{k.split('/')[1]}_s_per_prompt", 0.0) for k in REST_KEYS)
     table = []
     for name, (_, s) in results.items():
-        rate = 0.0 if name == "grpo" else args.rate
+        rate = 0.0 if name == "grpo" else args.rate  # early stopping's bound: S_max(P) too (it models no gen saving)
         bound = speedup_bound(rate, t_gen, t_rest)
         sp = speedup(base["s_per_prompt"], s["s_per_prompt"])
         table.append({"run": name, "prompts/step": s["prompts_per_step"], "trained/step": s["trained_per_step"],
@@ -142,15 +160,17 @@ def run(args: argparse.Namespace) -> Report:
                       "of bound": fraction_of_bound(sp, bound) if rate > 0 else 1.0,
                       "ms/prompt gen": 1e3 * s["gen_s_per_prompt"],
                       "ms/prompt update": 1e3 * s["update_actor_s_per_prompt"],
+                      "tokens/prompt": s["tokens_per_prompt"], "stopped share": s["stopped_share"],
                       **{f"raw_{k}": v for k, v in s.items()}})
     return Report(
         name="verl_speedup",
         title=f"veRL {args.loop} loop: GRPO vs CPPO P={args.rate:g}, {Path(args.recipe).name} "
               f"({args.steps} steps per run, first {args.skip} skipped)",
         params={"recipe": args.recipe, "overrides": args.overrides, "rate": args.rate, "allocation": args.allocation,
-                "steps": args.steps, "skip": args.skip, "loop": args.loop},
-        columns=["run", "prompts/step", "trained/step", "ms/prompt", "speedup", "bound", "of bound",
-                 "ms/prompt gen", "ms/prompt update"],
+                "steps": args.steps, "skip": args.skip, "loop": args.loop,
+                "early_stop": getattr(args, "early_stop", False)},
+        columns=["run", "prompts/step", "trained/step", "tokens/prompt", "stopped share", "ms/prompt", "speedup",
+                 "bound", "of bound", "ms/prompt gen", "ms/prompt update"],
         rows=table,
         notes=[
             f"GRPO phase split per prompt: T_gen (timing_s/gen) {1e3 * t_gen:.2f} ms, "

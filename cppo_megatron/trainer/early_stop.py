@@ -10,9 +10,10 @@ completions, running totals) and gives each generation round a ``RoundMonitor``,
     moments()                    a stopped completion's expected reward and squared reward, for the
                                  estimator (``core.early_stop_prune``, in ``step.select_survivors``)
     end_step(batch, survivors)   the step's ``early_stop/*`` metrics (accounting; predictor quality
-                                 measured with the predictor that made the step's decisions), then
-                                 the step's finished completions join the history and the predictor
-                                 is refitted for the next step
+                                 measured with the predictor that made the step's decisions) and its
+                                 audit line (``early_stop.jsonl`` in the run directory), then the
+                                 step's finished completions join the history and the predictor is
+                                 refitted for the next step
 
 The predictor a step decides with was fitted at the end of the previous step: the step's own
 rewards exist only after its generation, and reach the predictor only after its metrics.
@@ -20,6 +21,8 @@ rewards exist only after its generation, and reach the predictor only after its 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -93,7 +96,8 @@ class EarlyStopping:
         max_new_tokens: the completion length limit.
     """
 
-    def __init__(self, cfg: CPPOConfig, *, group_size: int, max_new_tokens: int) -> None:
+    def __init__(self, cfg: CPPOConfig, *, group_size: int, max_new_tokens: int,
+                 audit_path: str | Path | None = None) -> None:
         if not cfg.early_stop.enabled:
             raise ValueError("EarlyStopping needs cppo.early_stop.enabled=true")
         self.cfg, self.es = cfg, cfg.early_stop
@@ -105,6 +109,7 @@ class EarlyStopping:
         self.totals = dict.fromkeys(_TOTALS, 0.0)
         self.step = -1
         self.monitors: list[RoundMonitor] = []
+        self.audit_path = None if audit_path is None else Path(audit_path)
 
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -172,9 +177,25 @@ class EarlyStopping:
                            ("tokens_saved_estimate", acc.tokens_saved_estimate)):
             self.totals[key] += float(value)
             metrics[f"early_stop/total_{key}"] = self.totals[key]
+        if self.audit_path is not None:
+            self._audit(batch, kept, stopped, shadow)
         self.history.add(self.step, *examples)
         self.ready = self.history.refit(self.predictor, self.es.min_examples)
         return metrics
+
+    def _audit(self, batch: Any, kept: torch.Tensor, stopped: torch.Tensor, shadow: torch.Tensor) -> None:
+        """One line per step in ``early_stop.jsonl``: each stopped row with its boundary and score, the
+        explore groups and their would-be stops, the rows kept, every row's prompt and length; the
+        predictor that decided (version; its history's steps)."""
+        at, q = self._cat("stopped_at"), self._cat("q_last")
+        line = {"step": self.step + 1, "predictor_version": self.predictor.version, "ready": self.ready,
+                "history_steps": [s["step"] for s in self.history.steps], "group_size": self.group_size,
+                "prompt_ids": batch.prompt_ids.tolist(), "lengths": batch.completion_lengths.tolist(),
+                "stopped": [[int(r), int(at[r]), float(q[r])] for r in stopped.nonzero().squeeze(1).tolist()],
+                "explore_groups": self._cat("explore").nonzero().squeeze(1).tolist(),
+                "shadow": shadow.nonzero().squeeze(1).tolist(), "kept": kept.tolist()}
+        with open(self.audit_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
 
     def _quality(self, y: torch.Tensor, stopped: torch.Tensor) -> dict[str, float]:
         """Predictor quality on the step's finished rows, from the scores its decisions used:

@@ -124,7 +124,8 @@ class Trainer:
         self.model.to(self.device)
         # cppo.early_stop: stop completions inside the engine (trainer/early_stop.py)
         self.early_stop = EarlyStopping(recipe.cppo, group_size=recipe.rollout.group_size,
-                                        max_new_tokens=recipe.rollout.max_new_tokens) \
+                                        max_new_tokens=recipe.rollout.max_new_tokens,
+                                        audit_path=self.out / "early_stop.jsonl") \
             if recipe.cppo.early_stop.enabled else None
         self.rollout = self._build_rollout()
         self.engine = self.rollout.engine

@@ -131,6 +131,14 @@ def test_stopped_completions_are_never_scored_or_trained_and_always_counted(tmp_
     assert rec["cppo/kept_per_group_max"] == 1.0
     assert rec["early_stop/min_running"] == 2.0
     assert rec["early_stop/total_stopped"] == S
+    # the audit line: each stopped row with its boundary, the kept rows, every row's prompt
+    import json
+
+    (line,) = [json.loads(x) for x in (t.out / "early_stop.jsonl").read_text().splitlines()]
+    assert [r for r, _, _ in line["stopped"]] == stopped.nonzero().squeeze(1).tolist()
+    assert [b for _, b, _ in line["stopped"]] == mon.stopped_at[stopped].tolist()
+    assert set(line["kept"]).isdisjoint(r for r, _, _ in line["stopped"]) and line["step"] == 1
+    assert len(line["prompt_ids"]) == N // 4 and line["predictor_version"] == 99
 
 
 def test_the_predictor_never_sees_the_step_it_decides(tmp_path):
