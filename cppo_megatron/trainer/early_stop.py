@@ -178,12 +178,12 @@ class EarlyStopping:
             self.totals[key] += float(value)
             metrics[f"early_stop/total_{key}"] = self.totals[key]
         if self.audit_path is not None:
-            self._audit(batch, kept, stopped, shadow)
+            self._audit(self.audit_path, batch, kept, stopped, shadow)
         self.history.add(self.step, *examples)
         self.ready = self.history.refit(self.predictor, self.es.min_examples)
         return metrics
 
-    def _audit(self, batch: Any, kept: torch.Tensor, stopped: torch.Tensor, shadow: torch.Tensor) -> None:
+    def _audit(self, path: Path, batch: Any, kept: torch.Tensor, stopped: torch.Tensor, shadow: torch.Tensor) -> None:
         """One line per step in ``early_stop.jsonl``: each stopped row with its boundary and score, the
         explore groups and their would-be stops, the rows kept, every row's prompt and length; the
         predictor that decided (version; its history's steps)."""
@@ -194,7 +194,7 @@ class EarlyStopping:
                 "stopped": [[int(r), int(at[r]), float(q[r])] for r in stopped.nonzero().squeeze(1).tolist()],
                 "explore_groups": self._cat("explore").nonzero().squeeze(1).tolist(),
                 "shadow": shadow.nonzero().squeeze(1).tolist(), "kept": kept.tolist()}
-        with open(self.audit_path, "a", encoding="utf-8") as f:
+        with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
 
     def _quality(self, y: torch.Tensor, stopped: torch.Tensor) -> dict[str, float]:
