@@ -331,3 +331,42 @@ def test_settings_section_checks_and_refusals():
         c.early_stop = 3  # type: ignore[assignment]
         c.validate()
     CPPOConfig(pruning_rate=0.0, scope="batch")  # off: no constraint
+
+
+def test_refusals_name_the_bad_value():
+    with pytest.raises(ValueError, match=r"\[R, T\]"):
+        prefix_features(torch.zeros(3), torch.zeros(3), torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.bool),
+                        segment_tokens=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match="must be \\[2\\]"):
+        prefix_features(torch.zeros(2, 3), torch.zeros(3, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+                        torch.zeros(2, dtype=torch.bool), segment_tokens=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match="must align"):
+        roc_auc(torch.zeros(3), torch.zeros(2))
+    # a group with no finished row cannot reach the finished-only estimator (min_running >= 1)
+    with pytest.raises(ValueError, match="no finished completion"):
+        early_stop_prune(torch.zeros(4), torch.tensor([True, True, False, False]), torch.tensor([0, 0, 1, 1]),
+                         _cfg(estimator="finished"))
+
+
+def test_history_keeps_its_steps_in_order_and_refits_only_when_ready():
+    from cppo_megatron.core.early_stop import StopHistory
+
+    h = StopHistory(keep_steps=2)
+    x = torch.randn(6, 3)
+    y = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0])
+    h.add(1, x, y, y, (3, 3))
+    with pytest.raises(ValueError, match="steps must increase"):
+        h.add(1, x, y, y, (3, 3))
+    with pytest.raises(ValueError, match="must align"):
+        h.add(2, x, y[:3], y, (3, 3))
+    with pytest.raises(ValueError, match="feature columns"):
+        h.add(2, torch.randn(6, 4), y, y, (3, 3))
+    h.add(2, torch.zeros(0, 0), torch.zeros(0), torch.zeros(0), (0, 0))  # a step without a boundary
+    h.add(3, x, y, y, (3, 3))
+    assert [s["step"] for s in h.steps] == [2, 3] and h.completions() == (3, 3)
+    p = PrefixPredictor()
+    assert not h.refit(p, min_examples=4) and not p.fitted  # 3 of each: not yet
+    assert h.refit(p, min_examples=3) and p.fitted and p.examples == (3, 3)
+    clone = StopHistory(1)
+    clone.load_state_dict(h.state_dict())
+    assert clone.keep_steps == 2 and clone.completions() == (3, 3)

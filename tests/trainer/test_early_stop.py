@@ -220,3 +220,32 @@ def test_refusals_name_the_key(tmp_path):
         _recipe(tmp_path, "cppo.dynamic_sampling=true")
     with pytest.raises(RecipeError, match="needs pruning"):
         _recipe(tmp_path, "cppo.pruning_rate=0.0")
+
+
+def test_early_stopping_refuses_what_it_cannot_account_for(tmp_path):
+    from cppo_megatron.config import CPPOConfig
+    from cppo_megatron.trainer.early_stop import EarlyStopping
+
+    with pytest.raises(ValueError, match="enabled=true"):
+        EarlyStopping(CPPOConfig(pruning_rate=0.5), group_size=4, max_new_tokens=8)
+    es = EarlyStopping(CPPOConfig(pruning_rate=0.5, early_stop={"enabled": True}), group_size=4, max_new_tokens=8)
+    es.begin_step(0)
+    es.monitor(0, 2)  # 8 rows
+    batch = type("B", (), {"num_rows": 12})()
+    with pytest.raises(RuntimeError, match="monitors cover 8 rows, the batch has 12"):
+        es.end_step(batch, torch.tensor([0]))
+    with pytest.raises(ValueError, match="'history' missing"):
+        es.load_state_dict({"predictor": es.predictor.state_dict()})
+
+
+def test_resume_from_a_checkpoint_without_early_stopping_state_says_so(tmp_path, capsys):
+    plain, c1 = _trainer(tmp_path, planted=False)
+    _step(plain, c1)
+    plain._checkpoint()
+    state_file = next((tmp_path / "run" / "checkpoints").glob("step_*")) / "trainer.pt"
+    state = torch.load(state_file, weights_only=False)
+    state.pop("early_stop")
+    torch.save(state, state_file)
+    resumed, _ = _trainer(tmp_path, planted=False, resume=True)
+    assert not resumed.early_stop.ready and resumed.early_stop.history.steps == []
+    assert "no early-stopping state" in capsys.readouterr().err

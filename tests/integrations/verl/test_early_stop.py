@@ -235,3 +235,64 @@ def test_the_agent_loop_is_registered_where_veRL_looks_it_up():
 
     cls = hydra.utils.get_class(early_stop.AGENT_TARGET)
     assert cls is early_stop_loop.EarlyStopAgentLoop
+
+
+def test_the_predictor_rides_in_veRLs_checkpoint_and_comes_back_published(tmp_path, monkeypatch):
+    monkeypatch.setattr(early_stop, "_LOCAL", {})
+    c = _verl_config(**{"trainer.default_local_dir": str(tmp_path), "trainer.resume_mode": "auto",
+                        "actor_rollout_ref.rollout.response_length": 12})
+
+    class Trainer:  # what the wrappers read of veRL's PPOTrainer: its config and step
+        def __init__(self, step):
+            self.config, self.global_steps = c, step
+
+    saved = []
+    t = Trainer(5)
+    es = early_stop.state_of(t)
+    es.history.add(5, torch.randn(8, 10), torch.tensor([0.0, 1.0] * 4), torch.ones(8), (4, 4))
+    es.ready = es.history.refit(es.predictor, 1)
+    early_stop._saving(lambda self: saved.append(self.global_steps))(t)
+    assert saved == [5] and (tmp_path / "global_step_5" / early_stop.STATE_FILE).is_file()
+    fresh = Trainer(5)
+    early_stop._loading(lambda self: "loaded")(fresh)
+    back = early_stop.state_of(fresh)
+    assert back.ready and torch.equal(back.predictor.weights, es.predictor.weights)
+    assert early_stop._LOCAL[6]["version"] == es.predictor.version  # serves step 6 on
+    empty = Trainer(7)
+    with pytest.warns(UserWarning, match="no early-stopping state"):
+        early_stop._loading(lambda self: None)(empty)
+    assert not early_stop.state_of(empty).ready
+    off = Trainer(3)
+    off.config = _verl_config(**{"cppo.early_stop.enabled": False})
+    early_stop._saving(lambda self: None)(off)  # off: nothing written
+    assert not (tmp_path / "global_step_3").exists()
+
+
+def test_validation_generation_runs_unsegmented():
+    seen = []
+
+    async def original(self, sampling_params, trajectory, **kw):
+        seen.append(early_stop_loop.VALIDATING.get())
+
+    wrapped = early_stop._validating(original)
+    asyncio.run(wrapped(None, {}, {"validate": True}))
+    asyncio.run(wrapped(None, {}, {"validate": False}))
+    assert seen == [True, False] and early_stop_loop.VALIDATING.get() is False
+
+
+def test_a_member_that_fails_releases_its_group():
+    streams = [[5] * 12 for _ in range(2)]
+    coord, script, servers = _group(streams, _cfg(), Planted(), uid="fail")
+
+    async def boom(*a, **k):
+        raise RuntimeError("server gone")
+
+    servers[1].inner = type("Dead", (), {"generate": staticmethod(boom)})()
+
+    async def go():
+        return await asyncio.gather(servers[0].generate("r0", prompt_ids=[1], sampling_params={}),
+                                    servers[1].generate("r1", prompt_ids=[1], sampling_params={}),
+                                    return_exceptions=True)
+
+    ok, failed = asyncio.run(go())
+    assert isinstance(failed, RuntimeError) and len(ok.token_ids) == 12  # the survivor ran on, not waiting
