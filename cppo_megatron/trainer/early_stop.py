@@ -140,10 +140,18 @@ class EarlyStopping:
         if sum(m.N for m in self.monitors) != N:
             raise RuntimeError(f"early stop: the step's monitors cover {sum(m.N for m in self.monitors)} rows, the "
                                f"batch has {N}")
-        stopped = batch.stopped
         y = (batch.rewards >= self.es.success_threshold).to(torch.float64)
-        quality = self._quality(y, stopped)  # the predictor that decided; it has not seen this step yet
-        examples = self._examples(y, batch.rewards.to(torch.float64), stopped)
+        # measured with the predictor that decided; only then do the step's rewards teach it
+        metrics = self._step_metrics(batch, kept, y)
+        self.history.add(self.step, *self._examples(y, batch.rewards.to(torch.float64), batch.stopped))
+        self.ready = self.history.refit(self.predictor, self.es.min_examples)
+        return metrics
+
+    def _step_metrics(self, batch: Any, kept: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+        """``early_stop/*``: accounting, predictor quality, totals; the audit line."""
+        N = batch.num_rows
+        stopped = batch.stopped
+        quality = self._quality(y, stopped)
         shadow = self._cat("shadow").to(torch.bool)
         kept_mask = torch.zeros(N, dtype=torch.bool)
         kept_mask[kept] = True
@@ -179,8 +187,6 @@ class EarlyStopping:
             metrics[f"early_stop/total_{key}"] = self.totals[key]
         if self.audit_path is not None:
             self._audit(self.audit_path, batch, kept, stopped, shadow)
-        self.history.add(self.step, *examples)
-        self.ready = self.history.refit(self.predictor, self.es.min_examples)
         return metrics
 
     def _audit(self, path: Path, batch: Any, kept: torch.Tensor, stopped: torch.Tensor, shadow: torch.Tensor) -> None:
