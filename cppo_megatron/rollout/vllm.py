@@ -238,7 +238,7 @@ class VLLMEngine(RolloutEngine):
         total = 0
         for m in self.llm.get_metrics():
             if m.name == "vllm:generation_tokens":
-                total += int(m.value)  # type: ignore[attr-defined]  # a Counter
+                total += int(m.value)  # a Counter
         return total
 
     # ------------------------------------------------------------------ weights
