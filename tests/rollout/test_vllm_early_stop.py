@@ -77,3 +77,31 @@ def test_hidden_features_need_the_hf_engine(setup):
     with pytest.raises(ValueError, match="rollout.engine=hf"):
         engine.generate(sample_prompts(tok, task, 1), SamplingParams(n=2, max_new_tokens=4),
                         monitor=PlantedMonitor(2, hidden=True))
+
+
+def test_the_trainer_stops_completions_in_vllm_and_never_trains_them(micro_recipe):
+    """Two steps of the embedded trainer on vLLM with early stopping and a planted predictor (the one
+    of tests/trainer/test_early_stop.py): stopped rows end at a boundary, are never kept, and are counted."""
+    from cppo_megatron.trainer import Trainer
+    from tests.trainer.test_early_stop import Planted
+
+    from .conftest import VLLM_MICRO
+
+    recipe = micro_recipe(*VLLM_MICRO, "rollout.engine=vllm", "rollout.max_new_tokens=8", "cppo.pruning_rate=0.75",
+                          "cppo.early_stop.enabled=true", "cppo.early_stop.segment_tokens=2",
+                          "cppo.early_stop.min_confidence=0.55")
+    t = Trainer(recipe)
+    try:
+        t.early_stop.predictor, t.early_stop.ready = Planted(), True
+        t.early_stop.history.refit = lambda *a, **k: True
+        t.prepare(initial_eval=False)
+        for _ in range(2):
+            rec = t.step_once()
+            (mon,) = t.early_stop.monitors
+            stopped = mon.stopped_at.ge(0)
+            assert rec["early_stop/stopped"] == int(stopped.sum()) > 0
+            assert rec["early_stop/kept"] + rec["early_stop/pruned_after"] + rec["early_stop/stopped"] == mon.N
+            assert rec["early_stop/tokens_generated"] == rec["rollout/tokens"]
+            assert set(mon.stopped_at[stopped].tolist()) <= {2, 4, 6}
+    finally:
+        t.close()
