@@ -200,7 +200,8 @@ def analyse(records: dict, rates: list[float], allocations: list[bool]) -> tuple
                 for ph in ALL_PHASES:
                     row[f"ms/prompt {ph}"] = 1e3 * per_prompt(recs, f"time/{ph}")
                 drawn = [r.get("selective/prompts_drawn", r["alloc/prompts_drawn"]) for r in recs]
-                row["tokens/prompt"] = median(r.get("rollout/tokens", 0.0) / d for r, d in zip(recs, drawn, strict=True))
+                tokens = [r.get("rollout/tokens", 0.0) for r in recs]
+                row["tokens/prompt"] = median(t / d for t, d in zip(tokens, drawn, strict=True))
                 row["stopped share"] = median(r.get("early_stop/stopped_share", 0.0) for r in recs)
                 row["steps measured"] = len(recs)
                 rows.append(row)
