@@ -391,8 +391,9 @@ class Trainer:
                 batch.prompt_ids, batch.rewards, batch.correct, batch.completion_lengths)
             if self.selective is not None and self.rollout.world > 1:
                 self._check_selective_agrees()
-            surv = select_survivors(batch, r.cppo, self.planner, step=self.step,
-                                    moments=None if self.early_stop is None else self.early_stop.moments())
+            # cppo.early_stop: the stopped rows' expected rewards, for the group statistics
+            extra = {} if self.early_stop is None else {"moments": self.early_stop.moments()}
+            surv = select_survivors(batch, r.cppo, self.planner, step=self.step, **extra)
             rows = self.backend.place(batch, surv.kept, surv.advantages)
             if surv.full_denominators is not None:  # importance: the weights travel with the placed rows
                 assert surv.weights is not None  # select_survivors sets the weights of every row
