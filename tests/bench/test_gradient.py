@@ -95,3 +95,15 @@ def test_gradient_bench_compares_early_stopping(tmp_path):
         assert r["kept_ratio"] <= 0.25 + 1e-9  # k = 2 of 8 at most, among the finished
         assert 0 < r["tokens_share"] <= 1.0 and -1.0 <= r["cosine"] <= 1.0
     assert by["full"]["tokens_share"] == 1.0 and by["smallest P=0.75"]["tokens_share"] == 1.0
+
+
+def test_predictor_bench_scores_each_feature_set_on_held_out_steps(tmp_path):
+    out = tmp_path / "pr"
+    es = ["rollout.max_new_tokens=8", "cppo.early_stop.segment_tokens=2", "cppo.early_stop.success_threshold=0.05",
+          "cppo.pruning_rate=0.75"]
+    assert main(["bench", "predictor", "recipes/tiny_cpu.yaml", *TOY, *es, "--steps", "3", "--out", str(out)]) == 0
+    data = json.loads((out / "predictor.json").read_text())
+    assert [r["features"] for r in data["rows"]] == ["logprob", "entropy", "hidden"]  # no oracle: arithmetic task
+    for r in data["rows"]:
+        assert r["steps scored"] == 2 and 0.0 <= r["auc"] <= 1.0 and len(r["auc per step"]) == 2
+    assert main(["bench", "predictor", "recipes/tiny_cpu.yaml", "--steps", "1", "--out", str(out)]) == 2
