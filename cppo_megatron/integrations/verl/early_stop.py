@@ -40,15 +40,17 @@ from ...core.early_stop import (
 from ..importhook import after_import
 from ..wrap import unwrap, wrap
 from . import audit
-from .runconfig import cppo_config_from, is_cppo
+from .early_stop_store import STORE, VALIDATING, publish
+from .runconfig import AGENT_NAME, cppo_config_from
+from .runconfig import apply_early_stop as apply
+from .runconfig import check_early_stop as check
+from .runconfig import early_stop_enabled as enabled
 
-__all__ = ["STATE_FILE", "STORE", "VerlEarlyStop", "apply", "check", "enabled", "fetch_state", "install",
-           "parse_infos", "publish", "state_of", "uninstall"]
+__all__ = ["STATE_FILE", "STORE", "VerlEarlyStop", "apply", "check", "enabled", "install", "parse_infos",
+           "state_of", "step_counters", "uninstall", "vllm_counters"]
 
-STORE = "cppo_early_stop_store"  # the named Ray actor holding the predictor of each step
 STATE_FILE = "cppo_early_stop.pt"  # beside veRL's files in global_step_N/
 INFO_KEY = "cppo_early_stop"
-AGENT_NAME = "cppo_early_stop"
 AGENT_TARGET = "cppo_megatron.integrations.verl.early_stop_loop.EarlyStopAgentLoop"
 TARGET = ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer")
 AGENT_MODULE = ("verl.experimental.agent_loop.agent_loop", "AgentLoopWorker")
@@ -60,117 +62,7 @@ VLLM_COUNTERS = {"generation_tokens": "vllm:generation_tokens", "prompt_tokens":
 COUNTERS_KEY = "cppo_vllm_counters"
 WRAP_TAG = __name__
 _STATES: weakref.WeakKeyDictionary[Any, VerlEarlyStop] = weakref.WeakKeyDictionary()
-_LOCAL: dict[int, dict] = {}  # the store when Ray is not running (in-process tests)
-# the publishing process keeps its handle: a named, non-detached Ray actor dies with its last handle
-_STORE_HANDLE: list[Any] = []
 _TOTALS = ("started", "stopped", "kept", "tokens_generated", "tokens_saved_estimate")
-
-
-def enabled(config: Any) -> bool:
-    """The run selects the cppo estimator and ``cppo.early_stop.enabled``."""
-    return is_cppo(config) and bool(cppo_config_from(config).early_stop.enabled)
-
-
-def _get(node: Any, dotted: str, default: Any = None) -> Any:
-    for part in dotted.split("."):
-        if node is None or not hasattr(node, "get"):
-            return default
-        node = node.get(part, None)
-    return default if node is None else node
-
-
-def check(config: Any) -> None:
-    """ValueError naming key, value and fix for what early stopping does not run with in veRL."""
-    if not enabled(config):
-        return
-    es = cppo_config_from(config).early_stop
-    refusals = [
-        (not bool(_get(config, "trainer.use_v1", True)), "trainer.use_v1=false",
-         "the predictor's checkpoint and the seam's TransferQueue reads are built for the V1 loop; set "
-         "trainer.use_v1=true"),
-        (str(_get(config, "trainer.v1.trainer_mode", "sync")) != "sync",
-         f"trainer.v1.trainer_mode={_get(config, 'trainer.v1.trainer_mode')}",
-         "the asynchronous modes generate a step's groups with an older predictor and carry partial rollouts; "
-         "set trainer.v1.trainer_mode=sync"),
-        (bool(_get(config, "algorithm.filter_groups.enable", False)), "algorithm.filter_groups.enable=true",
-         "DAPO's filter reads every reward of a group, and a stopped completion has none; turn one of them off"),
-        (es.features != "logprob", f"cppo.early_stop.features={es.features}",
-         "veRL's server hands out the sampled tokens' log-probs only; set cppo.early_stop.features=logprob"),
-        (str(_get(config, "actor_rollout_ref.rollout.agent.default_agent_loop", "single_turn_agent"))
-         not in ("single_turn_agent", AGENT_NAME),
-         "actor_rollout_ref.rollout.agent.default_agent_loop="
-         f"{_get(config, 'actor_rollout_ref.rollout.agent.default_agent_loop')}",
-         "early stopping wraps the single-turn agent loop; multi-turn (tool) loops are not built"),
-        (bool(_get(config, "actor_rollout_ref.rollout.multi_turn.enable", False)),
-         "actor_rollout_ref.rollout.multi_turn.enable=true", "multi-turn rollouts are not built"),
-    ]
-    for bad, what, fix in refusals:
-        if bad:
-            raise ValueError(f"cppo.early_stop.enabled=true with {what}: {fix}")
-
-
-def apply(config: Any) -> list[str]:
-    """Select the ``cppo_early_stop`` agent loop and the rollout log-probs; returns what changed."""
-    if not enabled(config):
-        return []
-    from omegaconf import OmegaConf, open_dict
-
-    changed = []
-    with open_dict(config):
-        for key, value in (("actor_rollout_ref.rollout.agent.default_agent_loop", AGENT_NAME),
-                           ("actor_rollout_ref.rollout.calculate_log_probs", True)):
-            if OmegaConf.select(config, key) != value:
-                OmegaConf.update(config, key, value, merge=False, force_add=True)
-                changed.append(f"{key}={value} (cppo.early_stop)")
-    return changed
-
-
-# ---------------------------------------------------------------------------------- the store
-class _Store:
-    """The predictors of a run by the step they serve from (a Ray actor; ``_LOCAL`` without Ray)."""
-
-    def __init__(self) -> None:
-        self.states: dict[int, dict] = {}
-
-    def put(self, step: int, state: dict) -> None:
-        self.states[int(step)] = state
-        for old in sorted(self.states)[:-3]:
-            del self.states[old]
-
-    def get(self, step: int) -> dict | None:
-        keys = [k for k in self.states if k <= int(step)]
-        return self.states[max(keys)] if keys else None
-
-
-def _ray_running() -> bool:
-    ray = sys.modules.get("ray")
-    return ray is not None and ray.is_initialized()
-
-
-def publish(step: int, state: dict) -> None:
-    """Make ``state`` (a ``PrefixPredictor.state_dict``) the predictor of step ``step`` on."""
-    if not _ray_running():
-        _LOCAL[int(step)] = state
-        return
-    import ray
-
-    if not _STORE_HANDLE:
-        _STORE_HANDLE.append(ray.remote(_Store).options(name=STORE, get_if_exists=True, num_cpus=0).remote())
-    ray.get(_STORE_HANDLE[0].put.remote(int(step), state))
-
-
-async def fetch_state(step: int) -> dict | None:
-    """The predictor state serving ``step`` (None: none fitted yet), from an agent-loop worker."""
-    if not _ray_running():
-        keys = [k for k in _LOCAL if k <= step]
-        return _LOCAL[max(keys)] if keys else None
-    import ray
-
-    try:
-        store = ray.get_actor(STORE)
-    except ValueError:  # nothing published yet: the first steps decide nothing
-        return None
-    return await store.get.remote(int(step))
 
 
 # ---------------------------------------------------------------------------------- the trainer side
@@ -323,9 +215,9 @@ def state_of(trainer: Any) -> VerlEarlyStop:
 
 # ---------------------------------------------------------------------------------- checkpoints
 def _folder(trainer: Any, *, resuming: bool) -> str:
-    from .selective import _step_folder
+    from .selective import step_folder
 
-    return _step_folder(trainer, resuming=resuming)
+    return step_folder(trainer, resuming=resuming)
 
 
 def _saving(original):
@@ -365,8 +257,6 @@ def _loading(original):
 def _validating(original):
     @functools.wraps(original)
     async def _run_agent_loop(self, sampling_params, trajectory, *args, **kwargs):
-        from .early_stop_loop import VALIDATING
-
         token = VALIDATING.set(bool(trajectory.get("validate", False)))
         try:
             return await original(self, sampling_params, trajectory, *args, **kwargs)

@@ -20,7 +20,7 @@ Each member's TokenOutput carries ``extra_fields["cppo_early_stop"]``: stopped o
 boundary, its last score, and the features it was scored on at each boundary (the trainer's
 seam files them in the predictor's history with the rewards, ``early_stop.py``). The predictor
 of step s is the one the trainer fitted after step s - 1, fetched once per step from the
-``early_stop.STORE`` Ray actor. Validation generation (``trajectory["validate"]``) is never
+``early_stop_store.STORE`` Ray actor. Validation generation (``trajectory["validate"]``) is never
 stopped (``VALIDATING``, set by the wrapper ``early_stop.install`` puts on
 ``AgentLoopWorker._run_agent_loop``).
 """
@@ -28,7 +28,6 @@ stopped (``VALIDATING``, set by the wrapper ``early_stop.install`` puts on
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import math
 from typing import Any
 
@@ -38,13 +37,13 @@ from verl.workers.rollout.replica import TokenOutput
 
 from ...core.early_stop import FINISHED, RUNNING, STOPPED, PrefixPredictor, decide_at_boundary, explore_group
 from . import audit
+from .early_stop_store import VALIDATING, fetch_state
 from .runconfig import cppo_config_from
 
 __all__ = ["AGENT_NAME", "VALIDATING", "EarlyStopAgentLoop", "GroupCoordinator", "SegmentedServer", "predictor_for"]
 
 AGENT_NAME = "cppo_early_stop"
 INFO_KEY = "cppo_early_stop"  # the TokenOutput / AgentLoopOutput extra field the trainer's seam reads
-VALIDATING: contextvars.ContextVar[bool] = contextvars.ContextVar("cppo_early_stop_validating", default=False)
 _GROUPS: dict[tuple[int, str], GroupCoordinator] = {}  # (step, uid) -> the group's coordinator, this process
 _PREDICTORS: dict[int, PrefixPredictor | None] = {}  # step -> the predictor it decides with, this process
 
@@ -52,8 +51,6 @@ _PREDICTORS: dict[int, PrefixPredictor | None] = {}  # step -> the predictor it 
 async def predictor_for(step: int) -> PrefixPredictor | None:
     """The predictor fitted for ``step`` (None before the trainer has one), once per step and process."""
     if step not in _PREDICTORS:
-        from .early_stop import fetch_state
-
         state = await fetch_state(step)
         p = None
         if state is not None:

@@ -17,7 +17,7 @@ from verl.workers.rollout.replica import TokenOutput  # noqa: E402
 
 from cppo_megatron.config import CPPOConfig  # noqa: E402
 from cppo_megatron.core.early_stop import STOPPED, PrefixPredictor, decide_at_boundary  # noqa: E402
-from cppo_megatron.integrations.verl import early_stop, early_stop_loop  # noqa: E402
+from cppo_megatron.integrations.verl import early_stop, early_stop_loop, early_stop_store  # noqa: E402
 from cppo_megatron.integrations.verl.hook import decide  # noqa: E402
 
 EOS = 2
@@ -159,7 +159,7 @@ def _infos(stopped, q, records=None, explore=False):
 
 
 def test_the_seam_never_reads_a_stopped_reward_and_counts_everything(monkeypatch):
-    monkeypatch.setattr(early_stop, "_LOCAL", {})
+    monkeypatch.setattr(early_stop_store, "_LOCAL", {})
     cfg = _cfg(min_examples=1)
     uids = ["a"] * 4 + ["b"] * 4
     rewards = torch.tensor([1.0, 0.0, 99.0, 99.0, 1.0, 1.0, 0.0, 99.0])  # 99: stopped rows, never read
@@ -175,9 +175,9 @@ def test_the_seam_never_reads_a_stopped_reward_and_counts_everything(monkeypatch
     assert m["early_stop/kept"] + m["early_stop/pruned_after"] + m["early_stop/stopped"] == 8
     assert m["early_stop/tokens_generated"] == 69 and m["early_stop/tokens_stopped"] == 9
     assert m["early_stop/predictor_auc"] == pytest.approx(1.0)  # 0.9 / 0.9 / 0.9 succeed, 0.1 / 0.2 fail
-    assert es.ready and 4 in early_stop._LOCAL  # fitted on step 3's rows, published for step 4 on
-    assert asyncio.run(early_stop.fetch_state(4))["version"] == es.predictor.version
-    assert asyncio.run(early_stop.fetch_state(3)) is None  # step 3 never sees its own rewards
+    assert es.ready and 4 in early_stop_store._LOCAL  # fitted on step 3's rows, published for step 4 on
+    assert asyncio.run(early_stop_store.fetch_state(4))["version"] == es.predictor.version
+    assert asyncio.run(early_stop_store.fetch_state(3)) is None  # step 3 never sees its own rewards
     with pytest.raises(RuntimeError, match="stopped completion was kept"):
         es.end_step(4, uids, rewards, lengths, infos, torch.tensor([2]))
     clone = early_stop.VerlEarlyStop(cfg, group_size=4, max_new_tokens=12)
@@ -238,7 +238,7 @@ def test_the_agent_loop_is_registered_where_veRL_looks_it_up():
 
 
 def test_the_predictor_rides_in_veRLs_checkpoint_and_comes_back_published(tmp_path, monkeypatch):
-    monkeypatch.setattr(early_stop, "_LOCAL", {})
+    monkeypatch.setattr(early_stop_store, "_LOCAL", {})
     c = _verl_config(**{"trainer.default_local_dir": str(tmp_path), "trainer.resume_mode": "auto",
                         "actor_rollout_ref.rollout.response_length": 12})
 
@@ -257,7 +257,7 @@ def test_the_predictor_rides_in_veRLs_checkpoint_and_comes_back_published(tmp_pa
     early_stop._loading(lambda self: "loaded")(fresh)
     back = early_stop.state_of(fresh)
     assert back.ready and torch.equal(back.predictor.weights, es.predictor.weights)
-    assert early_stop._LOCAL[6]["version"] == es.predictor.version  # serves step 6 on
+    assert early_stop_store._LOCAL[6]["version"] == es.predictor.version  # serves step 6 on
     empty = Trainer(7)
     with pytest.warns(UserWarning, match="no early-stopping state"):
         early_stop._loading(lambda self: None)(empty)
@@ -272,12 +272,12 @@ def test_validation_generation_runs_unsegmented():
     seen = []
 
     async def original(self, sampling_params, trajectory, **kw):
-        seen.append(early_stop_loop.VALIDATING.get())
+        seen.append(early_stop_store.VALIDATING.get())
 
     wrapped = early_stop._validating(original)
     asyncio.run(wrapped(None, {}, {"validate": True}))
     asyncio.run(wrapped(None, {}, {"validate": False}))
-    assert seen == [True, False] and early_stop_loop.VALIDATING.get() is False
+    assert seen == [True, False] and early_stop_store.VALIDATING.get() is False
 
 
 def test_a_member_that_fails_releases_its_group():

@@ -21,7 +21,9 @@ def test_yaml_group_matches_cppo_config_defaults(plugin):
     node = OmegaConf.load(f"{CONFIG_DIR}/cppo_ppo_trainer.yaml").cppo
     mega = OmegaConf.load(f"{CONFIG_DIR}/cppo_ppo_megatron_trainer.yaml").cppo
     assert node == mega
-    defaults = {f.name: f.default for f in dataclasses.fields(CPPOConfig)}
+    # a nested section (cppo.early_stop) by its dataclass's defaults
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else dataclasses.asdict(f.default_factory())
+                for f in dataclasses.fields(CPPOConfig)}
     assert set(node) == set(defaults)
     # None means the default rate; veRL splits batches into equal per-rank parts
     host = {"pruning_rate": 0.875, "equal_size": True}
