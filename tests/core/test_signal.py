@@ -20,6 +20,18 @@ def test_shares_by_value_with_correctness():
     assert [k.split("/", 1)[1] for k in m] == list(SIGNAL_KEYS)
 
 
+def test_with_correctness_the_flags_decide_not_the_reward_level():
+    # reward weight 0.5 for a correct answer: an all-correct group sits below the 1.0 threshold
+    rewards = torch.tensor([0.5, 0.5, 1.0, 1.0, 1.0, 1.0])
+    correct = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 0.0])  # and two groups rewarded 1.0 for something else
+    gids = torch.tensor([0, 0, 1, 1, 2, 2])
+    m = signal_metrics(rewards, gids, correct=correct)
+    assert (m["signal/all_correct_share"], m["signal/all_wrong_share"]) == (pytest.approx(1 / 3), pytest.approx(2 / 3))
+    # without the flags the 1.0 threshold decides: the other way round
+    m = signal_metrics(rewards, gids)
+    assert (m["signal/all_correct_share"], m["signal/all_wrong_share"]) == (pytest.approx(2 / 3), pytest.approx(1 / 3))
+
+
 def test_without_correctness_the_reward_threshold_decides():
     rewards = torch.tensor([1.0, 1.0, 0.5, 0.5, 0.0, 1.0])
     gids = torch.tensor([0, 0, 1, 1, 2, 2])

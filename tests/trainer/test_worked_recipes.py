@@ -88,4 +88,4 @@ def test_megatron_recipes_fit_four_processes(name, capsys):
 
 def test_megatron_twins_match_the_single_process_ones():
     hf, meg = (_flat(recipe_to_dict(load_recipe(recipe_path(n)))) for n in ("worked_cpu", "worked_cpu_megatron"))
-    assert {k for k in hf if hf[k] != meg[k]} == {"out_dir", "backend", "threads", "megatron.tp"}
+    assert {k for k in hf if hf[k] != meg[k]} == {"out_dir", "backend", "megatron.tp"}

@@ -40,6 +40,8 @@ from ..importhook import after_import
 from ..wrap import is_wrapped, unwrap, wrap
 from . import audit, early_stop, selective, signal
 from .runconfig import PREPARED_ENV, cppo_config_from, is_cppo, unprepared_message
+from .signal import row_rewards as _row_rewards
+from .signal import row_tokens as _row_tokens
 from .stats import GroupRecord, record_groups
 
 __all__ = [
@@ -113,23 +115,6 @@ def _metrics(result, cfg, extra: dict[str, float]) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------- V1 trainer
-def _row_rewards(rm_scores) -> torch.Tensor:
-    """[N] per-row sums of ``rm_scores`` (a jagged nested tensor in TransferQueue, or [N, T])."""
-    if getattr(rm_scores, "is_nested", False):
-        return rm_scores.to_padded_tensor(0.0).sum(dim=-1)
-    t = torch.as_tensor(rm_scores)
-    return t.sum(dim=-1) if t.dim() > 1 else t
-
-
-def _row_tokens(response_mask) -> torch.Tensor:
-    """[N] int64 tokens generated per row: ``response_mask`` summed per row (a jagged nested tensor in
-    TransferQueue, or [N, T]); a tool's tokens inside a multi-turn response are masked out."""
-    if getattr(response_mask, "is_nested", False):
-        return response_mask.to_padded_tensor(0).sum(dim=-1).to(torch.int64)
-    t = torch.as_tensor(response_mask)
-    return (t.sum(dim=-1) if t.dim() > 1 else t).to(torch.int64)
-
-
 def prune_kv_batch(trainer, batch, metrics: dict):
     """V1: prune a ``KVBatchMeta`` before ``_balance_batch``; returns the survivors' meta.
 

@@ -24,11 +24,29 @@ from ...core.signal import gen_share, signal_metrics
 from ..importhook import after_import, remove
 from ..wrap import unwrap, wrap
 
-__all__ = ["TIMING_MODULES", "batch_signal", "dataproto_signal", "install", "kv_batch_signal", "uninstall"]
+__all__ = ["TIMING_MODULES", "batch_signal", "dataproto_signal", "install", "kv_batch_signal", "row_rewards",
+           "row_tokens", "uninstall"]
 
 # modules that call compute_timing_metrics by the name they imported
 TIMING_MODULES = ("verl.trainer.ppo.ray_trainer", "verl.trainer.ppo.v1.trainer_base")
 WRAP_TAG = __name__
+
+
+def row_rewards(rm_scores) -> torch.Tensor:
+    """[N] per-row sums of ``rm_scores`` (a jagged nested tensor in TransferQueue, or [N, T])."""
+    if getattr(rm_scores, "is_nested", False):
+        return rm_scores.to_padded_tensor(0.0).sum(dim=-1)
+    t = torch.as_tensor(rm_scores)
+    return t.sum(dim=-1) if t.dim() > 1 else t
+
+
+def row_tokens(response_mask) -> torch.Tensor:
+    """[N] int64 tokens generated per row: ``response_mask`` summed per row (a jagged nested tensor in
+    TransferQueue, or [N, T]); a tool's tokens inside a multi-turn response are masked out."""
+    if getattr(response_mask, "is_nested", False):
+        return response_mask.to_padded_tensor(0).sum(dim=-1).to(torch.int64)
+    t = torch.as_tensor(response_mask)
+    return (t.sum(dim=-1) if t.dim() > 1 else t).to(torch.int64)
 
 
 def batch_signal(uids: list, rewards: torch.Tensor, lengths: torch.Tensor | None) -> dict[str, float]:
@@ -42,15 +60,13 @@ def batch_signal(uids: list, rewards: torch.Tensor, lengths: torch.Tensor | None
 def dataproto_signal(batch) -> dict[str, float]:
     """Legacy loop: ``signal/*`` of a ``DataProto`` with ``uid``, ``rm_scores`` and ``response_mask``
     (rows veRL padded in are left out); {} when the batch lacks them."""
-    from .hook import _row_rewards, _row_tokens
-
     tensors, extra = batch.batch, batch.non_tensor_batch
     if tensors is None or "rm_scores" not in tensors.keys() or "uid" not in extra:
         return {}
     keep = [i for i in range(len(batch)) if not bool(extra.get("cppo_is_padding", [False] * len(batch))[i])]
     uids = [str(extra["uid"][i]) for i in keep]
-    rewards = _row_rewards(tensors["rm_scores"])[keep]
-    lengths = _row_tokens(tensors["response_mask"])[keep] if "response_mask" in tensors.keys() else None
+    rewards = row_rewards(tensors["rm_scores"])[keep]
+    lengths = row_tokens(tensors["response_mask"])[keep] if "response_mask" in tensors.keys() else None
     return batch_signal(uids, rewards.to(torch.float32), lengths)
 
 
@@ -59,15 +75,13 @@ def kv_batch_signal(batch) -> dict[str, float]:
     TransferQueue."""
     import transfer_queue as tq
 
-    from .hook import _row_rewards, _row_tokens
-
     keys = [k for k, tag in zip(batch.keys, batch.tags, strict=True) if not bool(tag.get("is_padding", False))]
     if not keys:
         return {}
     data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id,
                            select_fields=["uid", "rm_scores", "response_mask"])
-    return batch_signal([str(u) for u in list(data["uid"])], _row_rewards(data["rm_scores"]).to(torch.float32),
-                        _row_tokens(data["response_mask"]))
+    return batch_signal([str(u) for u in list(data["uid"])], row_rewards(data["rm_scores"]).to(torch.float32),
+                        row_tokens(data["response_mask"]))
 
 
 def _with_gen_share(original):

@@ -161,6 +161,7 @@ def test_worked_cpu_recipes_dry_run(tmp_path):
         assert _flag(command, "--rollout.batch_size") == str(prompts)
         assert _flag(command, "--data.max_samples") == str(20 * prompts)
         assert _flag(command, "--rollout.max_new_tokens") == "96" and _flag(command, "--data.max_len") == "128"
+        assert float(_flag(command, "--actor.adam.lr")) == 1e-4  # as recipes/worked_cpu.yaml
         assert _flag(command, "--reward.remote_url") == str(RECIPES / "reward_worked.py")
         assert _flag(command, "--actor.model_name_or_path") == str(tmp_path / "runs/openrlhf_worked/model")
         assert "CPPO off" not in out

@@ -162,6 +162,25 @@ def test_signal_metrics_cover_every_sample_before_pruning(orl, make_args, make_m
     assert with_gen_share({"timing/generation": 3.0, "timing/step_total": 4.0})["signal/gen_share"] == 0.75
     assert with_gen_share({"timing/ppo_train": 1.0}) == {"timing/ppo_train": 1.0}
 
+
+def test_the_log_wrapper_adds_gen_share_to_train_lines_only(tmp_path, monkeypatch):
+    """OpenRLHF's TensorboardLogger.log_train, wrapped: the line in metrics.jsonl and what OpenRLHF's
+    own logger receives both carry signal/gen_share; an eval line is written as it came."""
+    import json
+
+    from cppo_megatron.integrations.openrlhf import metrics
+
+    monkeypatch.setenv(metrics.ENV, str(tmp_path / "metrics.jsonl"))
+    seen = []
+    log_train = metrics._wrap_log(lambda self, step, logs: seen.append(logs), "train")
+    log_eval = metrics._wrap_log(lambda self, step, logs: seen.append(logs), "eval")
+    log_train(None, 3, {"timing/generation": 1.0, "timing/step_total": 4.0})
+    log_eval(None, 3, {"eval_arithmetic_pass1": 0.5})
+    assert seen == [{"timing/generation": 1.0, "timing/step_total": 4.0, "signal/gen_share": 0.25},
+                    {"eval_arithmetic_pass1": 0.5}]
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["data"]["signal/gen_share"] == 0.25 and lines[1]["data"] == {"eval_arithmetic_pass1": 0.5}
+
 @pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo"])
 def test_kept_advantages_equal_vanilla_full_batch(orl, make_args, make_maker, make_rollout, fresh, estimator):
     # whole groups of 8, so OpenRLHF's own reshape by n is right and serves as the reference

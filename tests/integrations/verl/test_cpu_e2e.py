@@ -20,7 +20,8 @@ worker, then the same command to the end; ``RESUME_TESTS=all`` adds a SIGKILL of
 them), the V1 DAPO + CPPO run (veRL's group filter, then pruning: every prompt drawn accounted
 for) and the V1 selective-rollout run (prompts skipped before generation by their history, replayed
 through the core) generate with the ``hf`` stand-in (HF generate in a Ray actor, ~1.5 min a run) for
-CI time. With
+CI time, as does the 2-step run of the worked-arithmetic recipe (its reward with the question, its
+signal metrics; 76 s at load 5-10). With
 ``E2E_TESTS=all`` also: V1 GRPO and colocate_async CPPO on vLLM. The start model is the main job's
 architecture, random-init and exported as an HF directory (no warm-up: the checks are about which
 rows reach which pass, not about learning).
@@ -558,3 +559,34 @@ def test_v1_selective_rollout_skips_what_step_1_showed_and_every_prompt_drawn_is
     assert totals["groups_recorded"] == 2 * allocated and totals["groups_unrecorded"] == 0
     assert totals["tokens_saved_estimate"] == m2["selective/total_tokens_saved_estimate"] == m2[
         "selective/tokens_saved_estimate"]
+
+
+# recipes/verl/worked_cpu_cppo.yaml (the worked-arithmetic testbed) at test size on the hf stand-in: its
+# rows carry each question in extra_info.question, veRL's reward loop hands it to our scorer, and the
+# hook logs signal/* over every row it sees. The start model is a random-init export with the worked
+# task's alphabet: it writes no answer, so every reward is 0 and every group has equal rewards (all
+# wrong), which signal/* must say; the rows' path is checked by the runs above.
+def test_worked_recipe_two_steps_reward_with_the_question_and_signal_metrics(tmp_path_factory):
+    import pyarrow.parquet as pq
+
+    from cppo_megatron.tasks import build_task
+    from cppo_megatron.trainer.config import load_recipe
+    from cppo_megatron.trainer.export import export_hf
+    from cppo_megatron.trainer.models import build_model
+
+    r = load_recipe(ROOT / "recipes" / "worked_cpu.yaml")
+    model, tok = build_model(r.model, build_task(r.task).alphabet, seed=0)
+    tmp = tmp_path_factory.mktemp("worked")
+    export_hf(model, tok, tmp / "model")
+    run = run_verl("worked_cpu_cppo.yaml", tmp, tmp / "model", f"cppo.pruning_rate={P}", *HF)
+    rows = pq.read_table(tmp / "data" / "train.parquet").to_pylist()
+    assert rows[0]["data_source"] == "cppo_worked_arithmetic" and rows[0]["extra_info"]["question"].endswith("=")
+    prompts = int(PROMPTS * G / int(G * (1 - P)))  # allocation: 16 prompts x G = 8
+    for step in range(1, STEPS + 1):
+        m = run["metrics"][step]
+        assert m["signal/groups"] == prompts and m["signal/completions"] == prompts * G == m["cppo/num_completions"]
+        assert m["signal/zero_variance_share"] == m["signal/all_wrong_share"] == 1.0  # a random model: all 0
+        assert m["critic/score/mean"] == 0.0 and m["signal/all_correct_share"] == 0.0
+        assert 0 < m["signal/mean_length"] <= 96 and m["signal/generated_tokens"] == m["signal/mean_length"] * prompts * G
+        assert 0 < m["signal/gen_share"] < 1 and m["signal/gen_share"] == pytest.approx(
+            m["timing_s/gen"] / m["timing_s/step"])

@@ -202,3 +202,36 @@ def test_reward_and_data_rows():
     assert rows[1] == {"data_source": "cppo_arithmetic", "prompt": [{"role": "user", "content": "10-99="}],
                        "ability": "math", "reward_model": {"style": "rule", "ground_truth": "-89"},
                        "extra_info": {"split": "train", "index": 1}}
+
+
+def test_worked_reward_and_data_rows(tmp_path):
+    """The worked task in veRL: its rows carry the question, the reward grades the steps against it."""
+    import pyarrow.parquet as pq
+
+    from cppo_megatron.integrations.verl.data import task_rows, write_task_parquet
+    from cppo_megatron.integrations.verl.reward import compute_score, data_source_for
+    from cppo_megatron.tasks import Problem, make_worked_task
+
+    p = Problem("47+8-25+63=", "93")
+    rows = task_rows([p], "test", data_source=data_source_for("worked_arithmetic"))
+    assert rows[0]["extra_info"] == {"split": "test", "index": 0, "question": "47+8-25+63="}
+    assert rows[0]["data_source"] == "cppo_worked_arithmetic"
+    info = rows[0]["extra_info"]
+    good = "47+8=55\n55-25=30\n30+63=93\n<answer>93</answer>"
+    assert compute_score("cppo_worked_arithmetic", good, "93", info) == {
+        "score": 1.1, "acc": 1.0, "formatted": 1.0, "steps": 1.0}
+    slip = "47+8=55\n55-25=31\n31+63=94\n<answer>94</answer>"
+    out = compute_score("cppo_worked_arithmetic", slip, "93", info, w_step=0.3)
+    assert out == {"score": pytest.approx(0.2), "acc": 0.0, "formatted": 1.0, "steps": pytest.approx(1 / 3)}
+    with pytest.raises(ValueError, match="needs extra_info.question"):
+        compute_score("cppo_worked_arithmetic", good, "93", {"split": "test", "index": 0})
+    with pytest.raises(ValueError, match="task 'gsm8k' has no veRL scorer yet"):
+        data_source_for("gsm8k")
+    task = make_worked_task(train_size=30, test_size=10, seed=0)
+    d = write_task_parquet(task, tmp_path, test_rows=4)
+    assert (d.train_rows, d.test_rows) == (30, 4)
+    back = pq.read_table(d.test).to_pylist()
+    assert [r["extra_info"]["question"] for r in back] == [q.question for q in task.test[:4]]
+    assert {r["data_source"] for r in back} == {"cppo_worked_arithmetic"}
+    with pytest.raises(ValueError, match="write_task_parquet: task 'gsm8k' has no veRL scorer"):
+        write_task_parquet(type(task)("gsm8k", task.train, task.test, task.scorer, task.sft_target), tmp_path)

@@ -128,8 +128,9 @@ class Rollout:
                 key = f"{uid}_{s}_0"
                 reward = 0.5 if index % 2 == 0 else (s + 1) / G
                 self.tq.tags["train"][key] = {"global_steps": self.trainer.global_steps}
-                self.tq.data["train"][key] = {"uid": uid, "index": index,
-                                              "rm_scores": torch.tensor([0.0, reward])}
+                self.tq.data["train"][key] = {"uid": uid, "index": index,  # every veRL row has a mask
+                                              "rm_scores": torch.tensor([0.0, reward]),
+                                              "response_mask": torch.ones(2, dtype=torch.int64)}
             self.tq.tags["train"][uid]["status"] = "finished"
 
 

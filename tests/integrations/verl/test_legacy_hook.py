@@ -223,3 +223,25 @@ def test_signal_gen_share_in_verl_timing_metrics(plugin):
         out = module.compute_timing_metrics(batch=batch, timing_raw={"gen": 3.0, "step": 4.0, "update_actor": 1.0})
         assert out["signal/gen_share"] == 0.75 and out["timing_s/gen"] == 3.0
         assert "signal/gen_share" not in module.compute_timing_metrics(batch, {"update_actor": 1.0})
+
+
+def test_signal_of_batches_without_rewards_and_the_timing_seam_lifecycle(plugin):
+    """A batch without rm_scores (a reward model's run) gives no signal/*; the timing wrapper comes
+    off and goes back on, and refuses a veRL that no longer imports the timing function."""
+    from types import SimpleNamespace
+
+    from verl.trainer.ppo import ray_trainer
+
+    from cppo_megatron.integrations import wrap
+    from cppo_megatron.integrations.verl import signal
+
+    batch = make_dataproto(rewards_table(seed=2, prompts=B, group=G), seed=2)
+    batch.batch.pop("rm_scores")
+    assert signal.dataproto_signal(batch) == {}
+    assert signal.kv_batch_signal(SimpleNamespace(keys=["a"], tags=[{"is_padding": True}], partition_id="x")) == {}
+    signal.uninstall()
+    assert not wrap.is_wrapped(ray_trainer.compute_timing_metrics, signal.WRAP_TAG)
+    signal.install()
+    assert wrap.is_wrapped(ray_trainer.compute_timing_metrics, signal.WRAP_TAG)
+    with pytest.raises(RuntimeError, match="no longer imports compute_timing_metrics"):
+        signal._patch(SimpleNamespace(__name__="verl.fake"))

@@ -217,6 +217,7 @@ def test_worked_recipes_compose_validate_and_allocate(grpo_name, cppo_name, base
         assert c.trainer.device == "cpu" and c.actor_rollout_ref.rollout.name == "vllm"
         assert c.cppo_cpu.warmup_recipe == "worked_cpu.yaml" and list(c.cppo_cpu.warmup_overrides) == []
         assert c.data.max_response_length == embedded.rollout.max_new_tokens == 96
+        assert c.actor_rollout_ref.actor.optim.lr == embedded.train.lr == 1e-4
         assert c.data.max_prompt_length + c.data.max_response_length <= embedded.model.max_position
         assert c.actor_rollout_ref.actor.strategy == ("megatron" if megatron else "fsdp2")
         assert c.cppo_cpu.model_dir.endswith("model_vocab8" if megatron else "verl_worked/model")
