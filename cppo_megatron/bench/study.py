@@ -43,6 +43,7 @@ from .study_table import (
     add_time_to_target,
     default_target,
     grid,
+    plot_auc,
     plot_curves,
     run_id,
     sd_or_zero,
@@ -285,17 +286,4 @@ def _plot(fig, rows: list[dict], table: list[dict]) -> None:
         ax2.axhline(ctrl[0]["final acc (mean)"], color="k", ls="--", label="SFT control")
     ax2.set(xlabel="pruning rate P", ylabel="final accuracy", title="final accuracy vs P (allocation on)")
     ax2.legend(fontsize=7)
-
-
-def plot_auc(ax, rows: list[dict]) -> None:
-    """The early-stopping predictor's AUC per step (explore groups), one line per run."""
-    for r in rows:
-        pts = [(s, a) for s, a in r["auc_per_step"] if a is not None and a == a]
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], ".-", label=r["run"], alpha=0.8)
-    ax.axhline(0.5, color="k", ls=":", lw=1)
-    ax.set(xlabel="RL step", ylabel="predictor AUC (explore groups)", title="early stopping: predictor quality",
-           ylim=(0.3, 1.0))
-    ax.legend(fontsize=6)
-
 
