@@ -37,8 +37,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                   "export an embedded-trainer model (warm-up, checkpoint) as an HF model directory with a real "
                   "tokenizer"),
     "bench": ("cppo_megatron.commands.bench",
-              "benchmarks (speedup, rollout, overhead, balance, verl, openrlhf, gradient): JSON + markdown + PNG "
-              "into --out"),
+              "benchmarks (speedup, rollout, overhead, balance, verl, openrlhf, gradient, predictor): JSON + "
+              "markdown + PNG into --out"),
     "simulate": ("cppo_megatron.commands.simulate", "cost model of GRPO/CPPO steps on GPU clusters; --check-paper"),
     "advise": ("cppo_megatron.commands.advise",
                "what CPPO would do for your run: S_max, step time, allocation and the recipe change per P, from a "

@@ -59,7 +59,7 @@ CACHE=${CPPO_CACHE:-$HOME/.cache/cppo-megatron}
 # each pytest lists its tests (and module set-ups) over 20 s: what the CI time is made of
 DURATIONS="--durations=40 --durations-min=20"
 E2E=(tests/integrations/verl/test_cpu_e2e.py tests/integrations/verl/test_cpu_megatron_e2e.py
-     tests/integrations/verl/test_cpu_two_nodes.py)
+     tests/integrations/verl/test_cpu_two_nodes.py tests/integrations/verl/test_early_stop_e2e.py)
 
 bridge_block() {
   # veRL's default Megatron route, Megatron-Bridge (Python 3.12), in its own environment

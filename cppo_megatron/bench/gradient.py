@@ -13,10 +13,20 @@ training), per batch:
 - cosine(g_S, g), relative norm error |g_S - g| / |g| and norm ratio |g_S| / |g|, and the
   seconds per prompt of the kept set's forward + backward.
 
+With ``--early-stop`` (cppo.early_stop, docs/early_stopping.md), at the recipe's pruning rate: the
+kept set of CPPO + early stopping as the engine would have formed it on these completions
+(``core.replay_early_stop``: boundary by boundary, the predictor's stops; the survivors chosen
+among the finished ones by ``core.early_stop_prune``) with each estimator (impute, finished), and
+an upper bound labelled ``oracle``: a predictor that knows each completion's outcome. The
+predictor is fitted at each point on ``--es-train-batches`` batches sampled before the measured
+ones (as the trainer fits it on earlier steps). ``tokens_share``: tokens generated over the full
+batch's (1 without early stopping); ``predictor_auc``: its AUC over the measured batches' prefixes.
+
 Mean +- sd over batches per (training point, kept set). Batches without any learning
 signal (every group of equal rewards: g = 0) are skipped and counted.
 
   cppo-megatron bench gradient recipes/tiny_cpu.yaml --points 0,20,60 --batches 4
+  cppo-megatron bench gradient recipes/worked_cpu.yaml --early-stop --rates 0.875
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import torch
 from ..recipes import arg_type as recipe_arg
 from .report import Report
 
-__all__ = ["KeptSet", "kept_sets", "policy_gradient", "compare", "configure", "run"]
+__all__ = ["KeptSet", "compare", "configure", "early_stop_sets", "kept_sets", "policy_gradient", "run"]
 
 DEFAULT_RATES = "0.5,0.75,0.875,0.9375"
 DEFAULT_KEEP_MASS = "0.5,0.8,0.9,0.95"
@@ -40,12 +50,24 @@ DEFAULT_KEEP_MASS = "0.5,0.8,0.9,0.95"
 
 @dataclass(frozen=True)
 class KeptSet:
-    """One selection rule to compare: a label and the ``CPPOConfig`` fields it sets."""
+    """One selection rule to compare: a label and the ``CPPOConfig`` fields it sets; ``early_stop``:
+    the estimator of an early-stopping set (``"impute"`` / ``"finished"``), ``oracle``: its predictor
+    knows the outcome (an upper bound)."""
 
     label: str
     metric: str
     pruning_rate: float | None = None
     keep_mass: float | None = None
+    early_stop: str | None = None
+    oracle: bool = False
+
+
+def early_stop_sets(rate: float) -> list[KeptSet]:
+    """The early-stopping kept sets at pruning rate ``rate``: each estimator, and the oracle bound."""
+    return [KeptSet(f"early_stop impute P={rate:g}", "smallest", pruning_rate=rate, early_stop="impute"),
+            KeptSet(f"early_stop finished P={rate:g}", "smallest", pruning_rate=rate, early_stop="finished"),
+            KeptSet(f"early_stop oracle P={rate:g} (upper bound)", "smallest", pruning_rate=rate,
+                    early_stop="impute", oracle=True)]
 
 
 def kept_sets(rates: list[float], keep_mass: list[float]) -> list[KeptSet]:
@@ -127,6 +149,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"keep_mass fractions f (default {DEFAULT_KEEP_MASS})")
     parser.add_argument("--warmup-checkpoint", default=None,
                         help="start weights; default: the recipe's init_checkpoint, else run its warm-up once")
+    parser.add_argument("--early-stop", action="store_true",
+                        help="also the kept sets of CPPO + early stopping (cppo.early_stop: each estimator, and an "
+                             "oracle upper bound) at each pruning rate of --rates")
+    parser.add_argument("--es-train-batches", type=int, default=2,
+                        help="with --early-stop: batches sampled at each point, before the measured ones, to fit "
+                             "the predictor on (default 2)")
 
 
 def _floats(name: str, text: str, lo: float, hi: float, lo_open: bool = False, hi_open: bool = True) -> list[float]:
@@ -151,18 +179,31 @@ def _sample_batch(trainer, sampler, prompts: int):
     problems = [trainer.task.train[i] for i in sampler.draw(prompts)]
     p_ids = [trainer.tok.prompt_ids(r.task.prompt_template.format(question=p.question)) for p in problems]
     params = SamplingParams(n=G, temperature=r.rollout.temperature, top_p=r.rollout.top_p,
-                            max_new_tokens=r.rollout.max_new_tokens)
+                            max_new_tokens=r.rollout.max_new_tokens, logprobs=True, logprobs_mode="raw")
     out = trainer.engine.generate(p_ids, params)
     rewards = []
     for j, toks in enumerate(out.tokens):
         s = trainer.task.score(trainer.tok.decode(toks), problems[j // G])
         rewards.append(combine_reward(s, r.task.reward.correct, r.task.reward.format, r.task.reward.step))
     prompts_rep = [p_ids[j // G] for j in range(len(out.tokens))]
+    assert out.logprobs is not None  # asked for
+    width = max(len(t) for t in out.tokens)
+    logp = torch.zeros(len(out.tokens), max(width, 1))
+    for i, lp in enumerate(out.logprobs):
+        logp[i, : lp.numel()] = lp
+    ended = torch.tensor([why == "stop" for why in out.finish_reasons])
+    _LAST_GENERATION.update(logprobs=logp, ended=ended)
     return prompts_rep, list(out.tokens), torch.tensor(rewards, dtype=torch.float32)
 
 
-def measure_batch(trainer, prompts_rep, completions, rewards, sets: list[KeptSet], step: int) -> dict:
-    """Full-batch gradient and every kept set's gradient on one batch: {label: metrics}."""
+# the last sampled batch's per-token log-probs and EOS flags (early stopping's replay reads them)
+_LAST_GENERATION: dict = {}
+
+
+def measure_batch(trainer, prompts_rep, completions, rewards, sets: list[KeptSet], step: int,
+                  early: dict | None = None) -> dict:
+    """Full-batch gradient and every kept set's gradient on one batch: {label: metrics}. ``early``:
+    what the early-stopping sets need (``predictor``, ``logprobs``, ``ended``)."""
     from ..core import prune
     from ..trainer.policy import KeptBatch
 
@@ -186,7 +227,13 @@ def measure_batch(trainer, prompts_rep, completions, rewards, sets: list[KeptSet
         cfg = replace(r.cppo, metric=ks.metric, pruning_rate=ks.pruning_rate, keep_per_group=None,
                       keep_mass=ks.keep_mass)
         t0 = time.perf_counter()
-        res = prune(rewards, gids, cfg, step=step)
+        share, extra = 1.0, {}
+        if ks.early_stop is not None:
+            if early is None:
+                continue
+            res, share, extra = _early_stop_set(trainer, ks, cfg, rewards, gids, completions, early, step)
+        else:
+            res = prune(rewards, gids, cfg, step=step)
         sel = res.selection
         kept = sel.kept.tolist()
         if not kept:
@@ -201,8 +248,39 @@ def measure_batch(trainer, prompts_rep, completions, rewards, sets: list[KeptSet
         row = compare(g, g_full)
         row["kept_ratio"] = sel.num_kept / rewards.numel()
         row["s_per_prompt"] = (time.perf_counter() - t0) / n_prompts
+        row["tokens_share"] = share
+        row.update(extra)
         out[ks.label] = row
+    out["full"]["tokens_share"] = 1.0
     return out
+
+
+def _early_stop_set(trainer, ks: KeptSet, cfg, rewards, gids, completions, early: dict, step: int):
+    """(PruneResult, tokens share, extra metrics) of an early-stopping kept set on a batch generated
+    in full: the stops ``replay_early_stop`` names, then ``early_stop_prune``."""
+    from ..core import PruneResult
+    from ..core.early_stop import early_stop_prune, imputed_moments, replay_early_stop
+
+    r = trainer.r
+    G = r.rollout.group_size
+    es = replace(cfg.early_stop, enabled=True, estimator=ks.early_stop)
+    cfg = replace(cfg, early_stop=es)
+    success = rewards.to(torch.float64) >= es.success_threshold
+    predictor = early["predictor"]
+    lengths = torch.tensor([len(c) for c in completions])
+    # the oracle knows each completion's outcome (q 0.98 / 0.02) and the batch's class means
+    known = torch.where(success, 0.98, 0.02) if ks.oracle else None
+    rep = replay_early_stop(predictor, early["logprobs"], lengths, early["ended"], gids, cfg=es, group_size=G,
+                            keep=cfg.keep_for_group(G), max_new_tokens=r.rollout.max_new_tokens, seed=cfg.seed,
+                            step=step, known_q=known)
+    means = predictor.class_means
+    if ks.oracle and bool(success.any()) and bool((~success).any()):
+        means = (float(rewards[~success].mean()), float(rewards[success].mean()))
+    mu, sq = imputed_moments(torch.nan_to_num(rep.q_last, nan=0.5), means)
+    es_res = early_stop_prune(rewards, rep.stopped, gids, cfg, expected=mu, expected_sq=sq, step=step)
+    made = torch.where(rep.stopped, rep.stopped_at, lengths).sum()
+    res = PruneResult(es_res.advantages.to(torch.float32), es_res.stats, es_res.selection)
+    return res, float(made) / float(lengths.sum()), {"stopped_share": float(rep.stopped.float().mean())}
 
 
 def _mean_sd(xs: list[float]) -> tuple[float, float]:
@@ -235,6 +313,8 @@ def run(args: argparse.Namespace) -> Report:
     trainer = Trainer(run_recipe)
     trainer.prepare(initial_eval=False)
     sets = kept_sets(rates, masses)
+    if args.early_stop:
+        sets += [ks for rate in rates for ks in early_stop_sets(rate)]
     labels = ["full"] + [s.label for s in sets]
     per_point: dict[int, dict[str, list[dict]]] = {}
     skipped: dict[int, int] = {}
@@ -246,9 +326,11 @@ def run(args: argparse.Namespace) -> Report:
         sampler = PromptSampler(len(trainer.task.train), seed=recipe.seed + 7919 * (point + 1))
         acc: dict[str, list[dict]] = {k: [] for k in labels}
         skipped[point] = 0
+        predictor = _fit_predictor(trainer, sampler, args) if args.early_stop else None
         for b in range(args.batches):
             prompts_rep, completions, rewards = _sample_batch(trainer, sampler, args.prompts)
-            res = measure_batch(trainer, prompts_rep, completions, rewards, sets, step=1000 * point + b)
+            early = None if predictor is None else {"predictor": predictor, **_LAST_GENERATION}
+            res = measure_batch(trainer, prompts_rep, completions, rewards, sets, step=1000 * point + b, early=early)
             if not res:
                 skipped[point] += 1
             for k, v in res.items():
@@ -267,7 +349,7 @@ def run(args: argparse.Namespace) -> Report:
             if not recs:
                 continue
             row = {"rl_step": point, "kept_set": label, "batches": len(recs)}
-            for key in ("kept_ratio", "cosine", "rel_error", "norm_ratio"):
+            for key in ("kept_ratio", "cosine", "rel_error", "norm_ratio", "tokens_share"):
                 m, sd = _mean_sd([r[key] for r in recs])
                 row[key] = m
                 row[f"{key}_sd"] = sd
@@ -291,13 +373,40 @@ def run(args: argparse.Namespace) -> Report:
         title=f"Gradient fidelity of kept sets, {Path(args.recipe).name}",
         params={"recipe": args.recipe, "overrides": args.overrides, "points": points, "batches": args.batches,
                 "prompts": args.prompts, "rates": rates, "keep_mass": masses, "warm_start": str(warm)},
-        columns=["rl_step", "kept_set", "batches", "kept_ratio", "cosine", "cosine_sd", "rel_error", "rel_error_sd",
-                 "norm_ratio", "ms_per_prompt"],
+        columns=["rl_step", "kept_set", "batches", "kept_ratio", "tokens_share", "cosine", "cosine_sd", "rel_error",
+                 "rel_error_sd", "norm_ratio", "ms_per_prompt"],
         rows=rows,
         notes=notes,
         extras={"skipped_batches": skipped},
         plot=lambda fig: _plot(fig, rows, points),
     )
+
+
+def _fit_predictor(trainer, sampler, args):
+    """The early-stopping predictor of a point: features of every boundary of ``--es-train-batches``
+    batches (``replay_early_stop`` without a predictor), their outcomes; ``core.PrefixPredictor``."""
+    from ..core.early_stop import PrefixPredictor, replay_early_stop
+
+    r = trainer.r
+    G = r.rollout.group_size
+    es = r.cppo.early_stop
+    xs, ys, rs = [], [], []
+    for _ in range(max(args.es_train_batches, 1)):
+        _, completions, rewards = _sample_batch(trainer, sampler, args.prompts)
+        lengths = torch.tensor([len(c) for c in completions])
+        gids = torch.arange(len(completions)) // G
+        rep = replay_early_stop(None, _LAST_GENERATION["logprobs"], lengths, _LAST_GENERATION["ended"], gids, cfg=es,
+                                group_size=G, keep=max(1, G // 8), max_new_tokens=r.rollout.max_new_tokens)
+        x, rows = rep.examples
+        xs.append(x)
+        ys.append((rewards[rows] >= es.success_threshold).to(torch.float64))
+        rs.append(rewards[rows].to(torch.float64))
+    y = torch.cat(ys)
+    if y.numel() == 0 or y.min() == y.max():
+        raise ValueError("bench gradient --early-stop: the predictor's training batches hold one outcome only "
+                         "(every completion succeeded or every one failed); warm the model up further or raise "
+                         "--es-train-batches")
+    return PrefixPredictor(es.l2).fit(torch.cat(xs), y, torch.cat(rs))
 
 
 def _bar(total: int, enabled: bool):

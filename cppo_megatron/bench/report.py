@@ -46,7 +46,11 @@ def seconds_per_prompt(rows: list[dict], skip: int, *, step_key: str, phase_pref
     prompts = [r["cppo/num_groups"] for r in steps]
     out = {"steps": len(steps), "prompts_per_step": median(prompts),
            "trained_per_step": median([r["cppo/num_kept"] for r in steps]),
-           "s_per_prompt": median([r[step_key] / p for r, p in zip(steps, prompts, strict=True)])}
+           "s_per_prompt": median([r[step_key] / p for r, p in zip(steps, prompts, strict=True)]),
+           # tokens generated (early stopping's count where it ran, else signal/*'s) and the share stopped
+           "tokens_per_prompt": median([r.get("early_stop/tokens_generated", r.get("signal/generated_tokens", 0.0)) / p
+                                        for r, p in zip(steps, prompts, strict=True)]),
+           "stopped_share": median([r.get("early_stop/stopped_share", 0.0) for r in steps])}
     for phase in phases:
         per_prompt = [r.get(f"{phase_prefix}{phase}", 0.0) / p for r, p in zip(steps, prompts, strict=True)]
         out[f"{phase}_s_per_prompt"] = median(per_prompt)

@@ -25,9 +25,17 @@ skipped ones included: S_max assumes each prompt consumed is generated, so a ski
 prompt is where such a run can go beyond the bound. The history needs repeats: give a
 small ``task.train_size`` and ``--warmup-steps`` (unrecorded steps that build it).
 
+With ``--early-stop`` each rate also runs with early stopping inside the engine
+(``cppo.early_stop``: completions the predictor expects in their group's majority are stopped
+at a segment boundary, docs/early_stopping.md): generation itself shrinks, which S_max(P) does
+not model, so this is where a run can go beyond the bound. The predictor learns from earlier
+steps: give ``--warmup-steps`` so it is fitted before the measured steps (it stops nothing
+until it has seen ``cppo.early_stop.min_examples`` completions of each outcome).
+
   cppo-megatron bench speedup recipes/tiny_cpu.yaml --rates 0,0.5,0.75,0.875,0.9375
   cppo-megatron bench speedup recipes/tiny_cpu.yaml task.train_size=256 --rates 0.875 --allocation on \
       --selective --warmup-steps 8
+  cppo-megatron bench speedup recipes/worked_cpu.yaml --rates 0.875 --allocation on --early-stop --warmup-steps 4
 """
 
 from __future__ import annotations
@@ -57,6 +65,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--selective", action="store_true",
                         help="also run each rate with selective rollout (cppo.selective.enabled); its time per prompt "
                              "counts skipped prompts as consumed (see --warmup-steps)")
+    parser.add_argument("--early-stop", action="store_true",
+                        help="also run each rate with early stopping inside the engine (cppo.early_stop); give "
+                             "--warmup-steps so its predictor is fitted before the measured steps")
     parser.add_argument("--warmup-steps", type=int, default=0,
                         help="unrecorded steps per run before the measured ones (default 0); with --selective they "
                              "build the per-prompt history (use a small task.train_size so prompts repeat)")
@@ -116,11 +127,13 @@ def same_batch_capacity(recipe, rate: float) -> int:
 def _run_name(key: tuple) -> str:
     if len(key) == 4:  # GRPO at the prompts of allocation at rate key[3]
         return f"p0_batch_of_p{key[3]:g}"
-    return f"p{key[0]:g}_{'alloc' if key[1] else 'noalloc'}{'_selective' if len(key) == 3 else ''}"
+    return f"p{key[0]:g}_{'alloc' if key[1] else 'noalloc'}{'_' + key[2] if len(key) == 3 else ''}"
 
 
 def _bench_recipe(recipe, out: Path, warm: Path, key: tuple):
-    rate, allocation, selective = key[0], key[1], len(key) == 3
+    """The recipe of one run: key (P, allocation), (P, allocation, "selective" | "early_stop") or
+    (0.0, True, "batch", P) for GRPO at the batch of allocation at P."""
+    rate, allocation, variant = key[0], key[1], key[2] if len(key) == 3 else ""
     extra = {"train.capacity": same_batch_capacity(recipe, key[3])} if len(key) == 4 else {}
     return replace_recipe(
         recipe,
@@ -128,7 +141,8 @@ def _bench_recipe(recipe, out: Path, warm: Path, key: tuple):
         init_checkpoint=str(warm),
         **{
             "cppo.pruning_rate": rate, "cppo.keep_per_group": None, "cppo.allocation": allocation,
-            "cppo.selective.enabled": selective, **extra,
+            "cppo.selective.enabled": variant == "selective", "cppo.early_stop.enabled": variant == "early_stop",
+            **extra,
             "warmup.enabled": False, "eval.every": 0, "log.progress": False, "log.tensorboard": False,
             "log.plots": False, "log.checkpoint_every": 0, "train.steps": 10**9, "train.max_time_s": 0.0,
         },
@@ -137,9 +151,10 @@ def _bench_recipe(recipe, out: Path, warm: Path, key: tuple):
 
 def measure(recipe, rates: list[float], allocations: list[bool], steps: int, repeats: int, warm: Path,
             out: Path, progress: bool = True, warmup_steps: int = 0,
-            selective: bool = False, same_batch: bool = False) -> dict[tuple, list[dict]]:
+            selective: bool = False, same_batch: bool = False, early_stop: bool = False) -> dict[tuple, list[dict]]:
     """Interleave the runs' steps; return every step record per (rate, allocation), per
-    (rate, allocation, "selective") for the selective-rollout runs ``selective`` adds, and per
+    (rate, allocation, "selective") / (rate, allocation, "early_stop") for the runs ``selective``
+    and ``early_stop`` add (early stopping: rates > 0 only), and per
     (0.0, True, "batch", rate) for GRPO at the prompts of allocation at each rate > 0 that
     ``same_batch`` adds.
 
@@ -149,7 +164,8 @@ def measure(recipe, rates: list[float], allocations: list[bool], steps: int, rep
     from ..trainer import Trainer
 
     plain = [(p, a) for a in allocations for p in rates if not (p == 0.0 and a != allocations[0])]
-    keys: list[tuple] = plain + ([(p, a, "selective") for p, a in plain] if selective else [])
+    keys: list[tuple] = plain + ([(p, a, "selective") for p, a in plain] if selective else []) + (
+        [(p, a, "early_stop") for p, a in plain if p > 0] if early_stop else [])
     if same_batch and True in allocations:
         keys += [(0.0, True, "batch", p) for p in rates if p > 0]
     trainers = {}
@@ -194,12 +210,13 @@ def phase_split(recs: list[dict]) -> dict:
             "t_step_per_prompt_s": per_prompt(recs, "time/step")}
 
 
-def _row(recs: list[dict], p: float, allocation: bool, selective: bool, base: dict, name: str) -> dict:
+def _row(recs: list[dict], p: float, allocation: bool, variant: str, base: dict, name: str) -> dict:
     t = per_prompt(recs, "time/step")
     s = speedup(base["t_step_per_prompt_s"], t)
     bound = speedup_bound(p, base["t_gen_per_prompt_s"], base["t_rest_per_prompt_s"])
     row = {
-        "run": name, "P": p, "allocation": allocation, "selective": selective,
+        "run": name, "P": p, "allocation": allocation, "selective": variant == "selective",
+        "early_stop": variant == "early_stop",
         "prompts/step": median(r.get("selective/prompts_drawn", r["alloc/prompts_drawn"]) for r in recs),
         "generated/step": median(r["alloc/prompts_drawn"] for r in recs),
         "trained/step": median(r["cppo/num_kept"] for r in recs),
@@ -208,6 +225,9 @@ def _row(recs: list[dict], p: float, allocation: bool, selective: bool, base: di
     }
     for ph in ALL_PHASES:
         row[f"ms/prompt {ph}"] = 1e3 * per_prompt(recs, f"time/{ph}")
+    drawn = [r.get("selective/prompts_drawn", r["alloc/prompts_drawn"]) for r in recs]
+    row["tokens/prompt"] = median(r.get("rollout/tokens", 0.0) / d for r, d in zip(recs, drawn, strict=True))
+    row["stopped share"] = median(r.get("early_stop/stopped_share", 0.0) for r in recs)
     row["steps measured"] = len(recs)
     return row
 
@@ -232,24 +252,23 @@ def analyse(records: dict, rates: list[float], allocations: list[bool]) -> tuple
     split = phase_split(records[(0.0, allocations[0])])
     same = same_batch_splits(records)
     rows = []
-    for selective in (False, True):
+    for variant in ("", "selective", "early_stop"):
         for a in allocations:
             for p in rates:
                 if p == 0.0 and a != allocations[0]:
                     continue  # GRPO once: allocation is moot at P = 0
-                key: tuple = (p, a)
-                if selective:
-                    key = (*key, "selective")
+                key: tuple = (p, a, variant) if variant else (p, a)
                 if key not in records:
                     continue
                 name = "GRPO" if p == 0.0 else f"CPPO P={p:g} {'alloc' if a else 'no-alloc'}"
-                row = _row(records[key], p, a, selective, split, name + (" + selective" if selective else ""))
+                suffix = {"selective": " + selective", "early_stop": " + early stop"}.get(variant, "")
+                row = _row(records[key], p, a, variant, split, name + suffix)
                 if a and p in same:
                     _against_same_batch(row, same[p])
                 rows.append(row)
     for p in same:
         recs = records[(0.0, True, "batch", p)]
-        row = _row(recs, 0.0, True, False, split, f"GRPO at P={p:g}'s batch")
+        row = _row(recs, 0.0, True, "", split, f"GRPO at P={p:g}'s batch")
         row["bound"] = row["of bound"] = None  # a baseline: its speedup is the batching gain, no pruning bound
         rows.append(row)
     return rows, split
@@ -269,7 +288,8 @@ def run(args: argparse.Namespace) -> Report:
     t0 = time.perf_counter()
     warm = warm_start(recipe, out, args.warmup_checkpoint)
     records = measure(recipe, rates, allocations, args.steps, args.repeats, warm, out, recipe.log.progress,
-                      warmup_steps=args.warmup_steps, selective=args.selective, same_batch=not args.no_same_batch)
+                      warmup_steps=args.warmup_steps, selective=args.selective, same_batch=not args.no_same_batch,
+                      early_stop=args.early_stop)
     rows, split = analyse(records, rates, allocations)
     report = Report(
         name="speedup",
@@ -277,8 +297,10 @@ def run(args: argparse.Namespace) -> Report:
               f"({args.steps} steps x {args.repeats} interleaved rounds)",
         params={"recipe": args.recipe, "overrides": args.overrides, "rates": rates, "allocation": args.allocation,
                 "steps": args.steps, "repeats": args.repeats, "warm_start": str(warm),
-                "selective": args.selective, "warmup_steps": args.warmup_steps, "same_batch": not args.no_same_batch},
-        columns=["run", "prompts/step", "generated/step", "trained/step", "ms/prompt", "speedup", "bound",
+                "selective": args.selective, "early_stop": args.early_stop, "warmup_steps": args.warmup_steps,
+                "same_batch": not args.no_same_batch},
+        columns=["run", "prompts/step", "generated/step", "trained/step", "tokens/prompt", "stopped share",
+                 "ms/prompt", "speedup", "bound",
                  "of bound", "speedup same batch", "bound same batch", "of bound same batch", "ms/prompt rollout",
                  "ms/prompt update"],
         rows=rows,
@@ -291,6 +313,7 @@ def run(args: argparse.Namespace) -> Report:
             "against GRPO is the batching gain",
             *same_batch_notes(rows),
             *_selective_notes(rows),
+            *_early_stop_notes(rows),
             f"total bench time {time.perf_counter() - t0:.0f} s",
         ],
         extras={"phase_split": split,
@@ -306,7 +329,7 @@ def same_batch_notes(rows: list[dict]) -> list[str]:
     out = []
     for r in rows:
         same = base.get(f"{r['P']:g}")
-        if same is None or r["selective"] or not r["allocation"] or r["speedup same batch"] is None:
+        if same is None or r["selective"] or r["early_stop"] or not r["allocation"] or r["speedup same batch"] is None:
             continue
         out.append(f"P={r['P']:g} with allocation: GRPO at its {same['prompts/step']:g} prompts a step runs "
                    f"{same['speedup']:.2f}x GRPO's per prompt (the batching gain); CPPO against that GRPO "
@@ -328,21 +351,42 @@ def _selective_notes(rows: list[dict]) -> list[str]:
     return out
 
 
+def _early_stop_notes(rows: list[dict]) -> list[str]:
+    """Per early-stopping row: tokens per prompt against CPPO's at the same rate, and the bounds."""
+    out = []
+    plain = {(r["P"], r["allocation"]): r for r in rows
+             if not r["selective"] and not r["early_stop"] and not r["run"].startswith("GRPO at")}
+    for r in rows:
+        if r["early_stop"]:
+            base = plain.get((r["P"], r["allocation"]))
+            tokens = f"{r['tokens/prompt']:.1f} tokens per prompt" + (
+                f" (CPPO alone {base['tokens/prompt']:.1f}, speedup {base['speedup']:.2f}x)" if base else "")
+            beyond = "beyond" if r["speedup"] > r["bound"] else "within"
+            same = "" if r["speedup same batch"] is None else (
+                f"; vs GRPO at the same batch {r['speedup same batch']:.2f}x, bound {r['bound same batch']:.2f}x")
+            out.append(f"P={r['P']:g} {'with' if r['allocation'] else 'without'} allocation + early stopping: "
+                       f"{r['stopped share']:.0%} of completions stopped (median), {tokens}; speedup "
+                       f"{r['speedup']:.2f}x vs S_max {r['bound']:.2f}x: {beyond} the bound{same}")
+    return out
+
+
 def _plot(fig, rows: list[dict], allocations: list[bool]) -> None:
     ax = fig.add_subplot(1, 1, 1)
     mine = [r for r in rows if not r["run"].startswith("GRPO at")]  # the same-batch GRPO runs are baselines
-    for selective in (False, True):
+    for variant, style in (("", "o-"), ("selective", "s--"), ("early_stop", "v-.")):
         for a in allocations:
-            sel = [r for r in mine if (r["allocation"] == a or r["P"] == 0.0) and r["selective"] == selective]
+            sel = [r for r in mine if (r["allocation"] == a or r["P"] == 0.0)
+                   and r["selective"] == (variant == "selective") and r["early_stop"] == (variant == "early_stop")]
             if sel:
-                ax.plot([r["P"] for r in sel], [r["speedup"] for r in sel], "s--" if selective else "o-",
-                        label=f"measured, allocation {'on' if a else 'off'}{' + selective' if selective else ''}")
-    same = [r for r in mine if r["speedup same batch"] is not None and not r["selective"] and r["P"] > 0]
+                ax.plot([r["P"] for r in sel], [r["speedup"] for r in sel], style,
+                        label=f"measured, allocation {'on' if a else 'off'}{' + ' + variant if variant else ''}")
+    same = [r for r in mine if r["speedup same batch"] is not None and not r["selective"] and not r["early_stop"]
+            and r["P"] > 0]
     if same:
         ax.plot([r["P"] for r in same], [r["speedup same batch"] for r in same], "^-",
                 label="allocation vs GRPO at the same batch")
         ax.plot([r["P"] for r in same], [r["bound same batch"] for r in same], "k:", label="its bound")
-    sel = [r for r in mine if r["allocation"] == allocations[0] and not r["selective"]]
+    sel = [r for r in mine if r["allocation"] == allocations[0] and not r["selective"] and not r["early_stop"]]
     ax.plot([r["P"] for r in sel], [r["bound"] for r in sel], "k--", label="bound S_max(P)")
     ax.set(xlabel="pruning rate P", ylabel="speedup vs GRPO (time per prompt)", title="CPPO speedup and its bound")
     ax.grid(alpha=0.3)

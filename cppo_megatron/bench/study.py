@@ -43,6 +43,7 @@ from .study_table import (
     add_time_to_target,
     default_target,
     grid,
+    plot_auc,
     plot_curves,
     run_id,
     sd_or_zero,
@@ -130,12 +131,16 @@ def run_rl(recipe, warm: Path, spec: dict, budget: float, clock_name: str, evals
     last = {}
     at_prompts = None
     tokens = 0.0  # generated, every round of every step
+    stopped, auc = [], []  # early stopping: share stopped and the predictor's AUC per step
     while used < budget:
         c0 = clock()
         last = t.step_once()
         t.main_logger.log(last, t.step)
         used += clock() - c0
         tokens += float(last.get("rollout/tokens", 0.0))
+        if "early_stop/stopped_share" in last:
+            stopped.append(float(last["early_stop/stopped_share"]))
+            auc.append([t.step, last.get("early_stop/predictor_auc")])
         drawn = float(last["alloc/total_prompts_drawn"])
         if at_prompts is None and eval_at_prompts is not None and drawn >= eval_at_prompts:
             at_prompts = (drawn, t._evaluate(r.eval.num_problems))
@@ -146,6 +151,8 @@ def run_rl(recipe, warm: Path, spec: dict, budget: float, clock_name: str, evals
     row = _row(spec, curve, t.step, last)
     row["gen_tokens_per_step"] = tokens / max(t.step, 1)
     row["prompts_skipped"] = last.get("selective/total_prompts_skipped")
+    row["stopped_share"] = sum(stopped) / len(stopped) if stopped else None
+    row["auc_per_step"] = auc or None
     if at_prompts is not None:
         row["prompts_at_grpo_prompts"] = at_prompts[0]
         row["accuracy_at_grpo_prompts"] = at_prompts[1]["eval/accuracy"]
@@ -191,6 +198,8 @@ def _row(spec: dict, curve: list, steps: int, last: dict) -> dict:
         "prompts_at_grpo_prompts": None,
         "gen_tokens_per_step": None,
         "prompts_skipped": None,
+        "stopped_share": None,
+        "auc_per_step": None,
         # [time, accuracy, prompts drawn] per evaluation
         "curve": [[round(tm, 3), ev["eval/accuracy"], pr] for tm, ev, pr in curve],
     }
@@ -258,8 +267,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plot(fig, rows: list[dict], table: list[dict]) -> None:
-    plot_curves(fig.add_subplot(1, 2, 1), rows)
-    ax2 = fig.add_subplot(1, 2, 2)
+    aucs = [r for r in rows if r.get("auc_per_step")]
+    cols = 3 if aucs else 2
+    plot_curves(fig.add_subplot(1, cols, 1), rows)
+    if aucs:
+        plot_auc(fig.add_subplot(1, cols, 3), aucs)
+    ax2 = fig.add_subplot(1, cols, 2)
     modes = list(GENERATION)
     series = sorted({(t["metric"], t["generation"]) for t in table if t["P"] is not None and t["metric"] != "grpo"},
                     key=lambda x: (x[0], modes.index(x[1])))
@@ -273,5 +286,4 @@ def _plot(fig, rows: list[dict], table: list[dict]) -> None:
         ax2.axhline(ctrl[0]["final acc (mean)"], color="k", ls="--", label="SFT control")
     ax2.set(xlabel="pruning rate P", ylabel="final accuracy", title="final accuracy vs P (allocation on)")
     ax2.legend(fontsize=7)
-
 

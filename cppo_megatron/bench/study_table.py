@@ -13,8 +13,8 @@ import statistics
 from pathlib import Path
 
 __all__ = ["DEFAULT", "FULL", "GENERATION", "METRIC_SETTINGS", "add_time_to_target", "arm_name", "compare",
-           "config_key", "default_target", "findings", "generation_findings", "grid", "plot_curves", "run_id",
-           "sd_or_zero", "summarize", "time_to_target", "verdict_line", "write_csv"]
+           "config_key", "default_target", "findings", "generation_findings", "grid", "plot_auc", "plot_curves",
+           "run_id", "sd_or_zero", "summarize", "time_to_target", "verdict_line", "write_csv"]
 
 DEFAULT = {"rates": "0,0.5,0.875", "metrics": "smallest,random,largest", "allocation": "on"}
 FULL = {"rates": "0,0.5,0.75,0.875,0.9375", "metrics": "smallest,random,largest,signed", "allocation": "both"}
@@ -31,7 +31,10 @@ GENERATION = {
     "all": ({}, ""),  # every prompt drawn is generated, every group trained on (CPPO prunes after rewards)
     "selective": ({"cppo.selective.enabled": True}, " + selective rollout"),  # GRESO: skip before generation
     "dapo": ({"cppo.dynamic_sampling": True}, " + DAPO filter"),  # drop zero-variance groups, refill
+    "early_stop": ({"cppo.early_stop.enabled": True}, " + early stopping"),  # stop completions inside the engine
 }
+# generation modes that need pruning (P > 0): their GRPO arm would be the plain one
+NEEDS_PRUNING = ("early_stop",)
 
 
 def grid(args) -> list[dict]:
@@ -66,11 +69,12 @@ def grid(args) -> list[dict]:
                     if p == 0 and a != allocs[0]:
                         continue
                     runs += [{"kind": "rl", "P": p, "metric": "grpo" if p == 0 else m, "allocation": a, "seed": seed,
-                              "keep_mass": None, "generation": g} for g in gens]
+                              "keep_mass": None, "generation": g} for g in gens
+                             if not (p == 0 and g in NEEDS_PRUNING)]
         if "keep_mass" in metrics:
             for a in allocs:
                 runs += [{"kind": "rl", "P": None, "metric": "keep_mass", "allocation": a, "seed": seed,
-                          "keep_mass": f, "generation": g} for g in gens]
+                          "keep_mass": f, "generation": g} for g in gens if g not in NEEDS_PRUNING]
         if not args.no_control:
             runs.append({"kind": "control", "P": None, "metric": "sft", "allocation": None, "seed": seed,
                          "keep_mass": None, "generation": None})
@@ -314,3 +318,16 @@ def plot_curves(ax, rows: list[dict], xlabel: str = "RL time (s)", label=None) -
                         alpha=0.15, color=line.get_color())
     ax.set(xlabel=xlabel, ylabel="held-out accuracy", title="accuracy vs time (mean ± sd over seeds)")
     ax.legend(fontsize=6)
+
+def plot_auc(ax, rows: list[dict]) -> None:
+    """The early-stopping predictor's AUC per step (explore groups), one line per run."""
+    for r in rows:
+        pts = [(s, a) for s, a in r["auc_per_step"] if a is not None and a == a]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], ".-", label=r["run"], alpha=0.8)
+    ax.axhline(0.5, color="k", ls=":", lw=1)
+    ax.set(xlabel="RL step", ylabel="predictor AUC (explore groups)", title="early stopping: predictor quality",
+           ylim=(0.3, 1.0))
+    ax.legend(fontsize=6)
+
+

@@ -24,7 +24,13 @@ The loop defaults to the legacy ``RayPPOTrainer`` (``trainer.use_v1=false``): V1
 ``timing_s/gen`` carries a ~2 s floor from its replay buffer's poll interval, which on a tiny
 model would be most of the measured generation time.
 
+With ``--early-stop`` (V1 only: ``--loop v1``) one more run: CPPO at P with allocation and early
+stopping inside the rollout (``cppo.early_stop``, docs/early_stopping.md), which shrinks
+generation itself, the phase S_max(P) leaves alone. Tokens per prompt come from the rows
+(``early_stop/tokens_generated``, else ``signal/generated_tokens``).
+
   cppo-megatron bench verl recipes/verl/tiny_cpu_grpo.yaml --rate 0.875 --steps 6
+  cppo-megatron bench verl recipes/verl/worked_cpu_grpo.yaml --rate 0.875 --steps 8 --loop v1 --early-stop
 """
 
 from __future__ import annotations
@@ -56,15 +62,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip", type=int, default=1, help="first steps left out of the medians (default 1)")
     parser.add_argument("--loop", choices=["legacy", "v1"], default="legacy",
                         help="veRL loop (default legacy: no replay-buffer poll floor in timing_s/gen)")
+    parser.add_argument("--early-stop", action="store_true",
+                        help="also CPPO at --rate with allocation and early stopping inside the rollout "
+                             "(cppo.early_stop; needs --loop v1)")
     parser.add_argument("--reuse", action="store_true",
                         help="reuse a variant whose run in --out already logged --steps steps (rerun only the others)")
     parser.add_argument("--no-same-batch", action="store_true",
                         help="leave out GRPO at allocation's prompts per step (the equal-batch baseline)")
 
 
-def _variants(rate: float, allocation: str, same_batch: list[str] | None = None) -> list[tuple[str, list[str]]]:
+def _variants(rate: float, allocation: str, same_batch: list[str] | None = None,
+              early_stop: bool = False) -> list[tuple[str, list[str]]]:
     """(name, overrides) per run, in running order; ``same_batch``: the overrides of GRPO at
-    allocation's batch (run right after CPPO with allocation), None to leave it out."""
+    allocation's batch (run right after CPPO with allocation), None to leave it out;
+    ``early_stop``: CPPO with allocation and early stopping last."""
     grpo = ["algorithm.adv_estimator=cppo", "cppo.pruning_rate=0.0"]
     out = [(GRPO, grpo)]
     for alloc in ([True, False] if allocation == "both" else [allocation == "on"]):
@@ -72,6 +83,10 @@ def _variants(rate: float, allocation: str, same_batch: list[str] | None = None)
                     ["algorithm.adv_estimator=cppo", f"cppo.pruning_rate={rate}", f"cppo.allocation={alloc}"]))
         if alloc and same_batch is not None:
             out.append((SAME_BATCH, grpo + same_batch))
+    if early_stop:
+        out.append((f"cppo P={rate:g} alloc + early stop",
+                    ["algorithm.adv_estimator=cppo", f"cppo.pruning_rate={rate}", "cppo.allocation=True",
+                     "cppo.early_stop.enabled=true"]))
     return out
 
 
@@ -127,13 +142,15 @@ def run(args: argparse.Namespace) -> Report:
         raise ValueError(f"--steps ({args.steps}) must exceed --skip ({args.skip})")
     if not Path(args.recipe).is_file():
         raise ValueError(f"recipe {args.recipe!r} not found")
+    if args.early_stop and args.loop != "v1":
+        raise ValueError("--early-stop runs on veRL's V1 loop (the predictor rides in its checkpoints): pass --loop v1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     same = None if args.no_same_batch or args.allocation == "off" else same_batch_overrides(
         args.recipe, args.overrides, args.rate)
     results = {}
-    for name, extra in _variants(args.rate, args.allocation, same):
+    for name, extra in _variants(args.rate, args.allocation, same, args.early_stop):
         slug = name.replace(" ", "_").replace("=", "")
         run_dir = (out / "verl_runs" / slug).resolve()
         done = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
@@ -148,7 +165,8 @@ def run(args: argparse.Namespace) -> Report:
     table, split = rows_against_both({k: v[1] for k, v in results.items()}, args.rate, gen, rest)
     for row in table:
         s = results[row["run"]][1]
-        row.update({"ms/prompt gen": 1e3 * s["gen_s_per_prompt"],
+        row.update({"tokens/prompt": s["tokens_per_prompt"], "stopped share": s["stopped_share"],
+                    "ms/prompt gen": 1e3 * s["gen_s_per_prompt"],
                     "ms/prompt update": 1e3 * s["update_actor_s_per_prompt"], **{f"raw_{k}": v for k, v in s.items()}})
     t_gen, t_rest = split["t_gen_per_prompt_s"], split["t_rest_per_prompt_s"]
     return Report(
@@ -156,9 +174,11 @@ def run(args: argparse.Namespace) -> Report:
         title=f"veRL {args.loop} loop: GRPO vs CPPO P={args.rate:g}, {Path(args.recipe).name} "
               f"({args.steps} steps per run, first {args.skip} skipped)",
         params={"recipe": args.recipe, "overrides": args.overrides, "rate": args.rate, "allocation": args.allocation,
-                "steps": args.steps, "skip": args.skip, "loop": args.loop, "same_batch": same},
-        columns=["run", "prompts/step", "trained/step", "ms/prompt", "speedup", "bound", "of bound",
-                 "speedup same batch", "bound same batch", "of bound same batch", "ms/prompt gen", "ms/prompt update"],
+                "steps": args.steps, "skip": args.skip, "loop": args.loop, "same_batch": same,
+                "early_stop": args.early_stop},
+        columns=["run", "prompts/step", "trained/step", "tokens/prompt", "stopped share", "ms/prompt", "speedup",
+                 "bound", "of bound", "speedup same batch", "bound same batch", "of bound same batch", "ms/prompt gen",
+                 "ms/prompt update"],
         rows=table,
         notes=[
             f"GRPO phase split per prompt: T_gen (timing_s/gen) {1e3 * t_gen:.2f} ms, "

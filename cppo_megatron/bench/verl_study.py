@@ -67,6 +67,7 @@ from .study_table import (
     default_target,
     generation_findings,
     grid,
+    plot_auc,
     plot_curves,
     run_id,
     summarize,
@@ -89,7 +90,8 @@ STEP_LIMIT = 1_000_000  # veRL needs a step count; the clock ends the run long b
 DAPO_OVERRIDES = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=reward",
                   "algorithm.filter_groups.max_inflight_gen_batches=1"]
 # what --generation sets in veRL (the embedded study's keys are the trainer's: study_table.GENERATION)
-VERL_GENERATION = {"all": [], "selective": ["cppo.selective.enabled=true"], "dapo": DAPO_OVERRIDES}
+VERL_GENERATION = {"all": [], "selective": ["cppo.selective.enabled=true"], "dapo": DAPO_OVERRIDES,
+                   "early_stop": ["cppo.early_stop.enabled=true"]}
 
 
 def is_verl_recipe(path: str | Path) -> bool:
@@ -291,6 +293,10 @@ def evaluate_run(result: dict, out: Path, evaluator: Evaluator, start: dict, gro
     gen_total = {int(r["step"]): float(r["generate_s"]) for r in c["sync_rows"] if "generate_s" in r}
     gen_per_step = {s: gen_total[s] - gen_total[s - 1] for s in gen_total if s - 1 in gen_total}
     counts = generation_counts(c["sync_rows"], metrics, step_at_budget, group_size)
+    stopped = [float(metrics[s]["early_stop/stopped_share"]) for s in trained
+               if "early_stop/stopped_share" in metrics.get(s, {})]
+    tokens = [float(metrics[s].get("early_stop/tokens_generated", metrics[s].get("signal/generated_tokens", 0.0)))
+              for s in trained if s in metrics]
     return {
         "run": result["run"], **spec,
         "steps": step_at_budget,
@@ -300,7 +306,12 @@ def evaluate_run(result: dict, out: Path, evaluator: Evaluator, start: dict, gro
         "prompts_drawn": prompts(step_at_budget),
         "completions_generated": (counts["completions"] if counts is not None
                                   else upto(step_at_budget, "cppo/num_completions")),
-        "gen_tokens_per_step": counts["tokens_per_step"] if counts is not None else None,
+        # the rollout server's counters (the hf stand-in), else the rows' tokens (signal/*, early_stop/*)
+        "gen_tokens_per_step": counts["tokens_per_step"] if counts is not None else (
+            sum(tokens) / len(tokens) if tokens else None),
+        "stopped_share": sum(stopped) / len(stopped) if stopped else None,
+        "auc_per_step": [[s, metrics[s].get("early_stop/predictor_auc")] for s in trained
+                         if "early_stop/predictor_auc" in metrics.get(s, {})] or None,
         "prompts_skipped": upto(step_at_budget, "selective/prompts_skipped"),
         "groups_filtered": upto(step_at_budget, "training/filter_groups/evicted_samples"),
         "completions_trained": upto(step_at_budget, "cppo/num_kept"),
@@ -401,11 +412,15 @@ def _label(r: dict) -> str:
 
 
 def _plot(fig, rows: list[dict], table: list[dict], target: float) -> None:
-    ax1 = fig.add_subplot(1, 2, 1)
+    aucs = [r for r in rows if r.get("auc_per_step")]
+    cols = 3 if aucs else 2
+    if aucs:
+        plot_auc(fig.add_subplot(1, cols, 3), aucs)
+    ax1 = fig.add_subplot(1, cols, 1)
     names = {arm_name(r): _label(r) for r in rows}
     plot_curves(ax1, rows, xlabel="wall time in veRL (s)", label=lambda n: names.get(n, n))
     ax1.axhline(target, color="grey", ls=":", lw=1)
-    ax2 = fig.add_subplot(1, 2, 2)
+    ax2 = fig.add_subplot(1, cols, 2)
     parts = [("gen_s", "generation"), ("old_log_prob_s", "old log-prob"), ("ref_s", "ref"),
              ("update_actor_s", "update"), ("update_weights_s", "weight sync"), ("other_s", "other")]
     arms = [_label(t) for t in table if t.get("step_s")]

@@ -5,7 +5,8 @@
   cppo-megatron bench openrlhf recipes/openrlhf/tiny_cpu_cppo.yaml [--rate 0.875] [--allocation both] [--steps 6]
   cppo-megatron bench overhead [--sizes 1000,10000,100000,1000000] [--step-seconds S|RUN.json]
   cppo-megatron bench balance  [--ranks 2,8,64,256] [--items-per-rank 16]
-  cppo-megatron bench gradient recipes/tiny_cpu.yaml [--points 0,20,60] [--batches 4]
+  cppo-megatron bench gradient recipes/tiny_cpu.yaml [--points 0,20,60] [--batches 4] [--early-stop]
+  cppo-megatron bench predictor recipes/worked_cpu.yaml [--steps 6]
   cppo-megatron bench BENCHMARK --help
 """
 
@@ -30,6 +31,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                 "our balancer vs veRL's get_seqlen_balanced_partitions vs contiguous split"),
     "gradient": ("cppo_megatron.bench.gradient",
                  "cosine / norm error of each kept set's policy gradient vs the full-batch gradient"),
+    "predictor": ("cppo_megatron.bench.predictor",
+                  "early stopping's predictor per feature set (log-probs, entropies, hidden state): held-out AUC"),
 }
 
 

@@ -14,6 +14,9 @@ library; ``tests/core/test_layering.py`` keeps it so).
 - ``selective``: selective rollout (GRESO): per-prompt history, pre-rollout skip decisions,
   adaptive exploration rates, batch filling, a step's ``selective/*`` metrics;
   ``selective_run``: ``SelectiveRun``, the driver every host runs over them
+- ``early_stop`` (settings: ``settings.EarlyStopConfig``): early stopping inside the rollout engine:
+  prefix features, the online predictor and its history, the stop rule, the estimator for
+  groups with stopped completions, accounting and predictor quality
 """
 
 from ._checks import check_int  # public: the int check adapters share with the core
@@ -26,6 +29,15 @@ from .balance import (
     naive_partition,
     pack_micro_batches,
     sequence_workload,
+)
+from .early_stop import (
+    PrefixPredictor,
+    StopAccounting,
+    StopDecision,
+    StopHistory,
+    decide_stops,
+    early_stop_prune,
+    prefix_features,
 )
 from .loss import (
     KL_KINDS,
@@ -62,7 +74,7 @@ from .selective import (
     target_shares,
 )
 from .selective_run import SelectiveRun
-from .settings import DEFAULT_PRUNING_RATE, METRICS, SCOPES, CPPOConfig, SelectiveConfig, keep_count
+from .settings import DEFAULT_PRUNING_RATE, METRICS, SCOPES, CPPOConfig, EarlyStopConfig, SelectiveConfig, keep_count
 
 __all__ = [
     "ADV_NORMS",
@@ -70,6 +82,7 @@ __all__ = [
     "AllocationTotals",
     "CPPOConfig",
     "DEFAULT_PRUNING_RATE",
+    "EarlyStopConfig",
     "ExplorationRates",
     "FilledBatch",
     "GroupOutcomes",
@@ -79,6 +92,7 @@ __all__ = [
     "METRICS",
     "OutcomeCounts",
     "Partition",
+    "PrefixPredictor",
     "PromptSampler",
     "PruneResult",
     "RoundCounts",
@@ -88,6 +102,9 @@ __all__ = [
     "SelectiveHistory",
     "SelectiveRun",
     "SkipDecision",
+    "StopAccounting",
+    "StopDecision",
+    "StopHistory",
     "adapt_exploration",
     "adapt_from_config",
     "advantages_from_stats",
@@ -97,6 +114,8 @@ __all__ = [
     "clipped_surrogate",
     "count_rounds",
     "decide_skips",
+    "decide_stops",
+    "early_stop_prune",
     "estimate_tokens_saved",
     "fill_batch",
     "group_outcomes",
@@ -110,6 +129,7 @@ __all__ = [
     "lower_bound",
     "naive_partition",
     "pack_micro_batches",
+    "prefix_features",
     "prune",
     "seeded_generator",
     "select_completions",

@@ -37,6 +37,9 @@ __all__ = [
     "CONFIG_KEYS",
     "CPPOConfig",
     "DEFAULT_PRUNING_RATE",
+    "EARLY_STOP_ESTIMATORS",
+    "EARLY_STOP_FEATURE_SETS",
+    "EarlyStopConfig",
     "FIELD_NAMES",
     "KEEP_MASS_METRICS",
     "MAGNITUDE_METRICS",
@@ -311,6 +314,100 @@ class SelectiveConfig:
         return self
 
 
+# what the early-stop predictor sees of a prefix: the sampled tokens' log-probs (every engine), plus
+# the per-token entropies (HF exactly, vLLM over its top log-probs), plus the policy's last hidden
+# state at the boundary (the embedded trainer's HF engine only)
+EARLY_STOP_FEATURE_SETS = ("logprob", "entropy", "hidden")
+# how the group statistics treat a stopped completion (it has no reward): its expected reward
+# under the predictor stands in (impute), or the statistics come from the finished ones alone
+EARLY_STOP_ESTIMATORS = ("impute", "finished")
+
+
+@document_fields
+@dataclass
+class EarlyStopConfig:
+    """Early stopping inside the rollout engine ("prune as you generate"; after ARRoL, Xu et al.,
+    arXiv 2603.24840; beyond CPPO): the ``cppo.early_stop`` section. Generation runs in segments of
+    ``segment_tokens``; at each boundary an online predictor scores every completion of a group from
+    what the engine hands out (token log-probs, entropies, hidden state), and the unfinished
+    completions it expects to end in the group's majority outcome (the ones CPPO would prune after
+    generation: the smallest |A|) are stopped, their remaining tokens never generated.
+    ``core.early_stop`` holds the rule, the predictor and the estimator; docs/early_stopping.md says
+    how to turn it on in each host and what it changes.
+
+        cfg = CPPOConfig(pruning_rate=0.875, early_stop={"enabled": True, "segment_tokens": 16})
+        cfg.early_stop.min_running_for(group_size=16, keep=2)   # -> 4
+    """
+
+    enabled: bool = setting(False, """stop completions inside the rollout engine. Needs pruning (P > 0 or
+        keep_per_group < G) in group scope: the completions stopped are the ones CPPO would prune.""")
+    segment_tokens: int = setting(16, """tokens generated between two decisions; the predictor scores every
+        unfinished completion after each segment (16: a decision every 16 tokens).""", check="> 0")
+    min_running: int | None = setting(None, """completions of each group that always run to their end
+        (finished ones count); null: twice CPPO's kept count k per group, at most G (k = 2 of G = 16 -> 4), so
+        the kept set is still chosen among several finished completions.""", check=">= 1")
+    min_confidence: float = setting(0.6, """stop a completion only when the predictor gives it at least this
+        probability, in [0.5, 1), of ending in its group's majority outcome (where |A| is small).""")
+    estimator: str = setting("impute", """how a group's mean and std are formed when some of its completions
+        were stopped (they have no reward). impute: a stopped completion's expected reward under the predictor
+        stands in (mean unbiased, variance unbiased up to the std's square root, when the predictor is
+        calibrated); finished: the statistics of the finished completions alone (ARRoL's survivors; biased
+        toward their balance).""", choices=EARLY_STOP_ESTIMATORS)
+    explore_share: float = setting(0.125, """share of each round's groups generated in full, without stopping
+        (seeded): their outcomes train the predictor without the selection bias of stopping, and its AUC and
+        calibration are measured on them.""", check="[0, 1]")
+    features: str = setting("logprob", """what the predictor sees of a prefix. logprob: the sampled tokens'
+        log-probs (every engine); entropy: also the per-token entropies (HF exactly; vLLM over its top 20
+        log-probs; not in veRL); hidden: also the policy's last hidden state at the boundary (the embedded
+        trainer's HF engine only).""", choices=EARLY_STOP_FEATURE_SETS)
+    history_steps: int = setting(4, """the predictor is fitted after each step on the finished completions of
+        this many previous steps (never the current step's, before its decisions are made).""", check="> 0")
+    min_examples: int = setting(64, """nothing is stopped until the predictor has seen this many finished
+        completions of each outcome (success and failure) in its history.""", check="> 0")
+    l2: float = setting(1.0, """ridge penalty of the predictor's logistic regression (on standardised
+        features).""", check=">= 0")
+    success_threshold: float = setting(0.5, """a completion succeeds when its reward is at least this (the
+        outcome the predictor predicts; 0.5 for 0/1 rewards and for correct + format rewards).""")
+    timeout_s: float = setting(600.0, """veRL: seconds a group's coordinator waits for its members at a
+        boundary before it lets every member run on (a member that died must not hang the step).""",
+        check="> 0")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, where: str = "CPPOConfig.early_stop") -> EarlyStopConfig:
+        """Check every key (``check_fields``), then min_confidence's half-open range; ValueError
+        naming ``where.key`` and the bad value."""
+        check_fields(self, where)
+        if not 0.5 <= self.min_confidence < 1.0:
+            raise ValueError(f"{where}.min_confidence must be in [0.5, 1), got {self.min_confidence!r}: "
+                             "below 0.5 a completion would be stopped although it more likely ends in the minority")
+        return self
+
+    def check_with(self, *, is_grpo: bool, scope: str, keep_mass: float | None, dynamic_sampling: bool = False,
+                   selective: bool = False) -> None:
+        """The rules that span the CPPO settings (``CPPOConfig.validate`` calls it)."""
+        if not self.enabled:
+            return
+        if is_grpo:
+            raise ValueError("cppo.early_stop.enabled needs pruning (pruning_rate > 0 or keep_per_group < G): with "
+                             "P = 0 every completion is kept, so none can be stopped")
+        if scope != "group" or keep_mass is not None:
+            raise ValueError(f"cppo.early_stop works in group scope with pruning_rate or keep_per_group (got "
+                             f"scope={scope!r}, keep_mass={keep_mass!r}): the kept count of each group must be "
+                             "known while it generates")
+        for name, on in (("dynamic_sampling", dynamic_sampling), ("selective.enabled", selective)):
+            if on:
+                raise ValueError(f"cppo.early_stop does not combine with cppo.{name}: both read every completion's "
+                                 "reward of a group, and a stopped completion has none; turn one of them off")
+
+    def min_running_for(self, group_size: int, keep: int) -> int:
+        """Completions of a group of ``group_size`` that run to the end: ``min_running`` (default
+        2 ``keep``), at least ``keep`` (CPPO's k) and at most ``group_size``."""
+        want = 2 * keep if self.min_running is None else self.min_running
+        return max(keep, min(group_size, want))
+
+
 @document_fields
 @dataclass
 class CPPOConfig:
@@ -374,6 +471,9 @@ class CPPOConfig:
         generation whose recent groups all had equal rewards (cppo.selective.enabled; docs/selective_rollout.md).
         The embedded trainer, veRL's V1 sync loop and OpenRLHF's synchronous loop run it.""",
         default_factory=SelectiveConfig)
+    early_stop: EarlyStopConfig = setting(None, """early stopping inside the rollout engine (beyond CPPO): stop,
+        while they generate, the completions CPPO would prune (cppo.early_stop.enabled; docs/early_stopping.md).""",
+        default_factory=EarlyStopConfig)
 
     def __post_init__(self) -> None:
         build_sections(self, "cppo")  # CPPOConfig(**cfg.to_dict()), CPPOConfig(selective={"enabled": True})
@@ -399,6 +499,8 @@ class CPPOConfig:
             raise ValueError(f"{where}: metric={self.metric!r} samples in proportion to |A|; set use_abs=true")
         if self.workload_linear == 0 and self.workload_quadratic == 0:
             raise ValueError(f"{where}: workload_linear and workload_quadratic are both 0")
+        self.early_stop.check_with(is_grpo=self.is_grpo, scope=self.scope, keep_mass=self.keep_mass,
+                                   dynamic_sampling=self.dynamic_sampling, selective=self.selective.enabled)
         return self
 
     # ------------------------------------------------------------------ derived values
@@ -483,6 +585,8 @@ class CPPOConfig:
             f"adv_norm={self.adv_norm} eps={self.eps:g} allocation={self.allocation} "
             f"dynamic_sampling={self.dynamic_sampling} seed={self.seed}"
             + (" selective.enabled=True" if self.selective.enabled else "")
+            + (f" early_stop(segment={self.early_stop.segment_tokens}, estimator={self.early_stop.estimator})"
+               if self.early_stop.enabled else "")
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -52,10 +53,50 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.seed must be in [0, 2**63) or None, got {self.seed}")
 
 
+# a completion's finish reason: EOS ("stop"), the length limit ("length"), or stopped early by a
+# ``StopMonitor`` ("stopped": its remaining tokens were never generated)
+FINISH_REASONS = ("stop", "length", "stopped")
+
+
+@dataclass(frozen=True)
+class BoundaryView:
+    """What an engine hands a ``StopMonitor`` at a segment boundary, for the rows of one
+    generate call it is running together (a chunk of whole groups).
+
+    rows: [R] int64 indices into the call's P x n completions (prompt-major). lengths: [R]
+    int64 tokens generated so far. status: [R] int64 ``core.early_stop`` RUNNING / FINISHED /
+    STOPPED. logprobs: [R, T] float32 raw log-probs of the sampled tokens (row r read in
+    ``[:lengths[r]]``). entropies: [R, T] float32 per-token entropies of the policy's
+    distribution, when the monitor asks for them. hidden: [R, D] float32 the policy's last
+    hidden state at each row's last token, when the monitor asks for it."""
+
+    rows: torch.Tensor
+    lengths: torch.Tensor
+    status: torch.Tensor
+    logprobs: torch.Tensor
+    entropies: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+
+
+class StopMonitor(Protocol):
+    """Decides, at each segment boundary of a generate call, which running completions to stop
+    (the trainer's early stopping, ``trainer/early_stop.py``). An engine given one generates in
+    segments of ``segment_tokens`` and calls ``on_boundary`` after each segment but the last."""
+
+    segment_tokens: int
+    entropies: bool  # the engine must fill BoundaryView.entropies
+    hidden: bool  # the engine must fill BoundaryView.hidden
+
+    def on_boundary(self, tokens: int, view: BoundaryView) -> torch.Tensor:
+        """[R] bool: rows of ``view`` to stop now (only RUNNING ones)."""
+        ...
+
+
 @dataclass
 class RolloutResult:
     """Completions for P prompts x n samples, grouped prompt-major (all samples of prompt 0
-    first). ``tokens[i]`` ends with EOS when ``finish_reasons[i] == "stop"``."""
+    first). ``tokens[i]`` ends with EOS when ``finish_reasons[i] == "stop"``; a completion
+    stopped early by a ``StopMonitor`` (``"stopped"``) holds the tokens generated until then."""
 
     prompt_index: torch.Tensor  # [P * n] which prompt each completion answers
     tokens: list[list[int]]
@@ -81,6 +122,7 @@ class RolloutResult:
             f"{prefix}mean_length": self.num_tokens / n,
             f"{prefix}max_length": float(max(lengths, default=0)),
             f"{prefix}truncated_ratio": sum(r == "length" for r in self.finish_reasons) / n,
+            f"{prefix}stopped_ratio": sum(r == "stopped" for r in self.finish_reasons) / n,
             f"{prefix}tokens_per_s": self.num_tokens / self.seconds if self.seconds > 0 else 0.0,
         }
 
@@ -118,7 +160,9 @@ class RolloutEngine:
 
     name = "base"
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutResult:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 monitor: StopMonitor | None = None) -> RolloutResult:
+        """``monitor``: generate in segments and stop the completions it names (early stopping)."""
         raise NotImplementedError
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -8,7 +8,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from .base import RolloutEngine, RolloutResult, SamplingParams, check_prompts
+from .base import RolloutEngine, RolloutResult, SamplingParams, StopMonitor, check_prompts
+from .hf_segments import generate_segmented
 
 _MAX_LOGIT_ELEMENTS = 3e8  # beyond this, returning sampler log-probs would exhaust memory
 
@@ -29,7 +30,10 @@ class HFEngine(RolloutEngine):
         self.shared = shared
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutResult:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 monitor: StopMonitor | None = None) -> RolloutResult:
+        """``monitor``: generate in segments and stop what it names (``hf_segments``); the
+        sampler log-probs are then always the raw ones."""
         check_prompts(prompts)
         t0 = time.perf_counter()
         chunk = max(1, self.max_batch_sequences // params.n)
@@ -46,7 +50,17 @@ class HFEngine(RolloutEngine):
                 if params.seed is not None:
                     torch.manual_seed(params.seed)
                 for start in range(0, len(prompts), chunk):
-                    self._generate_chunk(prompts[start : start + chunk], params, tokens, reasons, logprobs)
+                    if monitor is None:
+                        self._generate_chunk(prompts[start : start + chunk], params, tokens, reasons, logprobs)
+                        continue
+                    self._check_logit_budget(min(chunk, len(prompts) - start) * params.n, monitor.segment_tokens)
+                    toks, why, lps = generate_segmented(
+                        self.model, prompts[start : start + chunk], params, monitor, row_offset=start * params.n,
+                        pad_id=self.pad_id, eos_id=self.eos_id, device=self.device)
+                    tokens += toks
+                    reasons += why
+                    if logprobs is not None:
+                        logprobs += lps
         finally:
             self.model.train(was_training)
         if self.device.type == "cuda":
@@ -64,13 +78,7 @@ class HFEngine(RolloutEngine):
         greedy = params.temperature == 0
         want_logits = logprobs is not None
         if want_logits:
-            vocab = self.model.get_output_embeddings().weight.shape[0]
-            if len(prompts) * params.n * params.max_new_tokens * vocab > _MAX_LOGIT_ELEMENTS:
-                raise ValueError(
-                    "sampler log-probs from HF generate would hold "
-                    f"{len(prompts) * params.n * params.max_new_tokens * vocab:.2e} logits; "
-                    "lower rollout.max_batch_sequences"
-                )
+            self._check_logit_budget(len(prompts) * params.n, params.max_new_tokens)
         out = self.model.generate(
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
@@ -105,6 +113,12 @@ class HFEngine(RolloutEngine):
             if want_logits:
                 t = torch.tensor(seq[:cut], dtype=torch.long)
                 logprobs.append(step_logp[row, torch.arange(cut), t])
+
+    def _check_logit_budget(self, rows: int, steps: int) -> None:
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        if rows * steps * vocab > _MAX_LOGIT_ELEMENTS:
+            raise ValueError(f"sampler log-probs from HF generate would hold {rows * steps * vocab:.2e} logits; "
+                             "lower rollout.max_batch_sequences (or cppo.early_stop.segment_tokens)")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.shared:

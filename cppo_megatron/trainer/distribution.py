@@ -47,26 +47,29 @@ class _Rollout:
         return SamplingParams(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p,
                               max_new_tokens=ro.max_new_tokens, logprobs=self.want_logprobs, seed=seed)
 
-    def generate(self, problems: list, seed: int | None, timer: PhaseTimer) -> dict:
-        """This rank's rows for ``problems``: prompts, completions, rewards (timed)."""
+    def generate(self, problems: list, seed: int | None, timer: PhaseTimer, monitor=None) -> dict:
+        """This rank's rows for ``problems``: prompts, completions, rewards (timed). ``monitor``: the
+        round's early-stopping ``StopMonitor``; the completions it stopped are not scored."""
         G = self.r.rollout.group_size
         empty: dict[str, Any] = dict(prompts=[], completions=[], rewards=[], correct=[], formatted=[], truncated=[],
-                     logprobs=[] if self.want_logprobs else None, seconds=0.0)
+                     logprobs=[] if self.want_logprobs else None, seconds=0.0, stopped=None)
         if not problems:
             return empty
         with timer.phase("rollout"):
             t0 = time.perf_counter()
             template = self.r.task.prompt_template
             p_ids = [self.tok.prompt_ids(template.format(question=p.question)) for p in problems]
-            out = self.engine.generate(p_ids, self.params(seed))
+            out = self.engine.generate(p_ids, self.params(seed), **({} if monitor is None else {"monitor": monitor}))
             seconds = time.perf_counter() - t0
+        stopped = [r == "stopped" for r in out.finish_reasons]
         with timer.phase("reward"):
             rewards, correct, formatted = score_completions(self.task, self.tok, problems, out.tokens, G,
-                                                            self.r.task.reward)
+                                                            self.r.task.reward, skip=stopped)
         return dict(prompts=[p_ids[j // G] for j in range(len(out.tokens))], completions=[list(t) for t in out.tokens],
                     rewards=rewards, correct=correct, formatted=formatted,
                     truncated=[r == "length" for r in out.finish_reasons],
-                    logprobs=None if out.logprobs is None else [lp.float() for lp in out.logprobs], seconds=seconds)
+                    logprobs=None if out.logprobs is None else [lp.float() for lp in out.logprobs], seconds=seconds,
+                    stopped=stopped if monitor is not None else None)
 
 
 class LocalRollout(_Rollout):
@@ -74,9 +77,10 @@ class LocalRollout(_Rollout):
 
     rank, world, dp_rank, dp, is_main = 0, 1, 0, 1, True
 
-    def __init__(self, engine, task, tok, recipe) -> None:
+    def __init__(self, engine, task, tok, recipe, early_stop=None) -> None:
         super().__init__(engine, task, tok, recipe)
         self.eval_engine = engine
+        self.early_stop = early_stop  # trainer.early_stop.EarlyStopping (cppo.early_stop), or None
 
     def seed(self, step: int, round_: int) -> int | None:
         # vLLM: a seed per (run seed, step, round), so a resumed run samples what the
@@ -84,7 +88,8 @@ class LocalRollout(_Rollout):
         return None if self.r.rollout.engine == "hf" else mix_seed(self.r.seed, step, round_)
 
     def round(self, ids: list[int], *, step: int, round_: int, timer: PhaseTimer) -> RoundRows:
-        rows = self.generate([self.task.train[i] for i in ids], self.seed(step, round_), timer)
+        monitor = None if self.early_stop is None else self.early_stop.monitor(round_, len(ids))
+        rows = self.generate([self.task.train[i] for i in ids], self.seed(step, round_), timer, monitor)
         return _round_rows(rows, [rows], [0], local_start=0)
 
     def sync(self, weights: dict) -> None:
@@ -246,6 +251,7 @@ def _round_rows(mine: dict, everyone: list, owners: list, *, local_start: int) -
         owner=[d for d, part in zip(owners, everyone, strict=True) for _ in part["rewards"]],
         local_start=local_start, prompts=mine["prompts"], completions=mine["completions"],
         logprobs=mine["logprobs"], seconds=mine["seconds"],
+        stopped=None if mine.get("stopped") is None else cat("stopped"),
     )
 
 

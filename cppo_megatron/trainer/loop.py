@@ -48,6 +48,8 @@ from .backends import HFBackend, PolicyBackend
 from .checkpoint import checkpoints, filesystem_peers, find_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import Recipe, recipe_to_dict
 from .distribution import LocalRollout, ModelParallelRollout
+from .early_stop import STATE_KEY as EARLY_STOP_STATE_KEY
+from .early_stop import EarlyStopping
 from .evaluate import evaluate
 from .interrupts import INTERRUPTED_MARKER, REPEAT_WINDOW_S, StopRequest
 from .logger import MetricsLogger
@@ -144,7 +146,13 @@ class Trainer:
         self.model.to(self.device)
 
     def _setup_rollout(self) -> None:
-        """The rollout (its engine; which rank is the main one)."""
+        """The rollout (its engine; which rank is the main one), and (``cppo.early_stop.enabled``)
+        the early stopping it runs (trainer/early_stop.py)."""
+        r = self.r
+        self.early_stop = EarlyStopping(r.cppo, group_size=r.rollout.group_size,
+                                        max_new_tokens=r.rollout.max_new_tokens,
+                                        audit_path=self.out / "early_stop.jsonl") \
+            if r.cppo.early_stop.enabled else None
         self.rollout = self._build_rollout()
         self.engine = self.rollout.engine
         self.is_main = self.rollout.is_main
@@ -198,7 +206,11 @@ class Trainer:
     def _build_rollout(self):
         r = self.r
         if not self.distributed:
-            return LocalRollout(build_engine(r.rollout.engine, **self._engine_kwargs()), self.task, self.tok, r)
+            return LocalRollout(build_engine(r.rollout.engine, **self._engine_kwargs()), self.task, self.tok, r,
+                                early_stop=self.early_stop)
+        if self.early_stop is not None:
+            raise ValueError("cppo.early_stop runs with backend=hf (one process); backend=megatron does not support "
+                             "it yet: set cppo.early_stop.enabled=false or backend=hf")
         from ..rollout import HFEngine
 
         # the HF copy holds the current policy (final.pt, warm-up) and generates when engine=hf
@@ -392,6 +404,8 @@ class Trainer:
         if self.selective is not None:
             self.selective.begin_step(self.step, self.sampler)
             draw = self._selective_draw
+        if self.early_stop is not None:
+            self.early_stop.begin_step(self.step)
         batch = collect_groups(self.rollout, self.planner, self.sampler, group_size=r.rollout.group_size,
                                dynamic_sampling=r.cppo.dynamic_sampling, step=self.step, timer=timer,
                                cppo_cfg=r.cppo, draw=draw)
@@ -400,7 +414,9 @@ class Trainer:
                 batch.prompt_ids, batch.rewards, batch.correct, batch.completion_lengths)
             if self.selective is not None and self.rollout.world > 1:
                 self._check_selective_agrees()
-            surv = select_survivors(batch, r.cppo, self.planner, step=self.step)
+            # cppo.early_stop: the stopped rows' expected rewards, for the group statistics
+            extra = {} if self.early_stop is None else {"moments": self.early_stop.moments()}
+            surv = select_survivors(batch, r.cppo, self.planner, step=self.step, **extra)
             rows = self.backend.place(batch, surv.kept, surv.advantages)
             if surv.full_denominators is not None:  # importance: the weights travel with the placed rows
                 assert surv.weights is not None  # select_survivors sets the weights of every row
@@ -421,6 +437,8 @@ class Trainer:
         rec = step_record(r, self.rollout, self.planner, self.sampler, batch, surv, rows, old, ref, upd,
                           timer.seconds, t_step)
         rec.update(selective)
+        if self.early_stop is not None:  # last: it refits the predictor on this step's rewards
+            rec.update(self.early_stop.end_step(batch, surv.kept))
         return rec
 
     def _check_selective_agrees(self) -> None:
@@ -473,6 +491,8 @@ class Trainer:
                      "elapsed": self.elapsed, "last_acc": self._last_acc, "recipe": recipe_to_dict(self.r)}
             if self.selective is not None:
                 state[SELECTIVE_STATE_KEY] = self.selective.state_dict()
+            if self.early_stop is not None:
+                state[EARLY_STOP_STATE_KEY] = self.early_stop.state_dict()
         # the slow group: writing a large shard may take longer than a collective may wait
         barrier = lambda: self.rollout.barrier(slow=True)  # noqa: E731
         if self._fs_peers is None:  # which ranks write into the same directory (local disks per node)
@@ -508,6 +528,13 @@ class Trainer:
                 log(f"--resume: checkpoint {path.name} has no selective-rollout state (written without "
                     f"cppo.selective.enabled): starting with an empty prompt history and p_easy={r.p_easy:g}, "
                     f"p_hard={r.p_hard:g}")
+        if self.early_stop is not None:
+            if EARLY_STOP_STATE_KEY in state:
+                self.early_stop.load_state_dict(state[EARLY_STOP_STATE_KEY])
+            elif self.is_main:
+                log(f"--resume: checkpoint {path.name} has no early-stopping state (written without "
+                    "cppo.early_stop): the predictor starts untrained and stops nothing until it has "
+                    f"{self.r.cppo.early_stop.min_examples} finished completions of each outcome")
         if self.policy is not None:  # hf: now; megatron: once prepare() built the shards
             self.policy.load_state_dict(policy)
             set_rng_state(policy["rng"])

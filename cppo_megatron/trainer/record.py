@@ -43,9 +43,12 @@ def step_record(recipe, rollout, planner, sampler, batch, surv, rows, old, ref, 
 
     rec: dict = {f"time/{k}": v for k, v in seconds.items()}
     rec["time/step"] = time.perf_counter() - t_step
-    rec["reward/mean"] = float(batch.rewards.double().mean())  # float64: a float32 sum drifts at 1e-9
-    rec["reward/correct_rate"] = float(batch.correct.double().mean())
-    rec["reward/format_rate"] = float(batch.formatted.double().mean())
+    # over the completions that finished (all of them unless cppo.early_stop stopped some: a stopped
+    # completion has no reward; early_stop/reward_mean_estimate imputes them)
+    fin = batch.finished
+    rec["reward/mean"] = float(batch.rewards[fin].double().mean())  # float64: a float32 sum drifts at 1e-9
+    rec["reward/correct_rate"] = float(batch.correct[fin].double().mean())
+    rec["reward/format_rate"] = float(batch.formatted[fin].double().mean())
     rec["reward/mean_kept"] = float(batch.rewards[surv.kept].mean())
     rec.update(surv.prune.metrics())
     rec.update(surv.alloc)
@@ -56,8 +59,10 @@ def step_record(recipe, rollout, planner, sampler, batch, surv, rows, old, ref, 
     rec.update(rollout_metrics(batch.completion_lengths, batch.truncated,
                                max(x["generate_seconds"] for x in ranks)))
     rec.update(diff)
-    # signal/*: every group generated this step (dropped and pruned ones too), as in the hosts
-    rec.update(signal_metrics(batch.rewards, batch.group_ids, correct=batch.correct, lengths=batch.completion_lengths))
+    # signal/*: every group generated this step (dropped and pruned ones too), as in the hosts; the
+    # completions that finished (cppo.early_stop: a stopped one has no reward)
+    rec.update(signal_metrics(batch.rewards[fin], batch.group_ids[fin], correct=batch.correct[fin],
+                              lengths=batch.completion_lengths[fin]))
     rec.update(gen_share(sum(seconds[p] for p in GEN_PHASES), rec["time/step"]))
     rec.update(update_metrics(upd.iterations, lr=upd.lr, tokens=upd.tokens, sequences=upd.sequences,
                               micro_batches=upd.micro_batches))

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..core import AllocationPlanner, PromptSampler, PruneResult, prune
+from ..core.early_stop import early_stop_prune
 from ..tasks import combine_reward
 from .metrics import PHASES
 
@@ -47,6 +48,7 @@ class RoundRows:
     completions: list
     logprobs: list | None = None  # [len(completion)] float32 sampler log-probs per local row
     seconds: float = 0.0  # this rank's generation time
+    stopped: list | None = None  # stopped early by cppo.early_stop (every row of the round); None: off
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ class RolloutBatch:
     order, dropped groups included).
     Local: ``local_rows`` [n] int64 ascending global row of each row this rank holds, with
     its ``prompts`` / ``completions`` token ids and ``sampler_logprobs`` (vLLM only).
+    ``stopped`` [N] bool: completions stopped early (``cppo.early_stop``; their reward is
+    never computed: 0 in ``rewards`` / ``correct`` / ``formatted``, never read).
     """
 
     group_size: int
@@ -81,6 +85,16 @@ class RolloutBatch:
     sampler_logprobs: list | None
     rounds: int
     seconds: float
+    stopped: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+
+    def __post_init__(self) -> None:
+        if self.stopped.numel() == 0 and self.num_rows:
+            object.__setattr__(self, "stopped", torch.zeros(self.num_rows, dtype=torch.bool))
+
+    @property
+    def finished(self) -> torch.Tensor:
+        """[N] bool: completions that ran to their end (not stopped early): the only ones rewarded."""
+        return ~self.stopped
 
     @property
     def num_rows(self) -> int:
@@ -104,13 +118,19 @@ class RolloutBatch:
 
 
 def score_completions(task, tok, problems: Sequence, tokens: Sequence[Sequence[int]], group_size: int,
-                      reward_cfg) -> tuple[list, list, list]:
+                      reward_cfg, skip: Sequence[bool] | None = None) -> tuple[list, list, list]:
     """Rewards of ``tokens`` (prompt-major, ``group_size`` per problem): (reward, correct,
-    formatted) lists of floats, one per completion."""
+    formatted) lists of floats, one per completion. ``skip``: completions stopped early, never
+    scored (0.0 in all three: a partial completion has no reward)."""
     if len(tokens) != len(problems) * group_size:
         raise ValueError(f"{len(tokens)} completions for {len(problems)} prompts x G={group_size}")
     rewards, correct, formatted = [], [], []
     for j, toks in enumerate(tokens):
+        if skip is not None and skip[j]:
+            rewards.append(0.0)
+            correct.append(0.0)
+            formatted.append(0.0)
+            continue
         s = task.score(tok.decode(toks), problems[j // group_size])
         rewards.append(combine_reward(s, reward_cfg.correct, reward_cfg.format, reward_cfg.step))
         correct.append(float(s.correct))
@@ -202,6 +222,7 @@ def _assemble(parts: list[RoundRows], G: int, valid: list[int], dropped: int, ro
         return torch.tensor([x for p in parts for x in getattr(p, name)], dtype=dtype)
 
     local: list[int] = []
+    stopped: list[bool] = []
     prompts: list = []
     completions: list = []
     logprobs: list | None = [] if parts and parts[0].logprobs is not None else None
@@ -213,6 +234,7 @@ def _assemble(parts: list[RoundRows], G: int, valid: list[int], dropped: int, ro
         if logprobs is not None:
             assert p.logprobs is not None  # one engine: every round carries sampler log-probs, or none does
             logprobs.extend(p.logprobs)
+        stopped.extend(p.stopped if p.stopped is not None else [False] * len(p.rewards))
         offset += len(p.rewards)
     return RolloutBatch(
         group_size=G,
@@ -232,6 +254,7 @@ def _assemble(parts: list[RoundRows], G: int, valid: list[int], dropped: int, ro
         sampler_logprobs=logprobs,
         rounds=rounds,
         seconds=sum(p.seconds for p in parts),
+        stopped=torch.tensor(stopped, dtype=torch.bool),
     )
 
 
@@ -257,14 +280,25 @@ class Survivors:
     full_denominators: tuple | None = None
 
 
-def select_survivors(batch: RolloutBatch, cfg: Any, planner: AllocationPlanner, *, step: int) -> Survivors:
+def select_survivors(batch: RolloutBatch, cfg: Any, planner: AllocationPlanner, *, step: int,
+                     moments: tuple[torch.Tensor, torch.Tensor] | None = None) -> Survivors:
     """Full-group advantages over the valid groups, the survivors by ``cfg`` (a
-    ``CPPOConfig``), then the planner's accounting (closes its step)."""
+    ``CPPOConfig``), then the planner's accounting (closes its step).
+
+    With ``cppo.early_stop``: ``core.early_stop_prune`` (the stopped rows' expected reward and
+    squared reward ``moments``, [N] each, stand in for them in the group statistics with the impute
+    estimator); the survivors are chosen among the finished rows, the stopped ones count as pruned."""
     rows = batch.valid_rows
     if rows.numel() == 0:
         raise RuntimeError("every group was dropped for zero reward variance; raise cppo.max_refill_rounds or "
                            "disable cppo.dynamic_sampling")
-    res = prune(batch.rewards[rows], batch.group_ids[rows], cfg, step=step)
+    if cfg.early_stop.enabled:
+        expected, expected_sq = (None, None) if moments is None else (moments[0][rows], moments[1][rows])
+        es = early_stop_prune(batch.rewards[rows], batch.stopped[rows], batch.group_ids[rows], cfg,
+                              expected=expected, expected_sq=expected_sq, step=step)
+        res = PruneResult(es.advantages.to(batch.rewards.dtype), es.stats, es.selection)
+    else:
+        res = prune(batch.rewards[rows], batch.group_ids[rows], cfg, step=step)
     alloc = planner.end_step(res.selection, dropped_prompts=batch.dropped_prompts,
                              dropped_completions=batch.dropped_prompts * batch.group_size)
     advantages = torch.zeros(batch.num_rows, dtype=torch.float32)

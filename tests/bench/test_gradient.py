@@ -77,3 +77,33 @@ def test_gradient_bench_end_to_end(tmp_path):
             assert -1.0 <= r["cosine"] <= 1.0 and r["rel_error"] >= 0 and r["batches"] == 2
     assert (out / "gradient.md").exists() and (out / "gradient.png").exists()
     assert main(["bench", "gradient", "recipes/tiny_cpu.yaml", "--rates", "1.5", "--out", str(out)]) == 2
+
+
+def test_gradient_bench_compares_early_stopping(tmp_path):
+    """--early-stop adds CPPO + early stopping (each estimator, and the oracle bound) at each rate."""
+    from cppo_megatron.bench.gradient import early_stop_sets
+
+    out = tmp_path / "g"
+    es = ["rollout.max_new_tokens=8", "cppo.early_stop.segment_tokens=2", "cppo.early_stop.success_threshold=0.05",
+          "cppo.early_stop.min_confidence=0.5"]
+    assert main(["bench", "gradient", "recipes/tiny_cpu.yaml", *TOY, *es, "--points", "0", "--batches", "2",
+                 "--prompts", "4", "--rates", "0.75", "--keep-mass", "0.9", "--early-stop", "--out", str(out)]) == 0
+    rows = json.loads((out / "gradient.json").read_text())["rows"]
+    by = {r["kept_set"]: r for r in rows}
+    for ks in early_stop_sets(0.75):
+        r = by[ks.label]
+        assert r["kept_ratio"] <= 0.25 + 1e-9  # k = 2 of 8 at most, among the finished
+        assert 0 < r["tokens_share"] <= 1.0 and -1.0 <= r["cosine"] <= 1.0
+    assert by["full"]["tokens_share"] == 1.0 and by["smallest P=0.75"]["tokens_share"] == 1.0
+
+
+def test_predictor_bench_scores_each_feature_set_on_held_out_steps(tmp_path):
+    out = tmp_path / "pr"
+    es = ["rollout.max_new_tokens=8", "cppo.early_stop.segment_tokens=2", "cppo.early_stop.success_threshold=0.05",
+          "cppo.pruning_rate=0.75"]
+    assert main(["bench", "predictor", "recipes/tiny_cpu.yaml", *TOY, *es, "--steps", "3", "--out", str(out)]) == 0
+    data = json.loads((out / "predictor.json").read_text())
+    assert [r["features"] for r in data["rows"]] == ["logprob", "entropy", "hidden"]  # no oracle: arithmetic task
+    for r in data["rows"]:
+        assert r["steps scored"] == 2 and 0.0 <= r["auc"] <= 1.0 and len(r["auc per step"]) == 2
+    assert main(["bench", "predictor", "recipes/tiny_cpu.yaml", "--steps", "1", "--out", str(out)]) == 2

@@ -191,7 +191,8 @@ def test_study_crosses_generation_modes_and_reports_tokens_and_time_to_target(tm
 
 
 def test_unknown_generation_mode_is_an_error():
-    with pytest.raises(ValueError, match=r"--generation: unknown \['greso'\]; choose from \['all', 'selective', 'dapo'\]"):
+    with pytest.raises(ValueError, match=r"--generation: unknown \['greso'\]; choose from \['all', 'selective', 'dapo', "
+                                         r"'early_stop'\]"):
         study_table.grid(_args(study, ["r.yaml", "--generation", "all,greso"]))
 
 
@@ -223,3 +224,38 @@ def test_study_ordering_finding_distinguishes_means_from_spread():
     assert study_table.findings(rows(0.05, 3))[0].endswith("holds in the means only: a gap is within the combined seed spread")
     assert study_table.findings(rows(float("nan"), 1))[0].endswith("is not tested: 1 seed, the seed spread is unknown "
                                                               "(run --seeds 2 or more)")
+
+
+def test_speedup_bench_with_early_stopping_runs_each_rate_stopping_inside_the_engine(tmp_path):
+    out = tmp_path / "spe"
+    es = ["rollout.max_new_tokens=8", "cppo.early_stop.segment_tokens=2", "cppo.early_stop.min_examples=1",
+          "cppo.early_stop.success_threshold=0.05", "cppo.early_stop.min_confidence=0.5"]
+    assert main(["bench", "speedup", recipe_path("tiny_cpu"), *FAST, *es, "--rates", "0.75", "--allocation", "on",
+                 "--early-stop", "--warmup-steps", "2", "--steps", "1", "--repeats", "2", "--out", str(out)]) == 0
+    data = json.loads((out / "speedup.json").read_text())
+    assert [(r["P"], r["early_stop"]) for r in data["rows"]] == [(0.0, False), (0.75, False), (0.75, True)]
+    plain, stopping = data["rows"][1], data["rows"][2]
+    assert stopping["prompts/step"] == plain["prompts/step"] and stopping["bound"] == plain["bound"]
+    assert 0 <= stopping["stopped share"] <= 1 and stopping["tokens/prompt"] > 0 and plain["stopped share"] == 0
+    assert (out / "runs" / "p0.75_alloc_early_stop" / "recipe.yaml").read_text().count("enabled: true") == 1
+    assert any(n.startswith("P=0.75 with allocation + early stopping:") for n in data["notes"])
+    assert missing_keys(data, "speedup.json") == []
+
+
+def test_study_with_early_stopping_runs_it_beside_cppo_and_logs_the_predictors_auc(tmp_path):
+    out = tmp_path / "st4"
+    es = ["rollout.max_new_tokens=8", "cppo.early_stop.segment_tokens=2", "cppo.early_stop.min_examples=1",
+          "cppo.early_stop.success_threshold=0.05", "cppo.early_stop.explore_share=0.5"]
+    assert main(["study", "recipes/tiny_cpu.yaml", *FAST, *es, "--rates", "0,0.5", "--metrics", "smallest",
+                 "--generation", "all,early_stop", "--seeds", "1", "--budget", "1.5", "--clock", "cpu",
+                 "--evals", "1", "--no-control", "--out", str(out)]) == 0
+    with (out / "study.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    # GRPO with early stopping is no arm: at P = 0 nothing would be stopped
+    assert [r["run"] for r in rows] == ["p0_grpo_alloc_s0", "p0.5_smallest_alloc_s0", "p0.5_smallest_alloc_early_stop_s0"]
+    runs = {r["run"]: r for r in json.loads((out / "study.json").read_text())["runs"]}
+    es_run = runs["p0.5_smallest_alloc_early_stop_s0"]
+    assert es_run["stopped_share"] is not None and es_run["auc_per_step"] and runs["p0.5_smallest_alloc_s0"][
+        "auc_per_step"] is None
+    configs = [t["config"] for t in json.loads((out / "study.json").read_text())["rows"]]
+    assert configs == ["P=0 grpo", "P=0.5 smallest", "P=0.5 smallest + early stopping"]

@@ -307,3 +307,14 @@ def test_study_command_on_a_verl_recipe_writes_table_figure_and_verdict(tiny_exp
     assert any(n.startswith("time to accuracy 0.50") for n in data["notes"])
     assert (out / "study_verl.png").is_file() and (out / "study.csv").is_file()
     assert (tmp_path / "data" / "test.parquet").is_file()  # the data were written once, before the runs
+
+
+def test_the_early_stopping_arm_sets_its_key_in_verl_and_runs_v1():
+    args = verl_study._verl_args(parse([GRPO_RECIPE, "--seeds", "1", "--rates", "0,0.875", "--allocation", "on",
+                                        "--generation", "all,early_stop"]))
+    runs = study_table.grid(args)
+    assert [study_table.run_id(r) for r in runs] == ["p0_grpo_alloc_s0", "p0.875_smallest_alloc_s0",
+                                                     "p0.875_smallest_alloc_early_stop_s0"]
+    tail = {study_table.run_id(r): verl_study.arm_overrides(r)[9:] for r in runs}
+    assert tail["p0.875_smallest_alloc_early_stop_s0"] == ["cppo.early_stop.enabled=true"]
+    assert tail["p0.875_smallest_alloc_s0"] == []

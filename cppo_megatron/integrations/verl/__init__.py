@@ -10,7 +10,10 @@ point, or through ``VERL_USE_EXTERNAL_MODULES=cppo_megatron.integrations.verl``)
 - logs ``signal/*`` (groups with equal rewards, completion lengths, tokens generated, generation's
   share of the step) in every run (``signal.py``);
 - with ``cppo.selective.enabled=true``, hooks V1's ``_fetch_one_gen_batch``, ``_save_checkpoint``
-  and ``_load_checkpoint`` (``selective.py``: skip prompts before generation).
+  and ``_load_checkpoint`` (``selective.py``: skip prompts before generation);
+- registers the ``cppo_early_stop`` agent loop and, with ``cppo.early_stop.enabled=true``, keeps the
+  predictor in V1's checkpoints (``early_stop.py``, ``early_stop_loop.py``: stop completions inside
+  the rollout).
 
 Run: ``python -m cppo_megatron.integrations.verl.main [veRL overrides] cppo.pruning_rate=0.875``.
 See docs/integrations/verl.md.
@@ -44,13 +47,14 @@ def load() -> None:
     """Register the estimator, install the hook and, with ``VERL_PLATFORM=cpu``, the CPU mode;
     the audit recorders, the key trace and the wall-clock budget when their variables are set
     (idempotent)."""
-    from . import async_modes, audit, audit_vllm, clock, cpu, keytrace, selective, signal
+    from . import async_modes, audit, audit_vllm, clock, cpu, early_stop, keytrace, selective, signal
 
     register_estimator()
     install()
     signal.install()  # signal/gen_share in veRL's timing metrics (signal/* at the hook's seam)
     async_modes.install()  # separate_async: veRL's mini-batch assert in CPPO's units
     selective.install()  # cppo.selective.enabled: V1's dataloader fetch and checkpoints
+    early_stop.install()  # cppo.early_stop: the agent loop's registry entry, V1's checkpoints
     cpu.enable()
     audit.install()
     audit_vllm.install()  # what veRL's vLLM rollout serves after each sync

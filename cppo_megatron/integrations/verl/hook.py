@@ -36,11 +36,11 @@ import warnings
 import numpy as np
 import torch
 
-from ...core import balance_partitions, prune, sequence_workload
+from ...core import PruneResult, balance_partitions, early_stop_prune, prune, sequence_workload
 from .. import importhook
 from ..importhook import after_import
 from ..wrap import is_wrapped, unwrap, wrap
-from . import audit, dapo, selective, signal
+from . import audit, dapo, early_stop, selective, signal
 from .runconfig import PREPARED_ENV, cppo_config_from, is_cppo, unprepared_message
 from .signal import row_rewards as _row_rewards
 from .signal import row_tokens as _row_tokens
@@ -66,13 +66,17 @@ WRAP_TAG = __name__  # marks our layer on ``_balance_batch`` (integrations/wrap.
 
 
 # ---------------------------------------------------------------------------------- decision
-def decide(uids: list, rewards: torch.Tensor, cfg, step: int):
+def decide(uids: list, rewards: torch.Tensor, cfg, step: int, *, stopped: torch.Tensor | None = None,
+           moments: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Prune one batch: returns (PruneResult, {uid: GroupRecord} for groups with survivors).
 
     Args:
         uids: [N] prompt ids (veRL ``uid`` strings); group ids are assigned by first
             appearance, so every rank that sees the same batch decides identically.
         rewards: [N] outcome rewards.
+        stopped: [N] bool, rows ``cppo.early_stop`` stopped in the rollout (their rewards are never
+            read: ``core.early_stop_prune``, with ``moments`` = their expected reward and squared
+            reward); the records then carry the estimator's group statistics.
     """
     if len(uids) != int(rewards.numel()):
         raise ValueError(f"{len(uids)} uids for {int(rewards.numel())} rewards")
@@ -80,7 +84,12 @@ def decide(uids: list, rewards: torch.Tensor, cfg, step: int):
         raise ValueError("cppo: the batch reaching _balance_batch is empty")
     first: dict[str, int] = {}
     gids = torch.tensor([first.setdefault(str(u), len(first)) for u in uids], dtype=torch.int64)
-    result = prune(rewards.detach().cpu(), gids, cfg, step=max(int(step), 0))
+    if stopped is not None:
+        es = early_stop_prune(rewards.detach().cpu(), stopped, gids, cfg, expected=None if moments is None else
+                              moments[0], expected_sq=None if moments is None else moments[1], step=max(int(step), 0))
+        result = PruneResult(es.advantages.to(torch.float32), es.stats, es.selection)
+    else:
+        result = prune(rewards.detach().cpu(), gids, cfg, step=max(int(step), 0))
     stats, sel = result.stats, result.selection
     names = list(first)  # group m has id m: ids were assigned 0..M-1
     records = {
@@ -124,16 +133,29 @@ def prune_kv_batch(trainer, batch, metrics: dict):
     pads = [i for i, p in enumerate(padding) if p]
     keys = [batch.keys[i] for i in real]
     _check_single_output_sessions(keys)
-    # the response lengths: signal/* and selective rollout (off unless cppo.selective.enabled)
+    # the response lengths: signal/*, selective rollout (off unless cppo.selective.enabled) and early
+    # stopping (cppo.early_stop: also each row's stop info, extra_fields)
+    stopping = early_stop.enabled(trainer.config)
     data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id,
-                           select_fields=["uid", "rm_scores", "response_mask"])
+                           select_fields=["uid", "rm_scores", "response_mask"] + (["extra_fields"] if stopping else []))
     uids = [str(u) for u in list(data["uid"])]
     rewards = _row_rewards(data["rm_scores"]).to(torch.float32)
     lengths = _row_tokens(data["response_mask"])
-    metrics.update(signal.batch_signal(uids, rewards, lengths))
-    if selective.enabled(trainer.config):  # every finished group of the step is here: file their outcomes
-        selective.record(trainer, uids, rewards, lengths, metrics)
-    result, records = decide(uids, rewards, cfg, getattr(trainer, "global_steps", 0))
+    step = int(getattr(trainer, "global_steps", 0))
+    if stopping:  # a stopped row has no reward: signal/* over the finished rows
+        es = early_stop.state_of(trainer)
+        infos = early_stop.parse_infos(data["extra_fields"], len(uids))
+        stopped = torch.tensor([bool(i["stopped"]) for i in infos])
+        fin = (~stopped).nonzero().squeeze(1).tolist()
+        metrics.update(signal.batch_signal([uids[i] for i in fin], rewards[fin], lengths[fin]))
+        result, records = decide(uids, rewards, cfg, step, stopped=stopped, moments=es.moments(infos))
+        counters = early_stop.step_counters(data["extra_fields"]) if audit.enabled() else None
+        metrics.update(es.end_step(step, uids, rewards, lengths, infos, result.selection.kept, counters=counters))
+    else:
+        metrics.update(signal.batch_signal(uids, rewards, lengths))
+        if selective.enabled(trainer.config):  # every finished group of the step is here: file their outcomes
+            selective.record(trainer, uids, rewards, lengths, metrics)
+        result, records = decide(uids, rewards, cfg, step)
     kept = [real[j] for j in result.selection.kept.tolist()] + pads
     pruned_keys = [batch.keys[real[j]] for j in result.selection.pruned.tolist()]
     metric = dapo.filter_metric(trainer.config)  # veRL's filter ran before this seam (dapo.py)

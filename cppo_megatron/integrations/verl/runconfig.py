@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, cast
@@ -24,14 +25,18 @@ __all__ = [
     "PLUGIN_MODULE",
     "PREPARED_ENV",
     "AllocationPlan",
+    "AGENT_NAME",
     "apply_allocation",
+    "apply_early_stop",
     "apply_selective",
+    "check_early_stop",
     "check_selective",
     "noop_warning",
     "cppo_config_from",
     "is_cppo",
     "check_compatible",
     "dp_size",
+    "early_stop_enabled",
     "export_plugin_to_workers",
     "host_warnings",
     "prepare",
@@ -168,6 +173,7 @@ def check_compatible(config: Any) -> None:
             "prunes, or use the embedded trainer (cppo-megatron train)"
         )
     check_selective(config)
+    check_early_stop(config)
     node = config.get("cppo", None)
     if node is not None and node.get("equal_size", None) is False:
         raise ValueError(
@@ -242,6 +248,62 @@ def apply_selective(config: Any) -> None:
 
     with open_dict(config):
         OmegaConf.update(config, "data.gen_batch_size", 1, merge=False, force_add=True)
+
+
+
+# ---------------------------------------------------------------------------- early stopping
+AGENT_NAME = "cppo_early_stop"  # the agent loop early stopping registers (early_stop_loop.py)
+
+
+def early_stop_enabled(config: Any) -> bool:
+    """The run selects the cppo estimator and ``cppo.early_stop.enabled``."""
+    return is_cppo(config) and bool(cppo_config_from(config).early_stop.enabled)
+
+
+def check_early_stop(config: Any) -> None:
+    """ValueError naming key, value and fix for what early stopping does not run with in veRL."""
+    if not early_stop_enabled(config):
+        return
+    es = cppo_config_from(config).early_stop
+    refusals = [
+        (not bool(_sel_get(config, "trainer.use_v1", True)), "trainer.use_v1=false",
+         "the predictor's checkpoint and the seam's TransferQueue reads are built for the V1 loop; set "
+         "trainer.use_v1=true"),
+        (str(_sel_get(config, "trainer.v1.trainer_mode", "sync")) != "sync",
+         f"trainer.v1.trainer_mode={_sel_get(config, 'trainer.v1.trainer_mode')}",
+         "the asynchronous modes generate a step's groups with an older predictor and carry partial rollouts; "
+         "set trainer.v1.trainer_mode=sync"),
+        (bool(_sel_get(config, "algorithm.filter_groups.enable", False)), "algorithm.filter_groups.enable=true",
+         "DAPO's filter reads every reward of a group, and a stopped completion has none; turn one of them off"),
+        (es.features != "logprob", f"cppo.early_stop.features={es.features}",
+         "veRL's server hands out the sampled tokens' log-probs only; set cppo.early_stop.features=logprob"),
+        (str(_sel_get(config, "actor_rollout_ref.rollout.agent.default_agent_loop", "single_turn_agent"))
+         not in ("single_turn_agent", AGENT_NAME),
+         "actor_rollout_ref.rollout.agent.default_agent_loop="
+         f"{_sel_get(config, 'actor_rollout_ref.rollout.agent.default_agent_loop')}",
+         "early stopping wraps the single-turn agent loop; multi-turn (tool) loops are not built"),
+        (bool(_sel_get(config, "actor_rollout_ref.rollout.multi_turn.enable", False)),
+         "actor_rollout_ref.rollout.multi_turn.enable=true", "multi-turn rollouts are not built"),
+    ]
+    for bad, what, fix in refusals:
+        if bad:
+            raise ValueError(f"cppo.early_stop.enabled=true with {what}: {fix}")
+
+
+def apply_early_stop(config: Any) -> list[str]:
+    """Select the ``cppo_early_stop`` agent loop and the rollout log-probs; returns what changed."""
+    if not early_stop_enabled(config):
+        return []
+    from omegaconf import OmegaConf, open_dict
+
+    changed = []
+    with open_dict(config):
+        for key, value in (("actor_rollout_ref.rollout.agent.default_agent_loop", AGENT_NAME),
+                           ("actor_rollout_ref.rollout.calculate_log_probs", True)):
+            if OmegaConf.select(config, key) != value:
+                OmegaConf.update(config, key, value, merge=False, force_add=True)
+                changed.append(f"{key}={value} (cppo.early_stop)")
+    return changed
 
 
 
@@ -407,6 +469,8 @@ def prepare(config: Any) -> AllocationPlan | None:
         warnings.warn(message, stacklevel=2)
     plan = apply_allocation(config)
     apply_selective(config)
+    for message in apply_early_stop(config):
+        print(f"cppo: {message}", file=sys.stderr)
     export_plugin_to_workers(config, {PREPARED_ENV: "1"})
     return plan
 

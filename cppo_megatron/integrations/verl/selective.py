@@ -288,6 +288,8 @@ def _loading(original):
     return _load_checkpoint
 
 
+step_folder = _step_folder  # public: early stopping keeps its state beside veRL's checkpoint the same way
+
 _MAKERS = {"_fetch_one_gen_batch": _fetching, "_save_checkpoint": _saving, "_load_checkpoint": _loading}
 
 

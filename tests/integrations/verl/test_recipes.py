@@ -207,7 +207,9 @@ def test_worked_recipes_compose_validate_and_allocate(grpo_name, cppo_name, base
     from cppo_megatron.integrations.verl.main import SEARCHPATH
     from cppo_megatron.trainer.config import load_recipe
 
-    assert sorted(p.stem for p in RECIPES.glob("worked_cpu*.yaml")) == sorted(n for pair in WORKED for n in pair)
+    # (worked_cpu_early_stop.yaml, CPPO with early stopping, has its own test below)
+    assert sorted(p.stem for p in RECIPES.glob("worked_cpu*.yaml") if p.stem != "worked_cpu_early_stop") == sorted(
+        n for pair in WORKED for n in pair)
     grpo, cppo = (compose(RECIPES, n, [SEARCHPATH]) for n in (grpo_name, cppo_name))
     embedded = load_recipe(ROOT / "recipes" / "worked_cpu.yaml")
     megatron = "megatron" in grpo_name
@@ -224,6 +226,24 @@ def test_worked_recipes_compose_validate_and_allocate(grpo_name, cppo_name, base
     plan = prepare(cppo)
     assert (plan.train_batch_size_before, plan.train_batch_size, plan.kept_per_step) == (16, 128, 256)
     validate_config(cppo, use_reference_policy=need_reference_policy(cppo), use_critic=need_critic(cppo))
+
+def test_worked_early_stop_recipe_composes_and_selects_the_agent_loop(bases, plugin):
+    """worked_cpu_early_stop.yaml: worked_cpu_cppo.yaml on V1 with cppo.early_stop; prepare selects the
+    cppo_early_stop agent loop and the rollout log-probs, allocates as CPPO does, veRL validates it."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from cppo_megatron.integrations.verl.main import SEARCHPATH
+
+    c = compose(RECIPES, "worked_cpu_early_stop", [SEARCHPATH])
+    assert c.cppo.early_stop.enabled and c.trainer.use_v1 and c.algorithm.adv_estimator == "cppo"
+    assert c.actor_rollout_ref.rollout.engine_kwargs.vllm.block_size == 32
+    plan = prepare(c)
+    assert (plan.train_batch_size_before, plan.train_batch_size, plan.kept_per_step) == (16, 128, 256)
+    assert c.actor_rollout_ref.rollout.agent.default_agent_loop == "cppo_early_stop"
+    assert c.actor_rollout_ref.rollout.calculate_log_probs is True
+    validate_config(c, use_reference_policy=need_reference_policy(c), use_critic=need_critic(c))
+
 
 @pytest.mark.parametrize("name", MEGATRON)
 def test_cpu_toy_override_set_applies_to_every_megatron_cluster_recipe(name, bases, plugin):
