@@ -319,7 +319,7 @@ def test_settings_section_checks_and_refusals():
                        ({"min_running": 0}, "min_running"),
                        ({"enabled": "yes"}, "enabled must be true or false"),
                        ({"l2": -1.0}, "l2 must be >= 0"),
-                       ({"timeout_s": float("inf")}, "timeout_s must be a float")]:
+                       ({"timeout_s": float("inf")}, r"CPPOConfig.early_stop.timeout_s must be a finite number > 0, got inf")]:
         with pytest.raises(ValueError, match=match):
             EarlyStopConfig(**bad)
     with pytest.raises(ValueError, match="needs pruning"):
@@ -330,6 +330,10 @@ def test_settings_section_checks_and_refusals():
         c = CPPOConfig()
         c.early_stop = 3  # type: ignore[assignment]
         c.validate()
+    with pytest.raises(ValueError, match=r"does not combine with cppo.selective.enabled"):
+        CPPOConfig(pruning_rate=0.5, selective={"enabled": True}, early_stop={"enabled": True})
+    with pytest.raises(ValueError, match=r"does not combine with cppo.dynamic_sampling"):
+        CPPOConfig(pruning_rate=0.5, dynamic_sampling=True, early_stop={"enabled": True})
     CPPOConfig(pruning_rate=0.0, scope="batch")  # off: no constraint
 
 
