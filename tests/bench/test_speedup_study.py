@@ -231,7 +231,8 @@ def test_speedup_bench_with_early_stopping_runs_each_rate_stopping_inside_the_en
     es = ["rollout.max_new_tokens=8", "cppo.early_stop.segment_tokens=2", "cppo.early_stop.min_examples=1",
           "cppo.early_stop.success_threshold=0.05", "cppo.early_stop.min_confidence=0.5"]
     assert main(["bench", "speedup", recipe_path("tiny_cpu"), *FAST, *es, "--rates", "0.75", "--allocation", "on",
-                 "--early-stop", "--warmup-steps", "2", "--steps", "1", "--repeats", "2", "--out", str(out)]) == 0
+                 "--early-stop", "--no-same-batch", "--warmup-steps", "2", "--steps", "1", "--repeats", "2",
+                 "--out", str(out)]) == 0
     data = json.loads((out / "speedup.json").read_text())
     assert [(r["P"], r["early_stop"]) for r in data["rows"]] == [(0.0, False), (0.75, False), (0.75, True)]
     plain, stopping = data["rows"][1], data["rows"][2]

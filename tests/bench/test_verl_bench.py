@@ -62,7 +62,8 @@ def test_table_from_reused_runs(tmp_path):
         d.mkdir(parents=True)
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = argparse.Namespace(recipe=str(RECIPE), overrides=[], rate=0.875, allocation="both", steps=4, skip=1,
-                              loop="legacy", reuse=True, out=str(tmp_path), no_plot=True, no_same_batch=False)
+                              loop="legacy", reuse=True, out=str(tmp_path), no_plot=True, no_same_batch=False,
+                              early_stop=False)
     report = bench.run(args)
     rows = {r["run"]: r for r in report.rows}
     # GRPO per prompt: gen 2/16, rest (old + update) 3/16, whole step 6/16 s
