@@ -14,6 +14,7 @@ its results; nothing is left on the actor to read afterwards.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ import torch
 
 from ..distributed import prune_and_exchange, rank_wait_metrics
 from .convert import export_hf_weights, load_hf_weights, unwrap_model
+from .cpu_mode import cpu_mode
 from .model import build_gpt_model, init_parallel, transformer_config_from_hf
 from .optimizer import build_ddp_and_optimizer
 from .passes import (
@@ -196,7 +198,9 @@ class MegatronActor:
 
     def _optimizer_state(self) -> dict | None:
         if not self.cfg.distributed_optimizer:
-            return self.optimizer.state_dict()
+            # a copy, as for the weights: the optimizer's state_dict holds its live moment tensors, which
+            # the next step changes in place (a kept shard would silently follow the run)
+            return copy.deepcopy(self.optimizer.state_dict())
         opt = self._distributed_optimizer()
         if not opt.optimizer.state:  # no step yet: nothing beyond the initial weights
             return None
@@ -241,7 +245,14 @@ class MegatronActor:
         if saved is None:  # written before the first step: copy the loaded weights into the master shards
             opt.reload_model_params()
             return
-        opt.load_state_dict(saved["common"])  # allocates the inner state (megatron: then load_parameter_state)
+        with cpu_mode():  # it allocates the inner state on torch.cuda.current_device() (distrib_optimizer.py:791)
+            opt.load_state_dict(saved["common"])  # (megatron: then load_parameter_state)
+        # without Apex / Transformer Engine (CPU), megatron-core 0.16 gives every parameter's state ONE shared
+        # `step` tensor (distrib_optimizer.py:817-826), which torch's AdamW then increments once per
+        # parameter: Adam's bias correction after a resume would count #params steps per step
+        for param_state in opt.optimizer.state.values():
+            if isinstance(param_state.get("step"), torch.Tensor):
+                param_state["step"] = param_state["step"].clone()
         by_name = dict(unwrap_model(self.model).named_parameters())
         with torch.no_grad():
             for name, tensors in saved["shards"].items():
