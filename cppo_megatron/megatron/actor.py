@@ -14,7 +14,6 @@ its results; nothing is left on the actor to read afterwards.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -97,6 +96,17 @@ class ActorStepResult:
     exchange: Any
     old_logprobs: list
     counter: ForwardCounter
+
+
+def _host_copy(obj: Any) -> Any:
+    """``obj`` with every tensor copied to CPU memory (dicts, lists and tuples rebuilt)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host_copy(v) for v in obj)
+    return obj
 
 
 class MegatronActor:
@@ -199,8 +209,9 @@ class MegatronActor:
     def _optimizer_state(self) -> dict | None:
         if not self.cfg.distributed_optimizer:
             # a copy, as for the weights: the optimizer's state_dict holds its live moment tensors, which
-            # the next step changes in place (a kept shard would silently follow the run)
-            return copy.deepcopy(self.optimizer.state_dict())
+            # the next step changes in place (a kept shard would silently follow the run); in host memory,
+            # where torch.save would put them anyway (load_state_dict moves them back to the parameters)
+            return _host_copy(self.optimizer.state_dict())
         opt = self._distributed_optimizer()
         if not opt.optimizer.state:  # no step yet: nothing beyond the initial weights
             return None
