@@ -68,3 +68,14 @@ def test_a_run_from_initial_weights_starts_from_them(micro_recipe, tmp_path):
     trainer.prepare()
     start = load_weights(str(final))
     assert all(torch.equal(v, start[k]) for k, v in trainer.model.state_dict().items())
+
+
+def test_a_warmup_with_a_progress_bar_logs_its_evaluations(micro_recipe, capfd):
+    recipe = micro_recipe("warmup.enabled=true", "warmup.max_steps=2", "warmup.eval_every=1", "warmup.batch_size=2",
+                          "warmup.eval_problems=4", "warmup.target_accuracy=2.0", "log.progress=true", "train.steps=0")
+    trainer = Trainer(recipe)
+    trainer.prepare()
+    warm = _records(recipe, "warmup")
+    assert [r["warmup/step"] for r in warm] == [0.0, 1.0, 2.0] and "warmup/loss" in warm[1]
+    assert "warm-up (SFT)" in capfd.readouterr().err
+    assert (Path(recipe.out_dir) / "warmup.pt").exists()
