@@ -427,9 +427,7 @@ def _best_change(w: np.ndarray, items: list[np.ndarray], loads: np.ndarray, h: i
     For one pair the best transfer is the one closest to half their difference, so per
     candidate part a sorted search finds it in O(m log m)."""
     top = loads[h]
-    hw = w[items[h]]
-    if hw.size == 0:
-        return None
+    hw = w[items[h]]  # not empty: _refine calls this only while top > bound >= the largest item
     best: tuple[float, int, int | None, int, float] | None = None  # (new pair max, a, b or None: a move, j, delta)
     if allow_moves:
         j = int(np.argmin(loads))
@@ -440,12 +438,11 @@ def _best_change(w: np.ndarray, items: list[np.ndarray], loads: np.ndarray, h: i
             a = int(np.argmin(score))
             best = (max(top - hw[a], loads[j] + hw[a]), a, None, j, float(hw[a]))
     by_load = np.argsort(loads, kind="stable")
-    by_load = by_load[(by_load != h) & (loads[by_load] < top)]
+    sizes = np.array([m.size for m in items])
+    by_load = by_load[(by_load != h) & (loads[by_load] < top) & (sizes[by_load] > 0)]  # swap partners
     for tier in (by_load[:1], by_load[1:_NEAR_PARTS], by_load[_NEAR_PARTS:]):
         for j in tier.tolist():
             jw = w[items[j]]
-            if jw.size == 0:
-                continue
             diff = top - loads[j]
             order = np.argsort(jw, kind="stable")
             ys = jw[order]

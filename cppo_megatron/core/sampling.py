@@ -96,7 +96,8 @@ def inclusion_probabilities(scores: torch.Tensor, valid: torch.Tensor, k: torch.
     kf = k.to(torch.float64)
     certain = torch.zeros_like(valid)
     pi = torch.zeros_like(s)
-    for _ in range(s.shape[1] + 1):
+    # a row that gains no certain member keeps its shares, so gains stop within W + 1 passes
+    for _ in range(s.shape[1] + 1):  # pragma: no branch - always left by the break
         free = valid & ~certain
         k_free = kf - certain.sum(1)
         mass = s.where(free, 0.0).sum(1)
@@ -127,7 +128,7 @@ def _integer_probabilities(pi: torch.Tensor, valid: torch.Tensor, k: torch.Tenso
     eligible = valid & (pi > 0) & (base < PI_SCALE)
     deficit = k * PI_SCALE - base.sum(1)
     room = eligible.sum(1)
-    if bool((deficit < 0).any()) or bool((deficit > room).any()):
+    if bool((deficit < 0).any()) or bool((deficit > room).any()):  # pragma: no cover - an invariant of the above
         j = int(((deficit < 0) | (deficit > room)).nonzero()[0])
         raise RuntimeError(f"inclusion probabilities of row {j} do not sum to k={int(k[j])} (internal error)")
     # rank the fractional parts, largest first; ties by slot (the slots are randomly ordered)

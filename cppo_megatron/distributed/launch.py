@@ -9,6 +9,7 @@ megatron-core (~9 s to import); each worker runs torch on one thread.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import signal
@@ -32,6 +33,8 @@ def free_port() -> int:
 
 
 def _worker(fn, rank, world, port, queue, args, threads):
+    # a crash in native code reports nothing through the queue: print this rank's Python stacks instead
+    faulthandler.enable()
     try:
         torch.set_num_threads(threads)
         os.environ.update(
@@ -48,6 +51,22 @@ def _worker(fn, rank, world, port, queue, args, threads):
         queue.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, False, traceback.format_exc()))
+
+
+# where to look when a rank was ended by one of these signals
+_WHY = {signal.SIGKILL: "the kernel's OOM killer sends it (see dmesg), or another process did",
+        signal.SIGSEGV: "a crash in native code; its Python stacks are on stderr (faulthandler)",
+        signal.SIGABRT: "an abort in native code; its Python stacks are on stderr (faulthandler)"}
+
+
+def _silent(rank: int, code: int) -> str:
+    """One line for a rank that ended without reporting: its exit code, the signal and where to look."""
+    try:
+        sig = signal.Signals(-code)
+    except ValueError:  # an exit status, or no signal this platform names
+        return f"rank {rank} exited with code {code} without reporting"
+    hint = f": {_WHY[sig]}" if sig in _WHY else ""
+    return f"rank {rank} exited with code {code} ({sig.name}) without reporting{hint}"
 
 
 def run_local(
@@ -117,7 +136,7 @@ def run_local(
     if errors:
         # a rank killed by a signal (a crash in native code) reports nothing: its peers then fail with
         # "connection closed by peer"; name it, with its exit code, so the first cause is on record
-        silent = [f"rank {r} exited with code {p.exitcode} without reporting" for r, p in enumerate(procs)
+        silent = [_silent(r, p.exitcode) for r, p in enumerate(procs)
                   if r not in reported and p.exitcode not in (None, 0, -signal.SIGTERM)]
         raise RuntimeError("\n".join(silent + errors))
     return [results[r] for r in range(world_size)]

@@ -193,6 +193,8 @@ class Watchdog(threading.Thread):
         out: where the lines go (stderr).
     """
 
+    interrupt_wait_s = 15.0  # after interrupting the driver, how long its own exit may take before exit_fn
+
     def __init__(self, grace_s: float, resume_hint: Callable[[], str] = lambda: "", poll_s: float = 2.0,
                  exit_fn: Callable[[int], None] = os._exit, out=None) -> None:
         super().__init__(name="cppo-dead-worker-watchdog", daemon=True)
@@ -251,7 +253,7 @@ class Watchdog(threading.Thread):
                 self._say(f"{PREFIX} the host did not stop {self.grace_s:g} s after "
                           f"{self.reported[0].describe()}; ending the job (exit status {EXIT_CODE})")
                 _thread.interrupt_main()
-                if not self._halt.wait(15.0):
+                if not self._halt.wait(self.interrupt_wait_s):
                     self.exit_fn(EXIT_CODE)
                 return
             self._halt.wait(self.poll_s)

@@ -23,6 +23,7 @@ import torch
 
 from ..distributed import prune_and_exchange, rank_wait_metrics
 from .convert import export_hf_weights, load_hf_weights, unwrap_model
+from .cpu_mode import cpu_mode
 from .model import build_gpt_model, init_parallel, transformer_config_from_hf
 from .optimizer import build_ddp_and_optimizer
 from .passes import (
@@ -95,6 +96,17 @@ class ActorStepResult:
     exchange: Any
     old_logprobs: list
     counter: ForwardCounter
+
+
+def _host_copy(obj: Any) -> Any:
+    """``obj`` with every tensor copied to CPU memory (dicts, lists and tuples rebuilt)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host_copy(v) for v in obj)
+    return obj
 
 
 class MegatronActor:
@@ -196,7 +208,10 @@ class MegatronActor:
 
     def _optimizer_state(self) -> dict | None:
         if not self.cfg.distributed_optimizer:
-            return self.optimizer.state_dict()
+            # a copy, as for the weights: the optimizer's state_dict holds its live moment tensors, which
+            # the next step changes in place (a kept shard would silently follow the run); in host memory,
+            # where torch.save would put them anyway (load_state_dict moves them back to the parameters)
+            return _host_copy(self.optimizer.state_dict())
         opt = self._distributed_optimizer()
         if not opt.optimizer.state:  # no step yet: nothing beyond the initial weights
             return None
@@ -241,7 +256,14 @@ class MegatronActor:
         if saved is None:  # written before the first step: copy the loaded weights into the master shards
             opt.reload_model_params()
             return
-        opt.load_state_dict(saved["common"])  # allocates the inner state (megatron: then load_parameter_state)
+        with cpu_mode():  # it allocates the inner state on torch.cuda.current_device() (distrib_optimizer.py:791)
+            opt.load_state_dict(saved["common"])  # (megatron: then load_parameter_state)
+        # without Apex / Transformer Engine (CPU), megatron-core 0.16 gives every parameter's state ONE shared
+        # `step` tensor (distrib_optimizer.py:817-826), which torch's AdamW then increments once per
+        # parameter: Adam's bias correction after a resume would count #params steps per step
+        for param_state in opt.optimizer.state.values():
+            if isinstance(param_state.get("step"), torch.Tensor):
+                param_state["step"] = param_state["step"].clone()
         by_name = dict(unwrap_model(self.model).named_parameters())
         with torch.no_grad():
             for name, tensors in saved["shards"].items():

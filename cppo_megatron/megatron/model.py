@@ -273,6 +273,6 @@ def build_gpt_model(
         # included, which megatron's torch norm creates in float32) in the config's dtype, inputs
         # cast on the first stage, logits back to float32 on the last
         model = Float16Module(config, model)
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():  # pragma: no cover - CUDA only
         model.cuda(torch.cuda.current_device())
     return model

@@ -41,7 +41,7 @@ class CorruptCheckpoint(RuntimeError):
 
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():  # pragma: no cover - CUDA only (CI runs on CPU)
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
@@ -50,7 +50,7 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and torch.cuda.is_available():  # pragma: no cover - CUDA only
         torch.cuda.set_rng_state_all(state["cuda"])
 
 

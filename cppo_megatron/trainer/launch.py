@@ -75,7 +75,7 @@ def launch(args: argparse.Namespace) -> int:
     elif recipe.device == "cuda":
         import torch
 
-        if not torch.cuda.is_available():
+        if not torch.cuda.is_available():  # pragma: no branch - CUDA present: only on a GPU machine
             return fail("device=cuda but no CUDA device is visible; use device=auto or device=cpu")
     # torchrun would set 1 thread per process; the trainer sets its own from recipe.threads
     env.setdefault("OMP_NUM_THREADS", str(max(1, (recipe.threads or os.cpu_count() or 1) // nproc)))
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("ignore")
     recipe = load_recipe(args.recipe, args.overrides)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+    if backend == "nccl":  # pragma: no cover - CUDA only
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=timedelta(seconds=recipe.megatron.collective_timeout_s))
     trainer = None

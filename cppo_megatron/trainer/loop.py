@@ -197,7 +197,7 @@ class Trainer:
     def _device(self) -> torch.device:
         if not self.distributed:
             return resolve_device(self.r.device)
-        if torch.cuda.is_available():  # the launcher hides CUDA for device=cpu
+        if torch.cuda.is_available():  # pragma: no cover - CUDA only; the launcher hides CUDA for device=cpu
             dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(dev)
             return dev

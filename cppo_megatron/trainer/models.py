@@ -66,6 +66,8 @@ def build_model(mcfg: Any, alphabet: str | None, seed: int):
     """(model, tokenizer) for the recipe's ``model`` section."""
     transformers = require("transformers", "the embedded trainer")
     dtype = _DTYPES[mcfg.dtype]
+    if mcfg.source == "hf_dir" and not Path(mcfg.path).is_dir():  # before the tokenizer's own, less clear error
+        raise FileNotFoundError(f"model.path {mcfg.path!r} is not a directory with an HF model")
     tok = build_tokenizer(mcfg, alphabet)
     if mcfg.source == "config":
         common = dict(
@@ -87,10 +89,7 @@ def build_model(mcfg: Any, alphabet: str | None, seed: int):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
         return model, tok
     if mcfg.source == "hf_dir":
-        path = Path(mcfg.path)
-        if not path.is_dir():
-            raise FileNotFoundError(f"model.path {mcfg.path!r} is not a directory with an HF model")
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_pretrained(Path(mcfg.path), dtype=dtype)
     else:
         gguf = resolve_gguf(mcfg.path)
         model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)

@@ -219,7 +219,7 @@ def machine_memory_gb(recipe: Recipe, nproc: int) -> tuple[float, str]:
         return recipe.megatron.device_memory_gb, "megatron.device_memory_gb"
     import torch
 
-    if recipe.device != "cpu" and torch.cuda.is_available():
+    if recipe.device != "cpu" and torch.cuda.is_available():  # pragma: no cover - CUDA only
         return torch.cuda.get_device_properties(0).total_memory / GB, f"CUDA device {torch.cuda.get_device_name(0)}"
     local = min(nproc, int(os.environ.get("LOCAL_WORLD_SIZE", nproc)))
     return ram_bytes("MemTotal") / GB / local, f"this machine's RAM / {local} processes"

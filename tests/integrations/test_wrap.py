@@ -133,3 +133,11 @@ def test_replace_keeps_and_marks_what_it_stands_in_for():
     assert w.replace(host, "f", stand_in, tag="cpu") is True and host.f is stand_in and host.f(5) == 0
     assert w.replace(host, "f", stand_in, tag="cpu") is False and w.original(host.f) is f
     assert w.unwrap(host, "f", tag="cpu") and host.f is f
+
+
+@pytest.mark.parametrize("name", ["", None])
+def test_an_attribute_name_that_is_empty_or_not_a_string_is_refused(name):
+    host = _host()
+    with pytest.raises(ValueError, match=f"^wrap: attribute name must be a non-empty string, got {name!r}$"):
+        w.wrap(host, name, _plus(1), tag="a")
+    assert w.original(host.f) is host.f  # nothing installed

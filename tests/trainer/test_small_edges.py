@@ -1,0 +1,144 @@
+"""The trainer's small helpers at their edges (scripts/coverage_floor.py found these branches
+unreached): update and log-prob metrics, the tokenizers, stop requests, injected faults, the cosine
+schedule, the metrics log on a fresh run and a resume, evaluation without problems. Each by value or
+message."""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cppo_megatron.trainer import faults, interrupts
+from cppo_megatron.trainer.evaluate import evaluate
+from cppo_megatron.trainer.logger import MetricsLogger, read_metrics
+from cppo_megatron.trainer.metrics import logprob_diff_sums, update_metrics
+from cppo_megatron.trainer.policy import KeptBatch, lr_factor
+from cppo_megatron.trainer.tokenizer import CharTokenizer, HFTokenizer
+
+STEP = dict(loss=1.0, pg_loss=0.5, kl=0.1, clipfrac=0.0, ratio_max=1.2, grad_norm=2.0)
+
+
+def test_update_metrics_need_steps_with_every_key():
+    with pytest.raises(ValueError, match="^update_metrics: no optimizer steps$"):
+        update_metrics([], lr=1.0, tokens=1, sequences=1, micro_batches=1)
+    with pytest.raises(ValueError, match=r"^update_metrics: optimizer step 1 lacks \['grad_norm'\]$"):
+        update_metrics([STEP, {k: v for k, v in STEP.items() if k != "grad_norm"}], lr=1.0, tokens=1, sequences=1,
+                       micro_batches=1)
+
+
+def test_log_prob_differences_of_rows_with_and_without_tokens():
+    sums = logprob_diff_sums([torch.tensor([0.0, -1.0]), torch.zeros(0)], [torch.tensor([0.5, -1.0]), torch.zeros(0)])
+    assert sums.tolist() == [0.5, 2.0, 0.5]
+    with pytest.raises(ValueError, match="^logprob_diff: 1 rows of sampler log-probs for 2 trainer rows$"):
+        logprob_diff_sums([torch.zeros(1)], [torch.zeros(1), torch.zeros(1)])
+
+
+def test_a_byte_level_character_tokenizer_decodes_utf8():
+    tok = CharTokenizer(None)
+    ids = tok.encode("é=5")
+    assert tok.decode(ids) == "é=5" and tok.state() == {"kind": "char", "alphabet": None}
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tmp_path_factory):
+    """A real transformers tokenizer: the one export_hf writes for the tiny recipe's model."""
+    transformers = pytest.importorskip("transformers")
+    from cppo_megatron.tasks import build_task
+    from cppo_megatron.trainer.config import load_recipe
+    from cppo_megatron.trainer.export import export_hf
+    from cppo_megatron.trainer.models import build_model
+    from tests.recipes import recipe_path
+
+    r = load_recipe(recipe_path("tiny_cpu"), ["model.hidden_size=32", "model.num_layers=1"])
+    model, tok = build_model(r.model, build_task(r.task).alphabet, seed=0)
+    out = tmp_path_factory.mktemp("hf")
+    export_hf(model, tok, out)
+    return transformers.AutoTokenizer.from_pretrained(out)
+
+
+def test_an_hf_tokenizer_applies_its_chat_template_with_a_system_prompt(hf_tokenizer):
+    tok = HFTokenizer(hf_tokenizer, chat_template=True, system_prompt="1+1=2")
+    messages = [{"role": "system", "content": "1+1=2"}, {"role": "user", "content": "3+4="}]
+    expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tok.prompt_ids("3+4=") == hf_tokenizer.encode(expected, add_special_tokens=False)
+    assert tok.vocab_size == len(hf_tokenizer) and tok.state() == {"kind": "hf"}
+    assert tok.decode(tok.encode("12+3")) == "12+3"
+
+
+def test_an_hf_tokenizer_needs_an_eos(hf_tokenizer):
+    import copy
+
+    no_eos = copy.deepcopy(hf_tokenizer)
+    no_eos.eos_token = None
+    with pytest.raises(ValueError, match="^the tokenizer has no eos token; generation could never stop$"):
+        HFTokenizer(no_eos)
+
+
+def test_a_second_signal_after_the_window_abandons_the_step(monkeypatch, capsys):
+    clock = iter([100.0, 101.0, 104.5])
+    monkeypatch.setattr(interrupts.time, "monotonic", lambda: next(clock))
+    stop = interrupts.StopRequest()
+    stop._handler(signal.SIGTERM, None)
+    assert stop.requested and "SIGTERM: finishing the current step" in capsys.readouterr().err
+    stop._handler(signal.SIGINT, None)  # 1 s later: the same request (torchrun forwards Ctrl-C again)
+    with pytest.raises(KeyboardInterrupt):
+        stop._handler(signal.SIGINT, None)  # 4.5 s after the first
+
+
+def test_outside_the_main_thread_signals_stay_as_they_were():
+    before = signal.getsignal(signal.SIGTERM)
+    seen = []
+
+    def body():
+        with interrupts.StopRequest() as stop:
+            seen.append(stop.previous)
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert seen == [{}] and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_injected_faults(monkeypatch, tmp_path):
+    with pytest.raises(ValueError, match=r"^CPPO_MEGATRON_FAULT='update:x:0:raise': each fault is PHASE:STEP:RANK:"):
+        faults.parse("update:x:0:raise")
+    log = tmp_path / "faults.log"
+    monkeypatch.setenv(faults.ENV, "update:2:1:raise")
+    monkeypatch.setenv(faults.ENV + "_LOG", str(log))
+    faults.maybe_inject("update", 2, 0)  # another rank: nothing
+    with pytest.raises(RuntimeError, match=r"^injected fault \(CPPO_MEGATRON_FAULT\) on rank 1 in the update of step 2$"):
+        faults.maybe_inject("update", 2, 1)
+    assert log.read_text().split()[:4] == ["1", "update", "2", "raise"]
+
+
+def test_the_cosine_schedule_decays_to_a_tenth_after_its_warmup():
+    cfg = SimpleNamespace(mu=1, lr_warmup_steps=2, lr_schedule="cosine")
+    factors = [lr_factor(i, cfg, total_steps=6) for i in range(7)]
+    assert factors[:2] == [0.5, 1.0] and factors[2] == 1.0
+    assert factors[4] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert factors[6] == pytest.approx(0.1)
+
+
+def test_a_kept_batch_needs_one_completion_per_prompt():
+    with pytest.raises(ValueError, match="^2 prompts for 1 completions$"):
+        KeptBatch(prompts=[[1], [2]], completions=[[3]])
+
+
+def test_the_metrics_log_starts_fresh_or_keeps_the_resumed_steps(tmp_path):
+    path = Path(tmp_path) / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\nnot json\n{"kind": "eval"}\n')
+    MetricsLogger(tmp_path, tensorboard=False, resume_step=1).close()
+    assert read_metrics(path) == [{"step": 1}, {"kind": "eval"}]  # later steps and broken lines dropped
+    MetricsLogger(tmp_path, tensorboard=False).close()  # a new run: the old log goes
+    assert read_metrics(path) == []
+
+
+def test_evaluation_needs_problems():
+    with pytest.raises(ValueError, match="^evaluate: no problems$"):
+        evaluate(None, None, None, [], 4)
