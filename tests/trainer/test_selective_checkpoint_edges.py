@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cppo_megatron import CPPOConfig
-from cppo_megatron.core import PromptSampler, SelectiveHistory
+from cppo_megatron.core import PromptSampler
 from cppo_megatron.trainer.checkpoint import (
     KEEP_LAST,
     CorruptCheckpoint,
@@ -19,57 +19,39 @@ from cppo_megatron.trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from cppo_megatron.trainer.selective import SelectiveRollout, record_outcomes
+from cppo_megatron.trainer.selective import SelectiveRollout
 
-FLOOR = dict(selective_p_easy=0.05, selective_p_hard=0.05, selective_p_min=0.05)
+FLOOR = dict(p_easy=0.05, p_hard=0.05, p_min=0.05)
 
 
 def _at_the_floor(**kw) -> SelectiveRollout:
     """Both prompts of a 2-prompt set easy 10 times in a row: each kept with probability 0.01."""
-    sel = SelectiveRollout(CPPOConfig(pruning_rate=0.5, selective_rollout=True, seed=0, **FLOOR), group_size=2,
+    sel = SelectiveRollout(CPPOConfig(pruning_rate=0.5, selective={"enabled": True, **FLOOR}, seed=0), group_size=2,
                            num_prompts=2, **kw)
     for step in range(10):
         sel.history.update(torch.tensor([0, 1]), torch.tensor([True, True]), torch.tensor([True, True]), step=step)
     return sel
 
 
-def test_the_selective_state_needs_a_cppo_config_and_its_steps_in_order():
-    with pytest.raises(ValueError, match="cfg must be a CPPOConfig, got dict"):
-        SelectiveRollout({}, group_size=2, num_prompts=2)
-    sel = SelectiveRollout(CPPOConfig(selective_rollout=True), group_size=2, num_prompts=4)
-    with pytest.raises(RuntimeError, match=r"^SelectiveRollout.draw before begin_step\(step, sampler\)$"):
-        sel.draw(PromptSampler(4), 1)
-    with pytest.raises(RuntimeError, match=r"^SelectiveRollout.end_step before begin_step\(step, sampler\)$"):
-        sel.end_step(torch.tensor([0]), torch.zeros(2), torch.zeros(2), torch.ones(2, dtype=torch.int64))
-
-
-def test_a_round_that_skips_every_candidate_says_what_to_raise():
-    sel = _at_the_floor(warn=None)
-    sampler = PromptSampler(2, seed=0)
-    sel.begin_step(10, sampler)
-    with pytest.raises(RuntimeError, match=r"^selective rollout skipped all 3 prompts drawn in step 10: raise "
-                                           r"cppo.selective_p_min \(now 0.05\) or disable cppo.selective_rollout$"):
-        sel.draw(sampler, 1)
-
-
 def test_groups_that_were_not_drawn_through_the_state_are_refused():
-    sel = SelectiveRollout(CPPOConfig(selective_rollout=True), group_size=2, num_prompts=4)
+    sel = SelectiveRollout(CPPOConfig(selective={"enabled": True}), group_size=2, num_prompts=4)
     sampler = PromptSampler(4, shuffle=False)
     sel.begin_step(0, sampler)
     assert sel.draw(sampler, 2) == [0, 1]  # an empty history keeps every candidate
-    with pytest.raises(ValueError, match="^step 0: 3 groups were generated but the selective draws kept 2: every "):
+    with pytest.raises(ValueError, match=r"^selective rollout, step 0: 3 groups were generated but the draws kept 2 prompts \(2 drawn = 0 "
+                                         r"skipped \+ 2 kept\): every kept prompt"):
         sel.end_step(torch.tensor([0, 1, 2]), torch.zeros(6), torch.zeros(6), torch.ones(6, dtype=torch.int64))
 
 
 def test_ranks_that_decided_alike_have_one_fingerprint():
-    a, b = (SelectiveRollout(CPPOConfig(selective_rollout=True), group_size=2, num_prompts=4) for _ in range(2))
+    a, b = (SelectiveRollout(CPPOConfig(selective={"enabled": True}), group_size=2, num_prompts=4) for _ in range(2))
     assert a.fingerprint() == b.fingerprint() and len(a.fingerprint()) == 16
     a.history.update(torch.tensor([3]), torch.tensor([True]), torch.tensor([False]), step=0)
     assert a.fingerprint() != b.fingerprint()
 
 
 def test_the_short_round_warning_goes_to_stderr_by_default(capfd):
-    sel = SelectiveRollout(CPPOConfig(pruning_rate=0.5, selective_rollout=True, seed=0, **FLOOR), group_size=2,
+    sel = SelectiveRollout(CPPOConfig(pruning_rate=0.5, selective={"enabled": True, **FLOOR}, seed=0), group_size=2,
                            num_prompts=3)
     for step in range(10):  # prompts 0 and 1 at the floor, prompt 2 new
         sel.history.update(torch.tensor([0, 1]), torch.tensor([True, True]), torch.tensor([True, True]), step=step)
@@ -79,13 +61,6 @@ def test_the_short_round_warning_goes_to_stderr_by_default(capfd):
     assert sel.draw(sampler, 2) == [2] and sel.short_rounds == 1
     assert capfd.readouterr().err.startswith("warning: selective rollout generated 1 of the 2 prompts asked in step "
                                              "10: it skipped 4 of 5 candidates")
-
-
-def test_outcomes_need_one_index_per_group_and_one_reward_per_completion():
-    with pytest.raises(ValueError, match=r"prompt_ids must be 1-D \[P\] \(one dataset index per group\), got shape"):
-        record_outcomes(SelectiveHistory(), torch.tensor([[0]]), torch.zeros(2), torch.zeros(2), group_size=2, step=0)
-    with pytest.raises(ValueError, match="^3 rewards and 4 correctness flags for 2 groups x G=2: give one per"):
-        record_outcomes(SelectiveHistory(), torch.tensor([0, 1]), torch.zeros(3), torch.zeros(4), group_size=2, step=0)
 
 
 def test_the_filesystem_probe_of_one_process_sees_itself(tmp_path):

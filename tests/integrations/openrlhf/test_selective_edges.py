@@ -16,14 +16,14 @@ from cppo_megatron.core import ExplorationRates, SelectiveHistory, fill_batch
 from cppo_megatron.integrations.openrlhf import selective
 from cppo_megatron.integrations.openrlhf.selective import OpenRLHFSelective
 
-CFG = CPPOConfig(pruning_rate=0.5, selective_rollout=True)
+CFG = CPPOConfig(pruning_rate=0.5, selective={"enabled": True})
 
 
 @pytest.mark.parametrize("args,message", [
     ((CFG.to_dict(), 4, 0), "cfg must be a CPPOConfig, got dict"),
-    ((CFG, 0, 0), "selective rollout needs a non-empty train data set, got num_prompts=0"),
-    ((CFG, True, 0), "selective rollout needs a non-empty train data set, got num_prompts=True"),
-    ((CFG, 4, -1), r"step must be an int >= 0 \(OpenRLHF's global step\), got -1"),
+    ((CFG, 0, 0), r"num_prompts \(the training set's prompts\) must be an integer >= 1, got 0"),
+    ((CFG, True, 0), r"num_prompts \(the training set's prompts\) must be an integer >= 1, got True"),
+    ((CFG, 4, -1), r"step \(OpenRLHF's global step\) must be an integer >= 0, got -1"),
 ])  # fmt: skip
 def test_the_run_state_refuses_what_it_cannot_hold(args, message):
     cfg, num_prompts, step = args
@@ -43,34 +43,6 @@ def test_a_record_for_another_step_than_the_draws_is_refused():
     _one_kept_step(state)
     with pytest.raises(RuntimeError, match=r"the prompts of hook step 3 were drawn for step\(s\) \[2\]; one generation"):
         state.record(3, [3], torch.tensor([False]), torch.tensor([False]), torch.ones(2), 2)
-
-
-def test_a_record_with_another_number_of_groups_than_kept_is_refused():
-    state = OpenRLHFSelective(CFG, num_prompts=4)
-    _one_kept_step(state)
-    with pytest.raises(ValueError, match=r"step 0: the rollout holds 2 groups but the draws kept 1 prompts \(1 drawn"):
-        state.record(0, [3, 1], torch.tensor([False, False]), torch.tensor([False, False]), torch.ones(4), 2)
-
-
-def test_the_checkpoint_state_is_checked_against_the_run():
-    state = OpenRLHFSelective(CFG, num_prompts=4)
-    _one_kept_step(state)
-    state.record(0, [3], torch.tensor([True]), torch.tensor([True]), torch.ones(2), 2)
-    saved = state.state_dict()
-    assert saved["step"] == 1 and saved["num_prompts"] == 4
-    with pytest.raises(ValueError, match="selective rollout checkpoint state must be a dict, got list"):
-        OpenRLHFSelective(CFG, num_prompts=4).load_state_dict([], step=1)
-    with pytest.raises(ValueError, match="the checkpoint of global step 2 holds the history of step 1; it was not "):
-        OpenRLHFSelective(CFG, num_prompts=4).load_state_dict(saved, step=2)
-    other = OpenRLHFSelective(CFG, num_prompts=6)
-    with pytest.warns(UserWarning, match="saved over a train data set of 4 prompts, this run has 6"):
-        other.load_state_dict(saved, step=1)
-    assert other.history.num_prompts == 1 and other.step == 1 and other.totals["prompts_drawn"] == 1.0
-    quiet = OpenRLHFSelective(CFG, num_prompts=4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        quiet.load_state_dict({k: v for k, v in saved.items() if k not in ("step", "num_prompts")}, step=7)
-    assert quiet.step == 7  # a state without its step and size (older checkpoints): taken as is
 
 
 def test_an_indexed_source_keeps_its_row_through_pickling():
@@ -129,22 +101,20 @@ def test_record_step_refuses_misaligned_rewards_and_mixed_groups(monkeypatch):
 
     samples = [sample(1), sample(1), sample(2), sample(2)]
     with pytest.raises(ValueError, match="record_step: 4 samples, 3 raw rewards, 4 rewards and 4 group ids must match"):
-        selective.record_step(samples, torch.zeros(3), torch.zeros(4), torch.tensor([0, 0, 1, 1]), step=0,
-                              group_size=2)
+        selective.record_step(samples, torch.zeros(3), torch.zeros(4), torch.tensor([0, 0, 1, 1]), step=0)
     with pytest.raises(ValueError, match=r"step 0: group 0 mixes prompt indices \[1, 2\]"):
-        selective.record_step(samples, torch.zeros(4), torch.zeros(4), torch.tensor([0, 0, 0, 1]), step=0,
-                              group_size=2)
+        selective.record_step(samples, torch.zeros(4), torch.zeros(4), torch.tensor([0, 0, 0, 1]), step=0)
     untagged = [SimpleNamespace(response_length=torch.tensor([3]))]
     with pytest.raises(ValueError, match="selective rollout is on but rollout sample 0 carries no prompt index"):
-        selective.record_step(untagged, torch.zeros(1), torch.zeros(1), torch.tensor([0]), step=0, group_size=1)
+        selective.record_step(untagged, torch.zeros(1), torch.zeros(1), torch.tensor([0]), step=0)
     stray = selective.SelectiveDraw(step=0, serial=9, rounds=[], kept=[])
     orphan = SimpleNamespace(response_length=torch.tensor([3]))
     setattr(orphan, selective.DRAW_ATTR, stray)
     setattr(orphan, selective.INDEX_ATTR, 1)
     with pytest.raises(RuntimeError, match="the rollout's draws belong to 0 runs in this process; expected one"):
-        selective.record_step([orphan], torch.zeros(1), torch.zeros(1), torch.tensor([0]), step=0, group_size=1)
+        selective.record_step([orphan], torch.zeros(1), torch.zeros(1), torch.tensor([0]), step=0)
 
 
 def test_install_takes_a_cppo_config_only():
     with pytest.raises(ValueError, match="selective.install expects a CPPOConfig, got dict"):
-        selective.install({"selective_rollout": True})
+        selective.install({"selective": {"enabled": True}})

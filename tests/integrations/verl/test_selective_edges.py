@@ -14,12 +14,12 @@ from cppo_megatron import CPPOConfig
 from cppo_megatron.integrations.verl import selective
 from cppo_megatron.integrations.verl.selective import VerlSelective
 
-CFG = CPPOConfig(pruning_rate=0.75, selective_rollout=True)
+CFG = CPPOConfig(pruning_rate=0.75, selective={"enabled": True})
 
 
 @pytest.mark.parametrize("num_prompts,group_size,message", [
-    (0, 8, "selective rollout needs a non-empty train dataset, got 0 prompts"),
-    (4, 0, r"selective rollout needs actor_rollout_ref.rollout.n >= 1, got 0"),
+    (0, 8, r"num_prompts \(the training set's prompts\) must be an integer >= 1, got 0"),
+    (4, 0, r"group_size must be an integer >= 1, got 0"),
 ])
 def test_the_run_state_refuses_an_empty_dataset_or_group(num_prompts, group_size, message):
     with pytest.raises(ValueError, match=message):
