@@ -20,6 +20,17 @@ import pytest
 _STATUS = pytest.StashKey[int]()
 
 
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    """Tests marked ``in_process_dist`` (a gloo group and megatron-core's parallel state in the
+    pytest process itself, for branch coverage) run after every other test: a gloo rank forked
+    from a process whose own group has run segfaults in megatron-core's
+    ``initialize_model_parallel`` (measured 2026-12-05: every ``run_local`` test after
+    tests/megatron/test_actor_state.py died with SIGSEGV), even after the group is destroyed."""
+    last = [item for item in items if item.get_closest_marker("in_process_dist")]
+    if last:
+        items[:] = [item for item in items if not item.get_closest_marker("in_process_dist")] + last
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     session.config.stash[_STATUS] = int(exitstatus)
 

@@ -14,6 +14,7 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -33,8 +34,9 @@ def free_port() -> int:
 
 
 def _worker(fn, rank, world, port, queue, args, threads):
-    # a crash in native code reports nothing through the queue: print this rank's Python stacks instead
-    faulthandler.enable()
+    # a crash in native code reports nothing through the queue: print this rank's Python stacks instead,
+    # on file descriptor 2 (sys.stderr may be a stream without one: pytest's capture, a notebook)
+    faulthandler.enable(file=sys.__stderr__ if sys.__stderr__ is not None else 2)
     try:
         torch.set_num_threads(threads)
         os.environ.update(

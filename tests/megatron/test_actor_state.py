@@ -14,7 +14,7 @@ from ._common import VOCAB, hf_model
 import cppo_megatron.megatron as cm  # noqa: E402
 from cppo_megatron.distributed import free_port  # noqa: E402
 
-pytestmark = pytest.mark.megatron
+pytestmark = [pytest.mark.megatron, pytest.mark.in_process_dist]
 
 
 @pytest.fixture(scope="module")

@@ -91,6 +91,7 @@ def one_rank(monkeypatch):
     assert not dist.is_initialized()  # main tore its process group down
 
 
+@pytest.mark.in_process_dist
 def test_main_runs_one_rank_to_the_end_and_says_so(one_rank, tmp_path, capsys):
     overrides = MICRO + ["backend=megatron", "megatron.tp=1", "megatron.pp=1", f"out_dir={tmp_path}",
                          "train.steps=1", "eval.every=0", "eval.num_problems=4"]
