@@ -58,12 +58,6 @@ def test_account_step_refuses_what_the_ledgers_cannot_explain():
     assert (acc.drawn, acc.filtered, acc.passed, acc.kept, acc.pruned, acc.short) == (2, 1, 1, 1, 1, True)
 
 
-def test_the_passed_group_guard_needs_aligned_inputs():
-    with pytest.raises(ValueError, match=r"check_passed_groups: rewards \(2,\), group_ids \(3,\), 2 scores and 2 "):
-        filtering.check_passed_groups(torch.zeros(2), [1.0, 0.0], torch.zeros(3, dtype=torch.int64), ["a", "b"],
-                                      (0.0, 1.0))
-
-
 def _args(nodes=1, gpus=2):
     return SimpleNamespace(
         actor=SimpleNamespace(num_nodes=nodes, num_gpus_per_node=gpus, model_name_or_path=""),

@@ -51,7 +51,8 @@ def test_a_grpo_v1_batch_clears_nothing_and_keeps_every_key(plugin, config, tq):
     OmegaConf.update(config, "cppo.pruning_rate", 0.0)
     keys = [f"p{i // 4}_{i % 4}_0" for i in range(8)] + ["pad_0_0"]
     for i, key in enumerate(keys[:-1]):
-        tq.data["train"][key] = {"uid": f"p{i // 4}", "rm_scores": torch.tensor([0.0, float(i % 2)])}
+        tq.data["train"][key] = {"uid": f"p{i // 4}", "rm_scores": torch.tensor([0.0, float(i % 2)]),
+                                  "response_mask": torch.ones(2, dtype=torch.int64)}  # every veRL row has one
     tags = [{"seq_len": 3}] * 8 + [{"seq_len": 3, "is_padding": True}]
     metrics: dict = {}
     out = hook.prune_kv_batch(_v1_trainer(config), KVBatchMeta(keys=keys, tags=tags, partition_id="train"), metrics)
@@ -67,7 +68,8 @@ def test_keep_per_group_reports_no_pruning_rate(plugin, config, tq):
     OmegaConf.update(config, "cppo.keep_per_group", 1)
     keys = [f"p0_{s}_0" for s in range(4)]
     for s, key in enumerate(keys):
-        tq.data["train"][key] = {"uid": "p0", "rm_scores": torch.tensor([3.0 if s == 3 else 0.0])}
+        tq.data["train"][key] = {"uid": "p0", "rm_scores": torch.tensor([3.0 if s == 3 else 0.0]),
+                                  "response_mask": torch.ones(1, dtype=torch.int64)}
     metrics: dict = {}
     out = hook.prune_kv_batch(_v1_trainer(config), KVBatchMeta(keys=keys, tags=[{}] * 4, partition_id="train"),
                               metrics)
