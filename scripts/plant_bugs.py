@@ -70,8 +70,9 @@ BUGS = (
     Bug("cppo_megatron/megatron/actor.py", "                param_state[\"step\"] = param_state[\"step\"].clone()\n",
         "                pass\n", ("tests/megatron/test_actor_state.py",),
         "Megatron resume: one shared Adam step tensor (megatron-core's) left in place"),
-    Bug("cppo_megatron/trainer/selective.py", "if fb.kept.numel() == 0 and n > 0:", "if fb.kept.numel() == 0 and n > 1:",
-        ("tests/trainer/test_selective_checkpoint_edges.py",), "selective rollout: a round of one that kept nothing passes"),
+    Bug("cppo_megatron/core/selective.py", "return ~self.decision.skip | self.forced_mask",
+        "return ~self.decision.skip",
+        ("tests/core/test_selective_run.py",), "selective rollout: a forced keep (the capped fill) not generated"),
     Bug("cppo_megatron/core/balance.py", "best = (max(top - hw[a], loads[j] + hw[a]), a, None, j, float(hw[a]))",
         "best = (max(top - hw[a], loads[j] + hw[a]), a, None, j, float(hw[a]) / 2)",
         ("tests/core/test_edges.py",), "balance: a move books half the moved workload"),
@@ -80,6 +81,24 @@ BUGS = (
         ("tests/trainer/test_selective_checkpoint_edges.py",), "checkpoints: one more than KEEP_LAST kept"),
     Bug("cppo_megatron/distributed/launch.py", "    hint = f\": {_WHY[sig]}\" if sig in _WHY else \"\"",
         "    hint = \"\"", ("tests/distributed/test_launch.py",), "run_local: a dead rank's signal without its hint"),
+    # early stopping (issue 41): the three bugs the issue names, and a stopped row trained on
+    Bug("cppo_megatron/core/early_stop.py",
+        "torch.sort(torch.where(candidate, majority, -1.0)[perm], descending=True, stable=True)",
+        "torch.sort(torch.where(candidate, majority, -1.0)[perm], descending=False, stable=True)",
+        ("tests/core/test_early_stop.py",), "early stop: the wrong end of the ranking stopped"),
+    Bug("cppo_megatron/core/early_stop.py", "pruned_after=(~stop & ~kept_mask).nonzero().squeeze(1))",
+        "pruned_after=(~kept_mask).nonzero().squeeze(1))",
+        ("tests/core/test_early_stop.py",), "early stop: a stopped completion counted as pruned after generation"),
+    Bug("cppo_megatron/trainer/early_stop.py",
+        "        metrics = self._step_metrics(batch, kept, y)\n"
+        "        self.history.add(self.step, *self._examples(y, batch.rewards.to(torch.float64), batch.stopped))\n"
+        "        self.ready = self.history.refit(self.predictor, self.es.min_examples)\n",
+        "        self.history.add(self.step, *self._examples(y, batch.rewards.to(torch.float64), batch.stopped))\n"
+        "        self.ready = self.history.refit(self.predictor, self.es.min_examples)\n"
+        "        metrics = self._step_metrics(batch, kept, y)\n",
+        ("tests/trainer/test_early_stop.py",), "early stop: the predictor trained on the current step's rewards first"),
+    Bug("cppo_megatron/core/early_stop.py", "    adv = torch.where(stop, torch.zeros_like(adv), adv)\n", "",
+        ("tests/core/test_early_stop.py",), "early stop: a stopped completion's advantage not zeroed"),
 )
 
 

@@ -118,3 +118,24 @@ def test_record_step_refuses_misaligned_rewards_and_mixed_groups(monkeypatch):
 def test_install_takes_a_cppo_config_only():
     with pytest.raises(ValueError, match="selective.install expects a CPPOConfig, got dict"):
         selective.install({"selective": {"enabled": True}})
+
+
+def test_the_checkpoint_state_is_checked_against_the_run():
+    saved = OpenRLHFSelective(CFG, num_prompts=4, step=3).state_dict()
+    assert saved["step"] == 3 and saved["num_prompts"] == 4
+    with pytest.raises(ValueError, match="^selective rollout checkpoint state must be a dict, got list$"):
+        OpenRLHFSelective(CFG, num_prompts=4).load_state_dict([], step=3)
+    with pytest.raises(ValueError, match="^selective rollout: the checkpoint of global step 2 holds the history of "
+                                         "step 3; it was not saved by this run's hook$"):
+        OpenRLHFSelective(CFG, num_prompts=4).load_state_dict(saved, step=2)
+    other = OpenRLHFSelective(CFG, num_prompts=6)
+    with pytest.warns(UserWarning, match="saved over a train data set of 4 prompts, this run has 6"):
+        other.load_state_dict(saved, step=3)
+    assert other.next_step == 3
+    same = OpenRLHFSelective(CFG, num_prompts=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same data-set size: no warning
+        same.load_state_dict(saved)
+    assert same.next_step == 3  # the saved step when none is given
+    with pytest.raises(ValueError, match="^selective rollout: the checkpoint state has no step; pass "):
+        OpenRLHFSelective(CFG, num_prompts=4).load_state_dict({k: v for k, v in saved.items() if k != "step"})
