@@ -6,6 +6,7 @@ itself when the table cannot be read. Also the causes of death it reports or ign
 from __future__ import annotations
 
 import io
+import signal
 import threading
 import time
 
@@ -18,6 +19,16 @@ from cppo_megatron.integrations import watchdog  # noqa: E402
 
 DEAD = watchdog.DeadActor(name="xWorkerDict_0:1", class_name="WorkerDict", pid=101, node_ip="10.0.0.7",
                           reason="WORKER_DIED")
+
+
+@pytest.fixture(autouse=True)
+def python_sigint_handler():
+    """Python's own SIGINT handler while a test runs: the watchdog's interrupt is a SIGINT to the main
+    thread, and a library an earlier test of the suite loaded may have left a handler of its own
+    (the full CI run saw no KeyboardInterrupt within 30 s)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 class JobWatchdog(watchdog.Watchdog):
