@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -57,6 +57,7 @@ __all__ = [
     "ENTROPY_FEATURES",
     "LOGPROB_FEATURES",
     "RUNNING",
+    "RUN_TOTALS",
     "FINISHED",
     "STOPPED",
     "BoundaryOutcome",
@@ -74,11 +75,16 @@ __all__ = [
     "explore_groups",
     "feature_names",
     "imputed_moments",
+    "learner_state",
     "prefix_features",
     "quality_metrics",
     "replay_early_stop",
+    "restore_learner_state",
     "roc_auc",
 ]
+
+# the run's running totals every host carries across steps and restarts
+RUN_TOTALS = ("started", "stopped", "kept", "tokens_generated", "tokens_saved_estimate")
 
 # a completion's status at a boundary
 RUNNING, FINISHED, STOPPED = 0, 1, 2
@@ -796,3 +802,23 @@ def calibration(scores: torch.Tensor, labels: torch.Tensor, bins: int = 10) -> t
         if bool(m.any()):
             ece += float(m.sum()) / s.numel() * abs(float(s[m].mean()) - float(y[m].mean()))
     return brier, ece
+
+
+def learner_state(predictor: PrefixPredictor, history: StopHistory, ready: bool, totals: dict[str, float]
+                  ) -> dict[str, Any]:
+    """What a checkpoint keeps of a run's early stopping: the predictor, its history, whether it
+    may stop yet, and the run totals (``RUN_TOTALS``). Every host saves this one dict."""
+    return {"predictor": predictor.state_dict(), "history": history.state_dict(), "ready": ready,
+            "totals": dict(totals)}
+
+
+def restore_learner_state(state: dict[str, Any], predictor: PrefixPredictor, history: StopHistory, *,
+                          missing: str) -> tuple[bool, dict[str, float]]:
+    """Load ``learner_state``'s dict into ``predictor`` and ``history``; return (ready, totals).
+    A key not there is a ValueError ``"{missing}".format(key=...)`` (the host's own words)."""
+    for key in ("predictor", "history", "ready", "totals"):
+        if key not in state:
+            raise ValueError(missing.format(key=repr(key)))
+    predictor.load_state_dict(state["predictor"])
+    history.load_state_dict(state["history"])
+    return bool(state["ready"]), {k: float(state["totals"].get(k, 0.0)) for k in RUN_TOTALS}

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..core.early_stop import (
+    RUN_TOTALS,
     PrefixPredictor,
     StopAccounting,
     StopHistory,
@@ -35,7 +36,9 @@ from ..core.early_stop import (
     estimate_full_lengths,
     explore_groups,
     imputed_moments,
+    learner_state,
     quality_metrics,
+    restore_learner_state,
 )
 from ..core.settings import CPPOConfig
 from ..rollout.base import BoundaryView
@@ -43,7 +46,6 @@ from ..rollout.base import BoundaryView
 __all__ = ["STATE_KEY", "EarlyStopping", "RoundMonitor"]
 
 STATE_KEY = "early_stop"  # its entry in trainer.pt
-_TOTALS = ("started", "stopped", "kept", "tokens_generated", "tokens_saved_estimate")
 
 
 class RoundMonitor:
@@ -106,7 +108,7 @@ class EarlyStopping:
         self.predictor = PrefixPredictor(self.es.l2)
         self.history = StopHistory(self.es.history_steps)
         self.ready = False
-        self.totals = dict.fromkeys(_TOTALS, 0.0)
+        self.totals = dict.fromkeys(RUN_TOTALS, 0.0)
         self.step = -1
         self.monitors: list[RoundMonitor] = []
         self.audit_path = None if audit_path is None else Path(audit_path)
@@ -253,15 +255,9 @@ class EarlyStopping:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        return {"predictor": self.predictor.state_dict(), "history": self.history.state_dict(),
-                "ready": self.ready, "totals": dict(self.totals)}
+        return learner_state(self.predictor, self.history, self.ready, self.totals)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("predictor", "history", "ready", "totals"):
-            if key not in state:
-                raise ValueError(f"early stop state: {key!r} missing from the checkpoint")
-        self.predictor.load_state_dict(state["predictor"])
-        self.history.load_state_dict(state["history"])
-        self.ready = bool(state["ready"])
-        self.totals = {k: float(state["totals"].get(k, 0.0)) for k in _TOTALS}
+        self.ready, self.totals = restore_learner_state(state, self.predictor, self.history,
+                                                        missing="early stop state: {key} missing from the checkpoint")
 

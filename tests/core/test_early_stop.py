@@ -374,3 +374,22 @@ def test_history_keeps_its_steps_in_order_and_refits_only_when_ready():
     clone = StopHistory(1)
     clone.load_state_dict(h.state_dict())
     assert clone.keep_steps == 2 and clone.completions() == (3, 3)
+
+
+def test_the_learner_state_round_trips_and_names_a_missing_key():
+    from cppo_megatron.core.early_stop import RUN_TOTALS, StopHistory, learner_state, restore_learner_state
+
+    h = StopHistory(keep_steps=2)
+    x = torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
+    y = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0])
+    h.add(1, x, y, y, (3, 3))
+    p = PrefixPredictor()
+    assert h.refit(p, min_examples=3)
+    totals = dict.fromkeys(RUN_TOTALS, 0.0) | {"stopped": 5.0}
+    saved = learner_state(p, h, True, totals)
+    p2, h2 = PrefixPredictor(), StopHistory(1)
+    ready, back = restore_learner_state({**saved, "totals": {"stopped": 5.0}}, p2, h2, missing="{key}")
+    assert ready is True and back == totals  # a total an older checkpoint lacks starts at 0
+    assert torch.equal(p2.predict(x), p.predict(x)) and h2.completions() == (3, 3)
+    with pytest.raises(ValueError, match="^host: 'ready' missing$"):
+        restore_learner_state({k: v for k, v in saved.items() if k != "ready"}, p2, h2, missing="host: {key} missing")

@@ -30,12 +30,15 @@ from typing import Any
 import torch
 
 from ...core.early_stop import (
+    RUN_TOTALS,
     PrefixPredictor,
     StopAccounting,
     StopHistory,
     estimate_full_lengths,
     imputed_moments,
+    learner_state,
     quality_metrics,
+    restore_learner_state,
 )
 from ..importhook import after_import
 from ..wrap import unwrap, wrap
@@ -62,7 +65,6 @@ VLLM_COUNTERS = {"generation_tokens": "vllm:generation_tokens", "prompt_tokens":
 COUNTERS_KEY = "cppo_vllm_counters"
 WRAP_TAG = __name__
 _STATES: weakref.WeakKeyDictionary[Any, VerlEarlyStop] = weakref.WeakKeyDictionary()
-_TOTALS = ("started", "stopped", "kept", "tokens_generated", "tokens_saved_estimate")
 
 
 # ---------------------------------------------------------------------------------- the trainer side
@@ -101,7 +103,7 @@ class VerlEarlyStop:
         self.predictor = PrefixPredictor(self.es.l2)
         self.history = StopHistory(self.es.history_steps)
         self.ready = False
-        self.totals = dict.fromkeys(_TOTALS, 0.0)
+        self.totals = dict.fromkeys(RUN_TOTALS, 0.0)
 
     def moments(self, infos: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
         q = torch.tensor([float("nan") if i["q"] is None else float(i["q"]) for i in infos], dtype=torch.float64)
@@ -138,7 +140,7 @@ class VerlEarlyStop:
             "reward_mean_estimate": float(torch.where(stopped, mu, rewards.to(torch.float64)).mean()),
         })
         metrics = acc.check().metrics()
-        for key in _TOTALS:
+        for key in RUN_TOTALS:
             self.totals[key] += float(getattr(acc, key))
             metrics[f"early_stop/total_{key}"] = self.totals[key]
         self._file(step, infos, y, rewards, stopped)
@@ -191,17 +193,11 @@ class VerlEarlyStop:
         self.history.add(step, x, torch.tensor(ys, dtype=torch.float64), torch.tensor(rs, dtype=torch.float64), counts)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"predictor": self.predictor.state_dict(), "history": self.history.state_dict(), "ready": self.ready,
-                "totals": dict(self.totals)}
+        return learner_state(self.predictor, self.history, self.ready, self.totals)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("predictor", "history", "ready", "totals"):
-            if key not in state:
-                raise ValueError(f"cppo early stop: {key!r} missing from {STATE_FILE}")
-        self.predictor.load_state_dict(state["predictor"])
-        self.history.load_state_dict(state["history"])
-        self.ready = bool(state["ready"])
-        self.totals = {k: float(state["totals"].get(k, 0.0)) for k in _TOTALS}
+        self.ready, self.totals = restore_learner_state(state, self.predictor, self.history,
+                                                        missing=f"cppo early stop: {{key}} missing from {STATE_FILE}")
 
 
 def state_of(trainer: Any) -> VerlEarlyStop:
