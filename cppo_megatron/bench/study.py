@@ -216,10 +216,10 @@ def run(args: argparse.Namespace) -> int:
     if args.seeds < 1 or args.budget <= 0 or args.evals < 1:
         raise ValueError(f"--seeds, --budget, --evals must be positive, got {args.seeds}, {args.budget}, {args.evals}")
     recipe = load_recipe(args.recipe, args.overrides)
+    runs = grid(args)  # before the warm-up: a bad --generation or --exclude costs nothing
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     warm = warm_start(recipe, out, args.warmup_checkpoint)
-    runs = grid(args)
     print(f"study: {len(runs)} runs x {args.budget:g} s ({args.clock} clock) from {warm}")
     rows = []
     csv_path = out / "study.csv"

@@ -260,3 +260,15 @@ def test_study_with_early_stopping_runs_it_beside_cppo_and_logs_the_predictors_a
         "auc_per_step"] is None
     configs = [t["config"] for t in json.loads((out / "study.json").read_text())["rows"]]
     assert configs == ["P=0 grpo", "P=0.5 smallest", "P=0.5 smallest + early stopping"]
+
+
+def test_an_unknown_exclude_is_refused_before_the_warm_up_writes_anything(tmp_path, capsys):
+    """the arms are checked before the supervised warm-up (minutes on the worked testbed): a typo
+    in --exclude fails at once, names the arms, and leaves no output folder behind"""
+    out = tmp_path / "study"
+    assert main(["study", recipe_path("tiny_cpu"), "--rates", "0,0.875", "--metrics", "smallest",
+                 "--exclude", "p0_nope", "--no-control", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert ("--exclude ['p0_nope']: not an arm of this study; "
+            "its arms are ['p0_grpo_alloc', 'p0.875_smallest_alloc']") in err
+    assert not out.exists()
