@@ -266,3 +266,37 @@ def test_help_example_parses(line, workdir, monkeypatch):
         if arg.startswith("--config-path="):
             name = next(a.split("=", 1)[1] for a in argv if a.startswith("--config-name="))
             assert (Path(arg.split("=", 1)[1]) / f"{name}.yaml").is_file(), line
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but `-` and `_` dropped, spaces to `-`."""
+    import re
+
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_and_anchor_resolves():
+    """A link of README.md or docs/ to another doc (and its #anchor) points at a file and heading
+    that exist: moving a section to a records file must carry its links along."""
+    import re
+
+    anchors: dict[Path, set[str]] = {}
+
+    def anchors_of(path: Path) -> set[str]:
+        if path not in anchors:
+            text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+            anchors[path] = {_anchor(m) for m in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)}
+        return anchors[path]
+
+    bad = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s), mailto
+            path, _, anchor = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            if not dest.exists():
+                bad.append(f"{doc.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors_of(dest):
+                bad.append(f"{doc.relative_to(ROOT)}: {target} (no such heading)")
+    assert not bad, "broken links:\n" + "\n".join(bad)

@@ -268,10 +268,11 @@ def recipe_help(prefix: str = "") -> str:
 
 
 def recipe_markdown() -> str:
-    """The key tables of docs/trainer.md ("Recipe keys"), from the same metadata as
-    ``--help-recipe``. Regenerate after changing a field::
+    """Markdown tables of the recipe keys, from the same metadata as ``--help-recipe``; the key
+    reference (docs/reference/keys.md, "Embedded trainer recipe keys") shows the same allowed
+    values and help. Regenerate that file after changing a field::
 
-        python -c "from cppo_megatron.trainer.config import recipe_markdown; print(recipe_markdown())"
+        .venv/bin/python scripts/gen_key_reference.py
     """
     out, section = [], None
     for key, f in recipe_fields():
