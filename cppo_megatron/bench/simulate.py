@@ -1,8 +1,9 @@
 """A cost model of GRPO / CPPO steps on GPU clusters we cannot run here.
 
 One step = rollout (+ reward, weight sync, fixed overhead) -> old-policy, reference and
-policy-update passes. The model is deliberately small; every term is a documented
-assumption (docs/benchmarks.md, "simulate") with its default taken from public figures:
+policy-update passes. The model is deliberately small; every term is a documented assumption
+(docs/records/benchmarks_tools.md, "`simulate`: the cluster cost model") with its default taken
+from public figures:
 
 Rollout (vLLM-like continuous batching, per engine replica of ``rollout_tp`` GPUs):
     every decode iteration emits one token for each active sequence (at most
@@ -124,7 +125,8 @@ class ClusterSim:
     rebalance: bool = True
     equal_size: bool = True  # veRL balances with equal-size parts
     train_mfu: float = 0.30
-    gen_mfu: float = 0.25  # calibrated on the paper check (docs/benchmarks.md); 0.5 overpredicted 7B by up to 55%
+    # calibrated on the paper check (docs/records/benchmarks_tools.md); 0.5 overpredicted 7B by up to 55%
+    gen_mfu: float = 0.25
     bw_eff: float = 0.70
     iter_overhead_s: float = 0.004
     seq_overhead_s: float = 30e-6  # host time per active sequence per decode iteration

@@ -4,7 +4,8 @@ Per pruning rate: seconds per phase (rollout, reward, sync, overhead, old-policy
 reference log-probs, update), time per prompt, speedup vs GRPO split into the batching gain
 (a GRPO generating as many completions per call) x the pruning gain, the bound S_max from
 the GRPO phase split, and the straggler cost of DP imbalance with and without
-rebalancing. The model and its defaults are described in docs/benchmarks.md.
+rebalancing. The model is described in docs/benchmarks.md, its defaults with their sources and the paper check in
+docs/records/benchmarks_tools.md.
 
 examples:
   cppo-megatron simulate --model 7B --gpu A100-80GB --dp 8

@@ -1,6 +1,6 @@
 """A Ray cluster of several nodes on ONE machine, started the way a cluster is: ``ray start --head``
 and ``ray start --address=HEAD`` per further node, each node with its own resources (logical GPUs
-in the CPU modes). For tests and the CPU demos of multi-node recipes (docs/integrations/verl.md,
+in the CPU modes). For tests and the CPU demos of multi-node recipes (docs/records/verl_cpu_mode.md,
 "Two Ray nodes on one machine").
 
 On a shared machine it keeps to itself: its own ``--temp-dir`` (so ``ray.init()`` elsewhere, which

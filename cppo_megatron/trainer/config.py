@@ -4,7 +4,7 @@
 merges the file and the overrides into this schema; an unknown key anywhere is an error
 that names it (no silent typos). Each field carries its help text, and its choices or
 range, in its metadata: validation, ``cppo-megatron train --help-recipe`` and the key
-table of docs/trainer.md (a test compares) all come from there.
+table of docs/reference/keys.md (a test compares) all come from there.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ class ArithmeticConfig:
 @dataclass
 class WorkedArithmeticConfig:
     """Difficulty mix of the built-in worked_arithmetic task: each problem draws its number of
-    terms and its operand digits uniformly from these ranges (docs/trainer.md, "The worked
-    arithmetic testbed")."""
+    terms and its operand digits uniformly from these ranges (docs/trainer.md, "The
+    worked-arithmetic testbed")."""
 
     min_terms: int = setting(2, "fewest terms of a problem (>= 2; terms - 1 steps)")
     max_terms: int = setting(6, "most terms of a problem")
@@ -401,7 +401,8 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recip
         raise
     except ConfigKeyError as exc:
         key = getattr(exc, "full_key", None) or str(exc).splitlines()[0]
-        raise RecipeError(f"unknown recipe key {key!r} (check the spelling; docs/trainer.md lists every key)") from exc
+        raise RecipeError(f"unknown recipe key {key!r} (check the spelling; docs/reference/keys.md lists every "
+                          "key)") from exc
     except ValidationError as exc:
         key = getattr(exc, "full_key", "?")
         raise RecipeError(f"recipe key {key!r}: {str(exc).splitlines()[0]}") from exc

@@ -261,7 +261,7 @@ def _slice(n: int, parts: int, i: int) -> tuple[int, int]:
 
 
 def _mix(*xs: int) -> int:
-    # the backend's own seed hash (not rollout.mix_seed): the runs in docs/integrations/megatron.md
+    # the backend's own seed hash (not rollout.mix_seed): the runs in docs/records/megatron_runs.md
     # were sampled with it and reproduce only with it
     h = 0x9E3779B97F4A7C15
     for x in xs:

@@ -294,7 +294,7 @@ def test_a_dead_actor_rank_ends_the_run_with_a_message_naming_it(chain):
 
 
 def test_resume_after_a_dead_worker_continues_the_run(cppo_run, chain):
-    """What OpenRLHF determines across the restarts, compared (see docs/integrations/openrlhf.md,
+    """What OpenRLHF determines across the restarts, compared (see docs/records/openrlhf_features.md,
     "Checkpoints and resume"): the steps and their seeds, the prompts, survivors and advantages,
     weights and optimizer states. Not compared with ``cppo_run``: OpenRLHF draws its prompt order
     from an unseeded sampler in the trainer process and vLLM samples from its engine seed, so two

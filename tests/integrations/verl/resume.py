@@ -149,7 +149,7 @@ def check_restart(before: dict, after: dict, step: int):
         assert json.dumps(rec["optimizer"], sort_keys=True) == json.dumps(saved[rank]["optimizer"], sort_keys=True)
 
 
-# a dead worker rank ends the run by itself within seconds (measured: docs/integrations/verl.md);
+# a dead worker rank ends the run by itself within seconds (measured: docs/records/verl_features.md);
 # this bound is what "does not hang" means here
 DEAD_WORKER_EXIT_S = 180
 

@@ -289,7 +289,7 @@ def test_v1_cppo_on_vllm_trains_the_core_survivors_and_serves_the_actors_weights
 # --------------------------------------------------------------------------------- a dead worker, resume
 # CI: the worker SIGKILLed during step 2 after step 1's checkpoint, then the same command to the end
 # (2 runs); RESUME_TESTS=all puts a SIGKILL of the driver between them (one more run, as the Megatron
-# chain of test_cpu_megatron_e2e.py does in CI) — docs/integrations/verl.md
+# chain of test_cpu_megatron_e2e.py does in CI) — docs/records/verl_features.md
 FULL_CHAIN = os.environ.get("RESUME_TESTS", "") == "all"
 
 

@@ -189,7 +189,7 @@ def test_legacy_grpo_megatron_tp2_dp2_padded_keeps_every_row(legacy_grpo, tiny_m
 # ------------------------------------------------------------------------------ a dead worker, resume
 # CI: the driver SIGKILLed during step 2 after step 1's checkpoint, then the same command to the end
 # (2 more TP 2 x DP 2 runs, ~2 min); RESUME_TESTS=all puts a dead worker rank first (one more run,
-# as the FSDP chain of test_cpu_e2e.py does in CI) — docs/integrations/verl.md
+# as the FSDP chain of test_cpu_e2e.py does in CI) — docs/records/verl_features.md
 FULL_CHAIN = os.environ.get("RESUME_TESTS", "") == "all"
 
 

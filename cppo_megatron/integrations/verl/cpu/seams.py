@@ -1,5 +1,5 @@
 """The four places where veRL 0.9.1 assumes an accelerator, each fixed from outside and only
-when the platform is ``cpu`` (docs/integrations/verl.md, "The veRL 0.9.1 lines the CPU mode
+when the platform is ``cpu`` (docs/records/verl_cpu_mode.md, "The veRL 0.9.1 lines the CPU mode
 answers"; paths relative to the ``verl`` package):
 
 1. engines: veRL registers its FSDP engines for devices cuda/npu only

@@ -3,7 +3,7 @@
 veRL's vLLM path (``vLLMReplica`` -> ``vLLMHttpServer`` -> vLLM ``AsyncLLM`` with veRL's worker
 extension; new weights through ``ServerAdapter.update_weights``, by shared memory on our CPU
 platform) runs unchanged on CPU past three walls, each answered here from outside and only in
-the CPU mode (paths relative to the ``verl`` / ``vllm`` packages; docs/integrations/verl.md,
+the CPU mode (paths relative to the ``verl`` / ``vllm`` packages; docs/records/verl_cpu_mode.md,
 "veRL's vLLM rollout on CPU"):
 
 1. version: ``third_party/vllm/__init__.py:31-40``, ``workers/rollout/vllm_rollout/__init__.py:28``
