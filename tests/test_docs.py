@@ -12,6 +12,7 @@
   recipe loader. Installs, environment builds and the test suite itself are listed as not
   run, with the reason; so are blocks marked ``<!-- not-run: REASON -->`` (GPU, cluster).
 
+A command shown in several docs (a guide and its record) runs once, where it first appears.
 ``pytest -rs tests/test_docs.py`` lists every skipped snippet and why; test ids say
 ``run`` or ``check``.
 """
@@ -100,9 +101,12 @@ def classify(s: Snippet) -> tuple[str, str, list[str]]:
 
 
 def _shell_params():
-    params = []
+    params, first = [], {}
     for s in (x for x in ALL if x.kind == "shell"):
         mode, reason, argv = classify(s)
+        seen = first.setdefault(" ".join(s.text.split("#")[0].split()), s) if mode != "skip" else s
+        if seen is not s:  # a guide and its record may show the same command: it runs once
+            mode, reason = "skip", f"the same command as {seen.id}, which runs it"
         marks = [pytest.mark.skip(reason=f"{s.id}: {s.text[:70]!r}: {reason}")] if mode == "skip" else []
         params.append(pytest.param(s, mode, argv, id=f"{mode}:{s.id}", marks=marks))
     return params
