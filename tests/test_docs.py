@@ -304,3 +304,20 @@ def test_every_relative_link_and_anchor_resolves():
             elif anchor and dest.suffix == ".md" and anchor not in anchors_of(dest):
                 bad.append(f"{doc.relative_to(ROOT)}: {target} (no such heading)")
     assert not bad, "broken links:\n" + "\n".join(bad)
+
+
+def test_each_command_runs_once_where_it_first_appears():
+    """A command a guide and its record both show is run (or checked) once, not twice, and none is
+    left out: the runnable parameters are exactly the distinct runnable commands of the docs."""
+    def key(s: Snippet) -> str:
+        return " ".join(s.text.split("#")[0].split())
+
+    params = _shell_params()
+    runnable = [p.values[0] for p in params if not p.marks]
+    wanted = [s for s in ALL if s.kind == "shell" and classify(s)[0] != "skip"]
+    assert sorted({key(s) for s in runnable}) == sorted({key(s) for s in wanted})
+    assert len(runnable) == len({key(s) for s in runnable}), "a command runs twice"
+    firsts = {}
+    for s in wanted:
+        firsts.setdefault(key(s), s)
+    assert all(firsts[key(s)] is s for s in runnable), "a command runs at a later appearance, not its first"
