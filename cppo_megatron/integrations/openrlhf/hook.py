@@ -171,6 +171,13 @@ def check_settings(values: Mapping[str, Any], estimator: str) -> list[str]:
             "cppo.equal_size=false cannot be honoured under OpenRLHF: each actor gets an equal consecutive "
             "chunk of the survivors, so they are always balanced into equal-size parts; remove it"
         )
+    early_stop = values.get("early_stop") or {}
+    if isinstance(early_stop, Mapping) and early_stop.get("enabled"):
+        raise ValueError(
+            "cppo.early_stop.enabled=true is not built for OpenRLHF yet: the integration sends each prompt's "
+            "vLLM requests whole, with no segment boundary where a predictor could stop a completion "
+            "(docs/early_stopping.md); remove it, or run early stopping in the embedded trainer or veRL"
+        )
     implied = SUPPORTED_ESTIMATORS.get(estimator)
     if "adv_norm" in values and implied is not None and values["adv_norm"] != implied:
         other = next(e for e, n in SUPPORTED_ESTIMATORS.items() if n == values["adv_norm"]) \
