@@ -36,7 +36,7 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, merge_weight_chunks, split_weight_chunks
 
 from ...records import tensor_hash
-from .. import audit
+from ..diagnostics import audit
 from .vllm import WeightSyncError, sync_timeout_s
 
 __all__ = ["BACKEND", "CpuCheckpointEngine"]
