@@ -1,4 +1,4 @@
-"""Wall-clock mode (integrations/verl/clock.py) without Ray: the hf rollout server keeps the
+"""Wall-clock mode (integrations/verl/diagnostics/clock.py) without Ray: the hf rollout server keeps the
 policy in force at each wall-clock mark, the sync log dates every policy, and the legacy
 trainer's budget stop makes the right step veRL's last one."""
 
