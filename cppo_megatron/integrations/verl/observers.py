@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PruneDecision", "clear", "on_prune", "on_record", "prune_decided", "record", "recording", "remove",
+__all__ = ["PruneDecision", "on_prune", "on_record", "prune_decided", "record", "recording", "remove",
            "subscribed"]
 
 
@@ -82,12 +82,6 @@ def remove(fn: Callable[..., None]) -> None:
     for subscribers in (_PRUNE, _RECORD):
         if fn in subscribers:
             subscribers.remove(fn)
-
-
-def clear() -> None:
-    """Unsubscribe everyone (tests)."""
-    _PRUNE.clear()
-    _RECORD.clear()
 
 
 def subscribed() -> dict[str, list[str]]:

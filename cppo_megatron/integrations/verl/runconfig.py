@@ -40,7 +40,6 @@ __all__ = [
     "dp_size",
     "early_stop_enabled",
     "export_plugin_to_workers",
-    "forget_settings",
     "host_warnings",
     "prepare",
     "selective_enabled",
@@ -134,11 +133,6 @@ def settings_of(trainer: Any) -> RunSettings:
     if settings is None:
         settings = _SETTINGS[trainer] = RunSettings.read(trainer.config)
     return settings
-
-
-def forget_settings(trainer: Any) -> None:
-    """Drop the kept settings (tests that change a trainer's config between steps)."""
-    _SETTINGS.pop(trainer, None)
 
 
 @dataclass(frozen=True)

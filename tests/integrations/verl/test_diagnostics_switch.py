@@ -101,7 +101,10 @@ def test_observers_hand_on_in_order_and_refuse_what_is_not_callable():
     observers.on_prune(second)
     observers.on_prune(first)  # idempotent
     observers.on_record(sink)
+    observers.on_record(sink)  # idempotent
     try:
+        here = f"{__name__}.test_observers_hand_on_in_order_and_refuse_what_is_not_callable.<locals>"
+        assert observers.subscribed() == {"prune": [f"{here}.first", f"{here}.second"], "record": [f"{here}.sink"]}
         assert observers.recording()
         observers.prune_decided("decision")  # type: ignore[arg-type]
         observers.record("early_stop", role="agent_loop", step=2)
