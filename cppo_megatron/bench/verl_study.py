@@ -20,7 +20,7 @@ Equal wall time. Every run trains for ``--budget`` seconds of wall time, counted
 moment the start weights reach the rollout (veRL's initial weight sync: Ray and worker
 start-up are not charged) — rollout, reward, the log-prob passes, the update, the weight
 sync and veRL's own bookkeeping all are. The run's trainer ends veRL's loop when the budget is
-spent (``integrations/verl/clock.py``), so veRL exits normally.
+spent (``integrations/verl/diagnostics/clock.py``), so veRL exits normally.
 
 Evaluation at wall-clock points. veRL validates on step counts, and a validation inside a
 run would take time from it. Instead the rollout server keeps the policy that was in force at
@@ -83,7 +83,7 @@ VERL_DEFAULTS = {"rates": "0,0.875", "metrics": "smallest", "allocation": "both"
 VERL_METRICS = ("smallest", "random", "largest", "signed")
 PHASES = ("gen", "old_log_prob", "ref", "adv", "update_actor", "update_weights")
 # the study grades the policy in force at each wall-clock mark, which the `hf` rollout server keeps
-# (integrations/verl/clock.py); it replaces a recipe's vLLM rollout
+# (integrations/verl/diagnostics/clock.py); it replaces a recipe's vLLM rollout
 STUDY_ROLLOUT, ROLLOUT_KEY = "hf", "actor_rollout_ref.rollout.name"
 STEP_LIMIT = 1_000_000  # veRL needs a step count; the clock ends the run long before
 # --generation dapo: veRL's own group filter (V1's sync replay buffer), as recipes/verl/tiny_cpu_dapo_cppo.yaml
@@ -206,7 +206,7 @@ def phase_split(metrics: dict[int, dict], steps: list[int], skip: int = 1,
 def run_one(recipe: str, user_overrides: list[str], spec: dict, out: Path, model_dir: Path, data_dir: Path,
             budget: float, marks: list[float], timeout_s: float, *, use_v1: bool = False) -> dict:
     """One arm-seed: the veRL run under the clock; returns the raw result (no evaluation)."""
-    from ..integrations.verl import clock
+    from ..integrations.verl.diagnostics import clock
 
     name = run_id(spec)
     run_dir = (out / "runs" / name).resolve()
@@ -265,7 +265,7 @@ def evaluate_run(result: dict, out: Path, evaluator: Evaluator, start: dict, gro
     """The study row of a finished run: accuracy of the policy in force at each mark (one
     shared evaluator), prompts consumed and completions generated and trained up to it,
     generation tokens per step, the step-time split, the load."""
-    from ..integrations.verl import clock
+    from ..integrations.verl.diagnostics import clock
 
     spec = result["spec"]
     run_dir = out / "runs" / result["run"]

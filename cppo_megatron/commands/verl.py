@@ -45,7 +45,7 @@ def _check() -> int:
         "import json, sys, verl\n"
         "from verl.trainer.ppo import core_algos\n"
         "loaded = 'cppo_megatron.integrations.verl' in sys.modules\n"
-        "from cppo_megatron.integrations.verl import drift\n"
+        "from cppo_megatron.integrations.verl.diagnostics import drift\n"
         "r = drift.report()\n"
         "print(json.dumps({'verl': verl.__version__, 'plugin_loaded': loaded,"
         " 'estimator': 'cppo' in core_algos.ADV_ESTIMATOR_REGISTRY, 'drift': r.gpu_path,"
@@ -70,7 +70,7 @@ def verdict(report: dict) -> tuple[int, list[str]]:
     a function the GPU path hooks drifted (``drift``); CPU-mode drift and another veRL version
     whose hooked functions are unchanged are warnings (exit 0)."""
     from cppo_megatron.integrations.verl import SUPPORTED_VERL
-    from cppo_megatron.integrations.verl.drift import DriftReport
+    from cppo_megatron.integrations.verl.diagnostics.drift import DriftReport
 
     report["supported_verl"] = SUPPORTED_VERL
     lines = []

@@ -131,7 +131,7 @@ def fake_run(out: Path, spec: dict, syncs: list[tuple[int, float]], budget: floa
              per_step: dict, weights=lambda g: {"w": torch.tensor([float(g)])}) -> dict:
     """A run directory as a real run leaves it: clock files (``weights(step)``, by default the
     step number) and veRL metrics."""
-    from cppo_megatron.integrations.verl import clock
+    from cppo_megatron.integrations.verl.diagnostics import clock
 
     run_id = study_table.run_id(spec)
     run_dir = out / "runs" / run_id

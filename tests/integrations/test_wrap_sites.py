@@ -109,7 +109,7 @@ def test_openrlhf_recorders_install_once_over_the_host_methods(monkeypatch, tmp_
 
 
 def test_verl_placement_recorder_stacks_on_the_cpu_mode_once_per_class():
-    from cppo_megatron.integrations.verl import audit
+    from cppo_megatron.integrations.verl.diagnostics import audit
     from cppo_megatron.integrations.verl.cpu import megatron_engine
 
     class MegatronEngine:

@@ -13,7 +13,14 @@ point, or through ``VERL_USE_EXTERNAL_MODULES=cppo_megatron.integrations.verl``)
   and ``_load_checkpoint`` (``selective.py``: skip prompts before generation);
 - registers the ``cppo_early_stop`` agent loop and, with ``cppo.early_stop.enabled=true``, keeps the
   predictor in V1's checkpoints (``early_stop.py``, ``early_stop_loop.py``: stop completions inside
-  the rollout).
+  the rollout);
+- nothing else: the verification instrumentation (``diagnostics/``: audit, key trace, wall clock)
+  is installed only in a process whose environment asks for it (``CPPO_VERL_AUDIT``,
+  ``CPPO_VERL_KEYS``, ``CPPO_VERL_CLOCK``).
+
+Layout: the GPU path at the top (``hook``, ``estimator``, ``stats``, ``runconfig``, ``layout``,
+``preflight``, ``main``, ``observers``, ...) with its features beside it (``selective``, ``dapo``,
+``early_stop*``); ``diagnostics/`` for verification; ``cpu/`` for the CPU mode.
 
 Run: ``python -m cppo_megatron.integrations.verl.main [veRL overrides] cppo.pruning_rate=0.875``.
 See docs/integrations/verl.md.
@@ -43,11 +50,14 @@ __all__ = [
 ]
 
 
-def load() -> None:
-    """Register the estimator, install the hook and, with ``VERL_PLATFORM=cpu``, the CPU mode;
-    the audit recorders, the key trace and the wall-clock budget when their variables are set
-    (idempotent)."""
-    from . import async_modes, audit, audit_vllm, clock, cpu, early_stop, keytrace, selective, signal
+def load() -> list[str]:
+    """Install what a CPPO run needs (idempotent): the estimator, the pruning hook, ``signal/*``,
+    the ``separate_async`` fix, selective rollout's and early stopping's seams, and, with
+    ``VERL_PLATFORM=cpu``, the CPU mode. Diagnostics (audit, key trace, wall clock:
+    ``diagnostics/``) are imported and installed only when their variable is set
+    (``CPPO_VERL_AUDIT``, ``CPPO_VERL_KEYS``, ``CPPO_VERL_CLOCK``). Returns the diagnostics
+    installed (``[]`` by default)."""
+    from . import async_modes, cpu, diagnostics, early_stop, selective, signal
 
     register_estimator()
     install()
@@ -56,10 +66,7 @@ def load() -> None:
     selective.install()  # cppo.selective.enabled: V1's dataloader fetch and checkpoints
     early_stop.install()  # cppo.early_stop: the agent loop's registry entry, V1's checkpoints
     cpu.enable()
-    audit.install()
-    audit_vllm.install()  # what veRL's vLLM rollout serves after each sync
-    keytrace.install()
-    clock.install()
+    return diagnostics.install() if diagnostics.requested() else []
 
 
 load()

@@ -42,9 +42,10 @@ from ...core.early_stop import (
 )
 from ..importhook import after_import
 from ..wrap import unwrap, wrap
-from . import audit
+from . import observers
+from .diagnostics import AUDIT_ENV
 from .early_stop_store import STORE, VALIDATING, publish
-from .runconfig import AGENT_NAME, cppo_config_from
+from .runconfig import AGENT_NAME, cppo_config_from, settings_of
 from .runconfig import apply_early_stop as apply
 from .runconfig import check_early_stop as check
 from .runconfig import early_stop_enabled as enabled
@@ -147,8 +148,8 @@ class VerlEarlyStop:
         self.ready = self.history.refit(self.predictor, self.es.min_examples)
         if self.ready:
             publish(step + 1, self.predictor.state_dict())
-        if audit.enabled():
-            audit.record("early_stop", step=step, uids=uids, stopped=stopped.nonzero().squeeze(1).tolist(),
+        if observers.recording():
+            observers.record("early_stop", step=step, uids=uids, stopped=stopped.nonzero().squeeze(1).tolist(),
                          stopped_at=[int(i["stopped_at"]) for i in infos], q=[i["q"] for i in infos],
                          kept=kept.tolist(), explore=[bool(i["explore"]) for i in infos],
                          ready=acc.extra["predictor_ready"], version=acc.extra["predictor_version"],
@@ -203,9 +204,9 @@ class VerlEarlyStop:
 def state_of(trainer: Any) -> VerlEarlyStop:
     """The trainer's ``VerlEarlyStop``, created on first use from its config."""
     if trainer not in _STATES:
-        c = trainer.config
-        _STATES[trainer] = VerlEarlyStop(cppo_config_from(c), group_size=int(c.actor_rollout_ref.rollout.n),
-                                         max_new_tokens=int(c.actor_rollout_ref.rollout.response_length))
+        run = settings_of(trainer)
+        _STATES[trainer] = VerlEarlyStop(run.cfg, group_size=run.group_size, max_new_tokens=int(
+            trainer.config.actor_rollout_ref.rollout.response_length))
     return _STATES[trainer]
 
 
@@ -314,7 +315,7 @@ def install() -> None:
     """Register the agent loop and wrap the seams as veRL's modules are imported (idempotent)."""
     after_import(TARGET[0], _patch_trainer)
     after_import(AGENT_MODULE[0], _patch_agent_loop)
-    if audit.enabled():  # the counters' read costs a registry walk per request: audit runs only
+    if os.environ.get(AUDIT_ENV):  # the counters' read costs a registry walk per request: audit runs only
         after_import(SERVER[0], _patch_server)
 
 

@@ -36,7 +36,7 @@ from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentL
 from verl.workers.rollout.replica import TokenOutput
 
 from ...core.early_stop import FINISHED, RUNNING, STOPPED, PrefixPredictor, decide_at_boundary, explore_group
-from . import audit
+from . import observers
 from .early_stop_store import VALIDATING, fetch_state
 from .runconfig import cppo_config_from
 
@@ -157,8 +157,8 @@ class GroupCoordinator:
         for m in out.stop.nonzero().squeeze(1).tolist():
             self.status[m] = STOPPED
             self.stopped_at[m] = t
-        if audit.enabled() and out.q is not None:
-            audit.record("early_stop_boundary", role="agent_loop", step=self.step, uid=self.uid, boundary=t,
+        if observers.recording() and out.q is not None:
+            observers.record("early_stop_boundary", role="agent_loop", step=self.step, uid=self.uid, boundary=t,
                          q=self.q_last.tolist(), status=out.status.tolist(),
                          stopped=out.stop.nonzero().squeeze(1).tolist(),
                          explore=self.explore, version=self.predictor.version if self.predictor else 0)

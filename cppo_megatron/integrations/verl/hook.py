@@ -32,6 +32,7 @@ import math
 import os
 import sys
 import warnings
+from typing import cast
 
 import numpy as np
 import torch
@@ -40,8 +41,9 @@ from ...core import PruneResult, balance_partitions, early_stop_prune, prune, se
 from .. import importhook
 from ..importhook import after_import
 from ..wrap import is_wrapped, unwrap, wrap
-from . import audit, dapo, early_stop, selective, signal
-from .runconfig import PREPARED_ENV, cppo_config_from, is_cppo, unprepared_message
+from . import dapo, early_stop, observers, selective, signal
+from .observers import PruneDecision
+from .runconfig import PREPARED_ENV, RunSettings, settings_of, unprepared_message
 from .signal import row_rewards as _row_rewards
 from .signal import row_tokens as _row_tokens
 from .stats import GroupRecord, record_groups
@@ -116,62 +118,87 @@ def _metrics(result, cfg, extra: dict[str, float]) -> dict[str, float]:
     return out
 
 
+# ---------------------------------------------------------------------------------- observers
+def _hand_on(trainer, run: RunSettings, decision: PruneDecision, lengths: torch.Tensor, metrics: dict,
+             records: dict, stop: tuple | None = None) -> None:
+    """Hand the step's decision to its observers, once, in order: ``signal/*`` (over the finished
+    rows), selective rollout's history (``cppo.selective``) or early stopping's learner
+    (``cppo.early_stop``: ``stop`` = (its state, the rows' stop infos, the stopped mask, vLLM's
+    counters)), the ``cppo`` estimator's statistics, then whatever diagnostics subscribed
+    (``observers.on_prune``; none by default)."""
+    uids, rewards = decision.uids, decision.rewards
+    if stop is not None:  # a stopped row has no reward: signal/* over the finished rows
+        es, infos, stopped, counters = stop
+        fin = (~stopped).nonzero().squeeze(1).tolist()
+        metrics.update(signal.batch_signal([uids[i] for i in fin], rewards[fin], lengths[fin]))
+        metrics.update(es.end_step(decision.step, uids, rewards, lengths, infos, decision.result.selection.kept,
+                                   counters=counters))
+    else:
+        metrics.update(signal.batch_signal(uids, rewards, lengths))
+        if run.selective:  # every finished group of the step is here: file their outcomes
+            selective.record(trainer, uids, rewards, lengths, metrics)
+    record_groups(records)
+    observers.prune_decided(decision)
+
+
 # ---------------------------------------------------------------------------------- V1 trainer
-def prune_kv_batch(trainer, batch, metrics: dict):
-    """V1: prune a ``KVBatchMeta`` before ``_balance_batch``; returns the survivors' meta.
-
-    Reads ``uid`` and ``rm_scores`` of the batch from TransferQueue, clears the pruned keys
-    from it (storage does not grow) and returns a ``KVBatchMeta`` of the kept keys and tags,
-    in their original order.
-    """
+def _read_v1_rows(batch, stopping: bool) -> tuple[list[int], list[int], dict]:
+    """The real rows (indices into ``batch``; veRL's ``is_padding`` rows apart) and their
+    ``uid``, ``rm_scores``, ``response_mask`` (and, early stopping, ``extra_fields``) from
+    TransferQueue."""
     import transfer_queue as tq
-    from transfer_queue import KVBatchMeta
 
-    cfg = cppo_config_from(trainer.config)
     padding = [bool(tag.get("is_padding", False)) for tag in batch.tags]
     real = [i for i, p in enumerate(padding) if not p]
     pads = [i for i, p in enumerate(padding) if p]
     keys = [batch.keys[i] for i in real]
     _check_single_output_sessions(keys)
-    # the response lengths: signal/*, selective rollout (off unless cppo.selective.enabled) and early
-    # stopping (cppo.early_stop: also each row's stop info, extra_fields)
-    stopping = early_stop.enabled(trainer.config)
     data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id,
                            select_fields=["uid", "rm_scores", "response_mask"] + (["extra_fields"] if stopping else []))
+    return real, pads, data
+
+
+def prune_kv_batch(trainer, batch, metrics: dict):
+    """V1: prune a ``KVBatchMeta`` before ``_balance_batch``; returns the survivors' meta.
+
+    Reads ``uid`` and ``rm_scores`` of the batch from TransferQueue, decides (the core), hands the
+    decision to its observers (``_hand_on``), then clears the pruned keys from TransferQueue
+    (storage does not grow) and returns a ``KVBatchMeta`` of the kept keys and tags, in their
+    original order.
+    """
+    import transfer_queue as tq
+    from transfer_queue import KVBatchMeta
+
+    run = settings_of(trainer)
+    real, pads, data = _read_v1_rows(batch, run.early_stop)
+    keys = [batch.keys[i] for i in real]
     uids = [str(u) for u in list(data["uid"])]
     rewards = _row_rewards(data["rm_scores"]).to(torch.float32)
     lengths = _row_tokens(data["response_mask"])
     step = int(getattr(trainer, "global_steps", 0))
-    if stopping:  # a stopped row has no reward: signal/* over the finished rows
+    stop = None
+    if run.early_stop:
         es = early_stop.state_of(trainer)
         infos = early_stop.parse_infos(data["extra_fields"], len(uids))
         stopped = torch.tensor([bool(i["stopped"]) for i in infos])
-        fin = (~stopped).nonzero().squeeze(1).tolist()
-        metrics.update(signal.batch_signal([uids[i] for i in fin], rewards[fin], lengths[fin]))
-        result, records = decide(uids, rewards, cfg, step, stopped=stopped, moments=es.moments(infos))
-        counters = early_stop.step_counters(data["extra_fields"]) if audit.enabled() else None
-        metrics.update(es.end_step(step, uids, rewards, lengths, infos, result.selection.kept, counters=counters))
+        counters = early_stop.step_counters(data["extra_fields"]) if observers.recording() else None
+        stop = (es, infos, stopped, counters)
+        result, records = decide(uids, rewards, run.cfg, step, stopped=stopped, moments=es.moments(infos))
     else:
-        metrics.update(signal.batch_signal(uids, rewards, lengths))
-        if selective.enabled(trainer.config):  # every finished group of the step is here: file their outcomes
-            selective.record(trainer, uids, rewards, lengths, metrics)
-        result, records = decide(uids, rewards, cfg, step)
+        result, records = decide(uids, rewards, run.cfg, step)
+    # veRL's filter ran before this seam (dapo.py): groups that passed it with all rewards equal
+    equal = dapo.equal_reward_groups(uids, rewards.tolist()) if run.filter_metric is not None else []
+    _hand_on(trainer, run, PruneDecision(step, "v1", uids, rewards, result, batch, keys=keys,
+                                         filter_metric=run.filter_metric, equal_groups=equal),
+             lengths, metrics, records, stop)
     kept = [real[j] for j in result.selection.kept.tolist()] + pads
     pruned_keys = [batch.keys[real[j]] for j in result.selection.pruned.tolist()]
-    metric = dapo.filter_metric(trainer.config)  # veRL's filter ran before this seam (dapo.py)
     extra = {"cppo/rows_cleared": float(len(pruned_keys))}
-    equal = dapo.equal_reward_groups(uids, rewards.tolist()) if metric is not None else []
-    if metric is not None:  # groups that passed the filter with all rewards equal (zero advantages)
+    if run.filter_metric is not None:
         extra["cppo/filter_passed_zero_variance"] = float(len(equal))
-    if audit.enabled():
-        audit.record("prune", step=int(getattr(trainer, "global_steps", 0)), loop="v1", rows=[str(k) for k in keys],
-                     uids=uids, rewards=rewards.tolist(), kept=result.selection.kept.tolist(),
-                     prompts=audit.v1_prompt_ids(keys, batch), fields=list(batch.fields or []),
-                     **_filter_record(metric, keys, batch.partition_id, equal))
     if pruned_keys:
         tq.kv_clear(keys=pruned_keys, partition_id=batch.partition_id)
-    record_groups(records)
-    metrics.update(_metrics(result, cfg, extra))
+    metrics.update(_metrics(result, run.cfg, extra))
     return KVBatchMeta(
         keys=[batch.keys[i] for i in kept],
         tags=[batch.tags[i] for i in kept],
@@ -179,21 +206,6 @@ def prune_kv_batch(trainer, batch, metrics: dict):
         fields=batch.fields,
         extra_info=batch.extra_info,
     )
-
-
-def _filter_record(metric: str | None, keys: list[str], partition_id: str, equal: list[str]) -> dict:
-    """The audit's view of DAPO's filter at this seam: its metric, the groups it passed with all
-    rewards equal and, under another metric than reward, each row's metric value (read from
-    TransferQueue), so that ``dapo.account_step`` checks the filter's verdicts on what it filtered by."""
-    if metric is None:
-        return {}
-    out: dict = {"filter_metric": metric, "filter_passed_zero_variance": equal}
-    if metric != dapo.REWARD_METRIC:
-        import transfer_queue as tq
-
-        data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["extra_fields"])
-        out["filter_values"] = dapo.metric_values(list(data["extra_fields"]), metric)
-    return out
 
 
 def _check_single_output_sessions(keys: list[str]) -> None:
@@ -214,13 +226,12 @@ def _check_single_output_sessions(keys: list[str]) -> None:
 
 # ---------------------------------------------------------------------------------- legacy loop
 def _required_multiple(trainer, dp_size: int) -> int:
-    cfg = trainer.config
+    run = settings_of(trainer)
     multiple = dp_size
-    n = int(cfg.actor_rollout_ref.rollout.n)
-    if cfg.trainer.get("critic_warmup", 0) <= getattr(trainer, "global_steps", 0):
-        multiple = math.lcm(multiple, int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size) * n)
+    if run.critic_warmup <= getattr(trainer, "global_steps", 0):
+        multiple = math.lcm(multiple, run.actor_mini_batch * run.group_size)
     if getattr(trainer, "use_critic", False):
-        multiple = math.lcm(multiple, int(cfg.critic.ppo_mini_batch_size) * n)
+        multiple = math.lcm(multiple, run.critic_mini_batch * run.group_size)
     return multiple
 
 
@@ -263,22 +274,19 @@ def prune_dataproto(trainer, batch, metrics: dict):
             "cppo: no rm_scores on the batch at _balance_batch; rewards must be computed in the "
             "reward loop (the default since veRL 0.7.1), not by a colocated reward model"
         )
-    cfg = cppo_config_from(trainer.config)
+    run = settings_of(trainer)
+    step = int(getattr(trainer, "global_steps", 0))
     uids = [str(u) for u in batch.non_tensor_batch["uid"]]
     rewards = _row_rewards(batch.batch["rm_scores"])
     metrics.update(signal.dataproto_signal(batch))
-    result, records = decide(uids, rewards, cfg, getattr(trainer, "global_steps", 0))
-    if audit.enabled():  # row identities for the audit records of the later passes
-        batch.non_tensor_batch["cppo_row"] = np.arange(len(uids), dtype=np.int64)
-        audit.record("prune", step=int(getattr(trainer, "global_steps", 0)), loop="legacy",
-                     rows=list(range(len(uids))), uids=uids, rewards=rewards.tolist(),
-                     kept=result.selection.kept.tolist())
+    result, records = decide(uids, rewards, run.cfg, step)
+    record_groups(records)
+    observers.prune_decided(PruneDecision(step, "legacy", uids, rewards, result, batch))
     kept = batch.select_idxs(result.selection.kept.to(torch.int64))
     batch.batch, batch.non_tensor_batch = kept.batch, kept.non_tensor_batch
     dp_size = trainer._get_dp_size(trainer.actor_rollout_wg, "actor")
-    pad = pad_dataproto_loss_free(batch, _required_multiple(trainer, dp_size), getattr(trainer, "global_steps", 0))
-    record_groups(records)
-    metrics.update(_metrics(result, cfg, {"cppo/padding_rows": float(pad)}))
+    pad = pad_dataproto_loss_free(batch, _required_multiple(trainer, dp_size), step)
+    metrics.update(_metrics(result, run.cfg, {"cppo/padding_rows": float(pad)}))
     return batch
 
 
@@ -339,47 +347,62 @@ def _v1_dp_size(trainer) -> int:
 
 
 # ---------------------------------------------------------------------------------- install
+def _arrival_lens(batch) -> list[int]:
+    """Legacy loop: each row's tokens (``attention_mask`` summed), in the batch's current order."""
+    return [int(x) for x in batch.batch["attention_mask"].view(len(batch), -1).sum(-1).tolist()]
+
+
+def _order_v1(trainer, batch, out, cfg, metrics: dict):
+    """V1, after veRL's ``_balance_batch``: the core's order when it balances better; returns the
+    ``KVBatchMeta`` dispatched and the DP load metrics of it and of the survivors in arrival order."""
+    from transfer_queue import KVBatchMeta
+
+    dp = _v1_dp_size(trainer)
+    order, extra = better_order([int(t["seq_len"]) for t in out.tags], dp, cfg)
+    if order is not None:
+        out = KVBatchMeta(keys=[out.keys[i] for i in order], tags=[out.tags[i] for i in order],
+                          partition_id=out.partition_id, fields=out.fields, extra_info=out.extra_info)
+    seq_len = {k: int(t["seq_len"]) for k, t in zip(out.keys, out.tags, strict=False)}
+    arrival = [k for k in batch.keys if k in seq_len]  # survivors as pruned, then veRL's padding
+    seen = set(arrival)
+    arrival += [k for k in out.keys if k not in seen]
+    metrics.update(extra)
+    metrics.update(dp_load_metrics([seq_len[k] for k in out.keys], [seq_len[k] for k in arrival], dp))
+    return out
+
+
+def _order_legacy(trainer, batch, arrival_lens: list[int], keep_minibatch: bool, cfg, metrics: dict) -> None:
+    """Legacy loop, after veRL's ``_balance_batch`` reordered ``batch`` in place: the core's order
+    when it balances better (not under ``keep_minibatch``), and the DP load metrics."""
+    dp = trainer._get_dp_size(trainer.actor_rollout_wg, "actor")
+    order, extra = (None, {}) if keep_minibatch else better_order(_arrival_lens(batch), dp, cfg)
+    if order is not None:
+        batch.reorder(torch.tensor(order))
+    metrics.update(extra)
+    metrics.update(dp_load_metrics(_arrival_lens(batch), arrival_lens, dp))
+
+
 def _pruning_balance_batch(original, prune_fn, v1: bool):
     @functools.wraps(original)
     def _balance_batch(self, batch, metrics, *args, **kwargs):
-        if not is_cppo(self.config):
+        run = settings_of(self)
+        if not run.cppo:
             metrics.update(signal.kv_batch_signal(batch) if v1 else signal.dataproto_signal(batch))
             return original(self, batch, metrics, *args, **kwargs)
         warn_if_unprepared(self.config)
         before = len(batch)
         batch = prune_fn(self, batch, metrics)
         kept = len(batch)
-        if not v1:  # veRL reorders the DataProto in place: the lengths in arrival order, before it
-            arrival_lens = [int(x) for x in batch.batch["attention_mask"].view(len(batch), -1).sum(-1).tolist()]
+        # veRL reorders a DataProto in place: the lengths in arrival order, before it
+        arrival_lens = None if v1 else _arrival_lens(batch)
         out = original(self, batch, metrics, *args, **kwargs)
-        cfg = cppo_config_from(self.config)
         if v1:
-            from transfer_queue import KVBatchMeta
-
             metrics["cppo/padding_rows"] = float(len(out) - kept)
-            dp = _v1_dp_size(self)
-            order, extra = better_order([int(t["seq_len"]) for t in out.tags], dp, cfg)
-            if order is not None:
-                out = KVBatchMeta(keys=[out.keys[i] for i in order], tags=[out.tags[i] for i in order],
-                                  partition_id=out.partition_id, fields=out.fields, extra_info=out.extra_info)
-            final = out
-            seq_len = {k: int(t["seq_len"]) for k, t in zip(out.keys, out.tags, strict=False)}
-            arrival = [k for k in batch.keys if k in seq_len]  # survivors as pruned, then veRL's padding
-            seen = set(arrival)
-            arrival += [k for k in out.keys if k not in seen]
-            final_lens, unbalanced_lens = [seq_len[k] for k in out.keys], [seq_len[k] for k in arrival]
+            out = final = _order_v1(self, batch, out, run.cfg, metrics)
         else:
             keep_minibatch = bool(kwargs.get("keep_minibatch", args[1] if len(args) > 1 else False))
-            lens = [int(x) for x in batch.batch["attention_mask"].view(len(batch), -1).sum(-1).tolist()]
-            dp = self._get_dp_size(self.actor_rollout_wg, "actor")
-            order, extra = (None, {}) if keep_minibatch else better_order(lens, dp, cfg)
-            if order is not None:
-                batch.reorder(torch.tensor(order))
+            _order_legacy(self, batch, cast("list[int]", arrival_lens), keep_minibatch, run.cfg, metrics)
             final = batch
-            final_lens = [int(x) for x in batch.batch["attention_mask"].view(len(batch), -1).sum(-1).tolist()]
-            unbalanced_lens = arrival_lens
-        metrics.update(extra)
-        metrics.update(dp_load_metrics(final_lens, unbalanced_lens, dp))
         metrics["cppo/rows_in"] = float(before)
         metrics["cppo/rows_out"] = float(len(final))
         return out if v1 else None

@@ -13,11 +13,12 @@ import dataclasses
 import math
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, cast
 
 from ...config import ESTIMATOR_NAME, CPPOConfig, SelectiveConfig, renamed_key
-from .dapo import check_filter_groups, filter_groups_warnings
+from .dapo import check_filter_groups, filter_groups_warnings, filter_metric
 from .layout import dp_size
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "PLUGIN_MODULE",
     "PREPARED_ENV",
     "AllocationPlan",
+    "RunSettings",
     "AGENT_NAME",
     "apply_allocation",
     "apply_early_stop",
@@ -41,6 +43,7 @@ __all__ = [
     "host_warnings",
     "prepare",
     "selective_enabled",
+    "settings_of",
     "unprepared_message",
 ]
 
@@ -73,6 +76,63 @@ def cppo_config_from(config: Any) -> CPPOConfig:
         section, key = new.split(".")
         values.setdefault(section, {})[key] = values.pop(old)
     return CPPOConfig.from_dict(cast("dict[str, Any]", values))  # an unknown key is an error naming it
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What the hooks read of a veRL config, read once per run (``settings_of``) instead of at
+    every seam of every step.
+
+    Args:
+        cppo: the run selects the ``cppo`` estimator (``algorithm.adv_estimator``); when False the
+            other fields keep their defaults and the hooks only log ``signal/*``.
+        cfg: the run's ``CPPOConfig`` (``cppo`` group).
+        selective: ``cppo.selective.enabled`` (and cppo).
+        early_stop: ``cppo.early_stop.enabled`` (and cppo).
+        filter_metric: DAPO's filter metric when ``algorithm.filter_groups`` is on, else None.
+        group_size: G, ``actor_rollout_ref.rollout.n``.
+        actor_mini_batch: ``actor_rollout_ref.actor.ppo_mini_batch_size`` (prompts).
+        critic_mini_batch: ``critic.ppo_mini_batch_size`` (prompts; 0 when the config has none).
+        critic_warmup: ``trainer.critic_warmup`` (steps before the actor updates).
+    """
+
+    cppo: bool = False
+    cfg: CPPOConfig = dataclasses.field(default_factory=CPPOConfig)
+    selective: bool = False
+    early_stop: bool = False
+    filter_metric: str | None = None
+    group_size: int = 1
+    actor_mini_batch: int = 0
+    critic_mini_batch: int = 0
+    critic_warmup: int = 0
+
+    @classmethod
+    def read(cls, config: Any) -> RunSettings:
+        """Read ``config`` (a veRL ``DictConfig``) once; a malformed ``cppo`` group is an error
+        naming the key (``cppo_config_from``)."""
+        if not is_cppo(config):
+            return cls()
+        cfg = cppo_config_from(config)
+        return cls(
+            cppo=True, cfg=cfg, selective=bool(cfg.selective.enabled), early_stop=bool(cfg.early_stop.enabled),
+            filter_metric=filter_metric(config), group_size=int(_sel_get(config, "actor_rollout_ref.rollout.n", 1)),
+            actor_mini_batch=int(_sel_get(config, "actor_rollout_ref.actor.ppo_mini_batch_size", 0) or 0),
+            critic_mini_batch=int(_sel_get(config, "critic.ppo_mini_batch_size", 0) or 0),
+            critic_warmup=int(_sel_get(config, "trainer.critic_warmup", 0) or 0),
+        )
+
+
+# each trainer's settings, kept beside the host object (it dies with it): one read per run
+_SETTINGS: weakref.WeakKeyDictionary[Any, RunSettings] = weakref.WeakKeyDictionary()
+
+
+def settings_of(trainer: Any) -> RunSettings:
+    """The run's ``RunSettings``, read from ``trainer.config`` on the first call and kept for the
+    trainer's life (a veRL trainer runs one config)."""
+    settings = _SETTINGS.get(trainer)
+    if settings is None:
+        settings = _SETTINGS[trainer] = RunSettings.read(trainer.config)
+    return settings
 
 
 @dataclass(frozen=True)

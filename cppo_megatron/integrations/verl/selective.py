@@ -40,8 +40,8 @@ from ...core.selective import EASY, HARD, INFORMATIVE
 from ...core.selective_run import SelectiveRun
 from ..importhook import after_import
 from ..wrap import unwrap, wrap
-from . import audit
-from .runconfig import cppo_config_from, selective_enabled
+from . import observers
+from .runconfig import selective_enabled, settings_of
 
 __all__ = [
     "has_state",
@@ -183,7 +183,7 @@ class VerlSelective(SelectiveRun):
             "selective/groups_unrecorded": float(unrecorded),
             "selective/groups_unknown": float(len(order) - len(known)),
         })
-        if audit.enabled():
+        if observers.recording():
             self._audit(step)
         self.generated = {}  # the step is filed: a second call in the same step (none in the sync loop) starts empty
         return out
@@ -200,7 +200,7 @@ class VerlSelective(SelectiveRun):
 
         ids, zv, easy = self.last_filed
         filed = torch.where(easy, EASY, torch.where(zv, HARD, INFORMATIVE)).tolist()
-        audit.record("selective", step=step, drawn=cat("prompt_ids"), skipped=cat("skip"),
+        observers.record("selective", step=step, drawn=cat("prompt_ids"), skipped=cat("skip"),
                      forced=[v for fb in rounds for v in fb.forced_mask.tolist()],
                      skip_prob=cat("skip_prob"), streak=cat("streak"), last_outcome=cat("last_outcome"),
                      rates={"p_easy": self.rates.p_easy, "p_hard": self.rates.p_hard}, seed=self.cfg.seed,
@@ -217,8 +217,8 @@ class VerlSelective(SelectiveRun):
 def state_of(trainer: Any) -> VerlSelective:
     """The trainer's ``VerlSelective``, created on first use from its config and train dataset."""
     if trainer not in _STATES:
-        _STATES[trainer] = VerlSelective(cppo_config_from(trainer.config), num_prompts=len(trainer.train_dataset),
-                                         group_size=int(trainer.config.actor_rollout_ref.rollout.n))
+        run = settings_of(trainer)
+        _STATES[trainer] = VerlSelective(run.cfg, num_prompts=len(trainer.train_dataset), group_size=run.group_size)
     return _STATES[trainer]
 
 
@@ -230,7 +230,7 @@ def has_state(trainer: Any) -> bool:
 def record(trainer: Any, uids: list[str], rewards: torch.Tensor, response_tokens: torch.Tensor, metrics: dict) -> None:
     """The CPPO seam's call (``hook.prune_kv_batch``): file the step's groups, add the metrics.
     ``response_tokens``: [N] each row's generated tokens (``response_mask`` summed)."""
-    if not enabled(trainer.config):
+    if not settings_of(trainer).selective:
         return
     metrics.update(state_of(trainer).record(int(getattr(trainer, "global_steps", 0)), uids, rewards,
                                             response_tokens))
@@ -249,7 +249,7 @@ def _step_folder(trainer: Any, *, resuming: bool) -> str:
 def _fetching(original):
     @functools.wraps(original)
     def _fetch_one_gen_batch(self, *args, **kwargs):
-        if args or kwargs or not enabled(self.config):
+        if args or kwargs or not settings_of(self).selective:
             return original(self, *args, **kwargs)
         return state_of(self).fetch(self, original)
 

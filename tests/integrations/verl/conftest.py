@@ -70,3 +70,20 @@ def shm_registry(tmp_path_factory):
     left = vllm_shm.left(registry)
     print(f"shm registry: {len(vllm_shm.recorded(registry))} names recorded by this module's runs, left {left}")
     assert left == [], f"our runs left {left} (recorded in {registry})"
+
+
+@pytest.fixture
+def audit_on(plugin, monkeypatch):
+    """Audit mode in this process, as ``load()`` installs it under ``CPPO_VERL_AUDIT``: the variable
+    set to the directory given and the audit subscribed to the GPU path's observers (unsubscribed
+    after the test). Returns ``on(directory)``."""
+    from cppo_megatron.integrations.verl import observers
+    from cppo_megatron.integrations.verl.diagnostics import audit
+
+    def on(directory) -> None:
+        monkeypatch.setenv(audit.ENV, str(directory))
+        audit.observe()
+
+    yield on
+    observers.remove(audit.prune_record)
+    observers.remove(audit.record)

@@ -18,7 +18,7 @@ from .test_cpu_e2e import G, core_survivors, full_group_advantages
 
 
 def _records(audit_dir) -> list[dict]:
-    from cppo_megatron.integrations.verl import audit
+    from cppo_megatron.integrations.verl.diagnostics import audit
 
     return audit.read(audit_dir) if audit_dir.is_dir() else []
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from cppo_megatron.integrations.verl.audit_vllm import served_difference, served_parameter
+from cppo_megatron.integrations.verl.diagnostics.audit_vllm import served_difference, served_parameter
 
 Q, KV, H, V, V_PAD = 4, 2, 3, 6, 8
 
@@ -156,7 +156,7 @@ def _serve_rank(rank, sent):
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_tensor_parallel_rank_serving_its_shards_differs_by_zero_and_keeps_its_values(rank):
-    from cppo_megatron.integrations.verl.audit_vllm import sharded_difference
+    from cppo_megatron.integrations.verl.diagnostics.audit_vllm import sharded_difference
 
     sent = _sharded_sent()
     model = _serve_rank(rank, sent)
@@ -169,7 +169,7 @@ def test_a_tensor_parallel_rank_serving_its_shards_differs_by_zero_and_keeps_its
 
 
 def test_a_shard_served_from_the_other_ranks_rows_is_found():
-    from cppo_megatron.integrations.verl.audit_vllm import sharded_difference
+    from cppo_megatron.integrations.verl.diagnostics.audit_vllm import sharded_difference
 
     sent = _sharded_sent()
     model = _serve_rank(0, sent)
@@ -188,7 +188,7 @@ def test_teed_weights_pass_through_sync_and_async_iterators_and_keep_copies():
     engine's async generator (separate_async's standalone replica)."""
     import asyncio
 
-    from cppo_megatron.integrations.verl.audit_vllm import _teed
+    from cppo_megatron.integrations.verl.diagnostics.audit_vllm import _teed
 
     sent = _sent()
     kept: dict = {}

@@ -1,4 +1,4 @@
-"""Wall-clock mode (integrations/verl/clock.py) without Ray: the hf rollout server keeps the
+"""Wall-clock mode (integrations/verl/diagnostics/clock.py) without Ray: the hf rollout server keeps the
 policy in force at each wall-clock mark, the sync log dates every policy, and the legacy
 trainer's budget stop makes the right step veRL's last one."""
 
@@ -27,7 +27,7 @@ def shifted(state: dict, by: float) -> dict:
 
 
 def test_settings_are_validated(tmp_path):
-    from cppo_megatron.integrations.verl import clock
+    from cppo_megatron.integrations.verl.diagnostics import clock
 
     s = clock.write_settings(tmp_path / "c", 40, [10, 20, 40])
     assert json.loads((tmp_path / "c" / "clock.json").read_text()) == {"budget_s": 40.0, "marks": [10.0, 20.0, 40.0]}
@@ -41,7 +41,7 @@ def test_settings_are_validated(tmp_path):
 
 
 def test_policy_at_marks_is_the_last_sync_before_each_mark():
-    from cppo_megatron.integrations.verl.clock import policy_at_marks
+    from cppo_megatron.integrations.verl.diagnostics.clock import policy_at_marks
 
     syncs = [(0, 0.0), (1, 12.0), (2, 25.0), (3, 41.0)]
     assert policy_at_marks([10, 20, 25, 30, 40, 50], syncs) == {10: 0, 20: 1, 25: 2, 30: 2, 40: 2, 50: 3}
@@ -51,7 +51,7 @@ def test_policy_at_marks_is_the_last_sync_before_each_mark():
 def test_server_saves_the_policy_in_force_at_each_mark(hf_dir, tmp_path, monkeypatch):  # noqa: F811
     """Syncs at 0 (start), 12, 25, 41 s; marks 10, 20, 30, 40: the snapshots hold the start
     weights, step 1's, step 2's and step 2's again (step 3 arrived after 40 s)."""
-    from cppo_megatron.integrations.verl import clock
+    from cppo_megatron.integrations.verl.diagnostics import clock
 
     clock.write_settings(tmp_path / "clk", 40, [10, 20, 30, 40])
     monkeypatch.setenv(clock.ENV, str(tmp_path / "clk"))
@@ -76,7 +76,7 @@ def test_server_saves_the_policy_in_force_at_each_mark(hf_dir, tmp_path, monkeyp
 
 
 def test_run_that_ends_before_a_mark_uses_its_last_policy(tmp_path):
-    from cppo_megatron.integrations.verl import clock
+    from cppo_megatron.integrations.verl.diagnostics import clock
 
     cfg = clock.write_settings(tmp_path / "clk", 30, [10, 20, 30])
     snaps = clock.Snapshots(cfg, clock=(fake := FakeClock()))
@@ -94,7 +94,7 @@ def test_run_that_ends_before_a_mark_uses_its_last_policy(tmp_path):
 
 
 def test_read_run_refuses_a_run_without_the_policy_for_a_mark(tmp_path):
-    from cppo_megatron.integrations.verl import clock
+    from cppo_megatron.integrations.verl.diagnostics import clock
 
     cfg = clock.write_settings(tmp_path / "clk", 30, [10, 30])
     snaps = clock.Snapshots(cfg, clock=(fake := FakeClock()))
@@ -114,7 +114,7 @@ def test_read_run_refuses_a_run_without_the_policy_for_a_mark(tmp_path):
     (31.0, 4.0, 30.0, True),
 ])
 def test_stop_rule(elapsed, last, budget, want):
-    from cppo_megatron.integrations.verl.clock import stop_now
+    from cppo_megatron.integrations.verl.diagnostics.clock import stop_now
 
     assert stop_now(elapsed, last, budget) is want
 
@@ -123,7 +123,7 @@ def test_legacy_trainer_stops_at_the_budget(tmp_path, monkeypatch):
     """The wrapped ``_get_gen_batch``: steps start at 0, 4, 8, ... s; budget 10 s: the step
     starting at 8 s (2 s left < half of 4 s) becomes veRL's last; a validation call at the
     same global step (``_validate`` calls it too) is not a step start."""
-    from cppo_megatron.integrations.verl import clock
+    from cppo_megatron.integrations.verl.diagnostics import clock
 
     clock.write_settings(tmp_path / "clk", 10, [5, 10])
     monkeypatch.setenv(clock.ENV, str(tmp_path / "clk"))
@@ -150,7 +150,7 @@ def test_v1_trainer_stops_at_the_budget_through_its_own_loop_condition(tmp_path,
     """V1's wrapped ``on_step_begin``: steps start at 0, 4, 8 s; budget 10 s: the step starting at
     8 s becomes the last (``total_training_steps`` = 3), so V1's ``while global_steps <=
     total_training_steps`` ends the loop after it; steps before leave the limit alone."""
-    from cppo_megatron.integrations.verl import clock
+    from cppo_megatron.integrations.verl.diagnostics import clock
 
     clock.write_settings(tmp_path / "clk", 10, [5, 10])
     monkeypatch.setenv(clock.ENV, str(tmp_path / "clk"))
@@ -173,7 +173,7 @@ def test_install_wraps_both_loops_step_starts(tmp_path, monkeypatch):
     from verl.trainer.ppo.v1 import trainer_base
 
     from cppo_megatron.integrations import wrap
-    from cppo_megatron.integrations.verl import clock
+    from cppo_megatron.integrations.verl.diagnostics import clock
 
     clock.write_settings(tmp_path / "clk", 10, [10])
     monkeypatch.setenv(clock.ENV, str(tmp_path / "clk"))
@@ -187,7 +187,7 @@ def test_install_wraps_both_loops_step_starts(tmp_path, monkeypatch):
 
 
 def test_clock_installs_only_when_asked(monkeypatch):
-    from cppo_megatron.integrations.verl import clock
+    from cppo_megatron.integrations.verl.diagnostics import clock
 
     monkeypatch.delenv(clock.ENV, raising=False)
     assert clock.install() is False
@@ -195,7 +195,7 @@ def test_clock_installs_only_when_asked(monkeypatch):
 
 
 def test_real_clock_source_is_wall_time(tmp_path):
-    from cppo_megatron.integrations.verl import clock
+    from cppo_megatron.integrations.verl.diagnostics import clock
 
     snaps = clock.Snapshots(clock.write_settings(tmp_path / "c", 5, [5]))
     snaps.after_update(lambda: {"w": torch.zeros(1)}, 0)

@@ -79,7 +79,7 @@ async def _sync(actors, receivers, weights):
 
 def test_two_syncs_deliver_every_tensor_bit_for_bit_to_every_rollout_worker(tmp_path, monkeypatch):
     from cppo_megatron.integrations.records import tensor_hash
-    from cppo_megatron.integrations.verl import audit
+    from cppo_megatron.integrations.verl.diagnostics import audit
     from cppo_megatron.integrations.verl.cpu.vllm import SYNC_TIMEOUT_ENV
 
     monkeypatch.setenv(audit.ENV, str(tmp_path))

@@ -57,7 +57,7 @@ def toy_run(tiny_model, tmp_path_factory):  # noqa: F811 (the imported fixture)
     out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900, cwd=tmp)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-6000:]
-    from cppo_megatron.integrations.verl import audit
+    from cppo_megatron.integrations.verl.diagnostics import audit
 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {"metrics": {m["step"]: m["data"] for m in metrics}, "audit": audit.read(audit_dir), "keys": keys_dir,
@@ -83,7 +83,7 @@ def check_keys_read(keys_dir, rollout: str):
     """From the key trace of a run of RECIPE under OVERRIDES: every key the override set leaves alone
     was read with the recipe's value (``rollout`` ``hf``: but vLLM's own), the pipeline size by the
     Megatron workers themselves."""
-    from cppo_megatron.integrations.verl.keyreport import key_rows
+    from cppo_megatron.integrations.verl.diagnostics.keyreport import key_rows
 
     rows = {r.key: r for r in key_rows(RECIPE, OVERRIDES, keys_dir)}
     unread = sorted(k for k, r in rows.items() if r.status == "not read")

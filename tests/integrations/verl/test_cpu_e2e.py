@@ -106,7 +106,7 @@ def run_verl(recipe: str, tmp, model_dir, *overrides: str, attempt: str = "", wh
              expect_ok: bool = True) -> dict:
     """One run; ``attempt`` names its audit folder (``audit{attempt}``) so that the runs of one
     resume chain, which share ``tmp/run``, keep apart records; ``when``: see interrupt.run."""
-    from cppo_megatron.integrations.verl import audit
+    from cppo_megatron.integrations.verl.diagnostics import audit
 
     from .. import interrupt
 

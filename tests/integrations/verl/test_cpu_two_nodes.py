@@ -65,7 +65,7 @@ def two_node_run(cluster, tiny_model, tmp_path_factory):  # noqa: F811 (the impo
     out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900, cwd=tmp)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-6000:]
-    from cppo_megatron.integrations.verl import audit
+    from cppo_megatron.integrations.verl.diagnostics import audit
 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {"metrics": {m["step"]: m["data"] for m in metrics}, "audit": audit.read(audit_dir), "log": log,

@@ -187,12 +187,12 @@ class Trainer:
 
 
 @pytest.fixture(params=["reward", "acc"])
-def dapo_steps(request, config, tmp_path, monkeypatch):
+def dapo_steps(request, config, tmp_path, monkeypatch, audit_on):
     """Two sync steps of DAPO then CPPO (P = 0.75, 16 prompts allocated) filtering on ``metric``,
     audited; returns (metric, records, {step: prune metrics})."""
     import transfer_queue
 
-    from cppo_megatron.integrations.verl import audit
+    from cppo_megatron.integrations.verl.diagnostics import audit
     from cppo_megatron.integrations.verl import dapo as dapo_module
     from cppo_megatron.integrations.verl.hook import prune_kv_batch
     from cppo_megatron.integrations.wrap import wrapped
@@ -200,7 +200,7 @@ def dapo_steps(request, config, tmp_path, monkeypatch):
     tq = FakeTQ()
     for name in ("kv_list", "kv_batch_put", "kv_batch_get", "kv_clear"):
         monkeypatch.setattr(transfer_queue, name, getattr(tq, name))
-    monkeypatch.setenv(audit.ENV, str(tmp_path))
+    audit_on(tmp_path)
     prepare(dapo(config, algorithm__filter_groups__metric=request.param))
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
     from verl.trainer.ppo.v1.trainer_base import PPOTrainer

@@ -14,7 +14,7 @@ def test_installed_verl_is_the_pinned_version(plugin):
 def test_megatron_versions_are_the_pinned_ones():
     from importlib.metadata import version
 
-    from cppo_megatron.integrations.verl import drift
+    from cppo_megatron.integrations.verl.diagnostics import drift
 
     if not drift.megatron_installed():
         pytest.skip("megatron-core / mbridge not installed")
@@ -26,7 +26,7 @@ def test_megatron_versions_are_the_pinned_ones():
 def test_bridge_versions_are_the_pinned_ones():
     from importlib.metadata import version
 
-    from cppo_megatron.integrations.verl import drift
+    from cppo_megatron.integrations.verl.diagnostics import drift
 
     if not drift.bridge_installed():
         pytest.skip("Megatron-Bridge not installed (.venv-bridge)")
@@ -35,7 +35,7 @@ def test_bridge_versions_are_the_pinned_ones():
 
 
 def test_hooked_methods_unchanged(plugin):
-    from cppo_megatron.integrations.verl import drift
+    from cppo_megatron.integrations.verl.diagnostics import drift
 
     changed = drift.changed()
     assert not changed, (
@@ -45,7 +45,7 @@ def test_hooked_methods_unchanged(plugin):
 
 
 def test_drift_names_the_changed_method(plugin):
-    from cppo_megatron.integrations.verl import drift
+    from cppo_megatron.integrations.verl.diagnostics import drift
 
     name = "verl.trainer.ppo.v1.trainer_base:PPOTrainer._balance_batch"
     pinned = dict(drift.PINNED, **{name: "0" * 16})
@@ -59,7 +59,7 @@ def test_drift_names_the_changed_method(plugin):
 def test_hash_is_of_verl_source_not_our_wrapper(plugin):
     from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
-    from cppo_megatron.integrations.verl import drift
+    from cppo_megatron.integrations.verl.diagnostics import drift
 
     assert plugin.is_installed("verl.trainer.ppo.v1.trainer_base")
     from cppo_megatron.integrations import wrap
@@ -73,7 +73,7 @@ def test_hash_is_of_verl_source_not_our_wrapper(plugin):
 
 
 def test_report_keeps_the_gpu_path_apart_from_the_cpu_mode(plugin, monkeypatch):
-    from cppo_megatron.integrations.verl import drift
+    from cppo_megatron.integrations.verl.diagnostics import drift
 
     gpu = "verl.trainer.ppo.v1.trainer_base:PPOTrainer._balance_batch"
     cpu = "verl.utils.distributed:initialize_global_process_group_ray"

@@ -107,10 +107,10 @@ def test_the_required_multiple_follows_the_critic_and_its_warmup(config):
 
 
 def test_the_legacy_loop_with_the_audit_numbers_rows_and_pads_with_row_minus_one(plugin, config, tmp_path,
-                                                                                  monkeypatch):
-    from cppo_megatron.integrations.verl import audit
+                                                                                  audit_on):
+    from cppo_megatron.integrations.verl.diagnostics import audit
 
-    monkeypatch.setenv(audit.ENV, str(tmp_path))
+    audit_on(tmp_path)
     batch = make_dataproto(rewards_table(seed=1, prompts=4, group=8), seed=1)
     metrics: dict = {}
     _legacy_trainer(config, dp_size=3)._balance_batch(batch, metrics=metrics)

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from cppo_megatron.integrations.verl import keyreport, keytrace
+from cppo_megatron.integrations.verl.diagnostics import keyreport, keytrace
 
 from .conftest import RECIPES, ROOT
 

@@ -254,7 +254,7 @@ def test_cpu_toy_override_set_applies_to_every_megatron_cluster_recipe(name, bas
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    from cppo_megatron.integrations.verl.keyreport import recipe_leaves
+    from cppo_megatron.integrations.verl.diagnostics.keyreport import recipe_leaves
     from cppo_megatron.integrations.verl.main import recipe_args
     from cppo_megatron.integrations.verl.overrides import SKIP, file_overrides, flatten
     from cppo_megatron.trainer.config import load_recipe

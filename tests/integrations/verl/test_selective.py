@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from cppo_megatron.core import ExplorationRates, SelectiveHistory, fill_batch
 from cppo_megatron.core.selective import prompt_uniforms
 from cppo_megatron.integrations.verl import selective
-from cppo_megatron.integrations.verl.runconfig import check_compatible, prepare
+from cppo_megatron.integrations.verl.runconfig import check_compatible, cppo_config_from, prepare
 
 from .test_dapo import FakeTQ
 
@@ -219,10 +219,10 @@ def test_a_planted_history_skips_exactly_the_cores_ids_and_replaces_them(config,
     assert set(step["generated"]) & {i for i in ORDER[:20] if i % 3 != 2}
 
 
-def test_the_audit_record_names_every_candidate_its_decision_and_the_groups_filed(config, tq, tmp_path, monkeypatch):
-    from cppo_megatron.integrations.verl import audit
+def test_the_audit_record_names_every_candidate_its_decision_and_the_groups_filed(config, tq, tmp_path, audit_on):
+    from cppo_megatron.integrations.verl.diagnostics import audit
 
-    monkeypatch.setenv(audit.ENV, str(tmp_path / "audit"))
+    audit_on(tmp_path / "audit")
     selective_on(config, tmp_path)
     trainer = Trainer(config, tq, ORDER)
     state = selective.state_of(trainer)
@@ -461,10 +461,10 @@ def test_a_fetch_of_several_prompts_is_refused(config, tq, tmp_path):
 
 
 def test_state_round_trip_and_bad_state(config):
-    state = selective.VerlSelective(selective.cppo_config_from(config), num_prompts=4, group_size=G)
+    state = selective.VerlSelective(cppo_config_from(config), num_prompts=4, group_size=G)
     state.history = planted_history()
     state.rates = ExplorationRates(p_easy=0.3, p_hard=0.7)
-    other = selective.VerlSelective(selective.cppo_config_from(config), num_prompts=4, group_size=G)
+    other = selective.VerlSelective(cppo_config_from(config), num_prompts=4, group_size=G)
     other.load_state_dict(state.state_dict())
     assert other.rates == state.rates and other.history.num_events == state.history.num_events
     with pytest.raises(ValueError, match="must have history, rates and totals, got"):
@@ -477,7 +477,7 @@ def test_state_round_trip_and_bad_state(config):
 
 
 def test_a_step_with_no_draw_through_the_hook_files_what_reaches_the_seam_and_lengths_must_match(config):
-    state = selective.VerlSelective(selective.cppo_config_from(config), num_prompts=4, group_size=G)
+    state = selective.VerlSelective(cppo_config_from(config), num_prompts=4, group_size=G)
     m = state.record(2, ["u1", "u1"], torch.tensor([1.0, 1.0]), torch.tensor([3, 4]))
     assert state.step == 2 and m["selective/groups_unknown"] == 1.0 and m["selective/groups_recorded"] == 0.0
     with pytest.raises(ValueError, match="1 response lengths for 2 rows at the CPPO seam"):

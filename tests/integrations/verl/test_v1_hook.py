@@ -176,3 +176,38 @@ def test_dp_size_of_a_megatron_actor_is_world_over_model_parallel():
     assert m["cppo/dp_tokens_imbalance"] == 1.0 and m["cppo/dp_tokens_imbalance_unbalanced"] == 1.5
     with pytest.raises(ValueError, match="dp_size=3"):
         dp_token_loads([1, 2, 3, 4], 3)
+
+
+def test_a_step_reads_the_run_settings_kept_from_the_first_step_not_the_config(tq, plugin, config, monkeypatch):
+    """The hook reads ``trainer.config`` once per run (``runconfig.settings_of``): a second step
+    parses nothing, and a config changed under a running trainer does not change what it does."""
+    from cppo_megatron.integrations.verl import runconfig
+
+    calls = {"cppo_config_from": 0, "is_cppo": 0}
+
+    def counted(name):
+        real = getattr(runconfig, name)
+
+        def spy(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return spy
+
+    for name in calls:
+        monkeypatch.setattr(runconfig, name, counted(name))
+    trainer = bare_v1_trainer(config)
+    kept = []
+    for step, seed in ((STEP, 5), (STEP + 1, 6)):
+        trainer.global_steps = step
+        meta, _ = put_rollout(tq, rewards_table(seed=seed, prompts=B, group=G), seed=seed)
+        metrics: dict = {}
+        out = trainer._balance_batch(meta, metrics=metrics)
+        kept.append(metrics["cppo/num_kept"])
+        tq.kv_clear(keys=list(out.keys), partition_id="train")
+        if step == STEP:  # after the first step: the run's config says GRPO at P = 0 now
+            config.algorithm.adv_estimator = "grpo"
+            config.cppo.pruning_rate = 0.0
+    assert calls == {"cppo_config_from": 1, "is_cppo": 1}
+    assert kept == [8.0, 8.0]  # both steps pruned as the run started: keep 2 of G=8 for B=4 prompts
+    assert runconfig.settings_of(trainer).cfg.rate == 0.75

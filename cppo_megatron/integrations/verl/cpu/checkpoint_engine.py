@@ -21,7 +21,7 @@ already uses for its bucketed vLLM sync):
 Registered in ``CheckpointEngineRegistry`` only in the CPU mode; ``cpu.prepare`` selects it for a
 ``separate_async`` run. In audit mode the sender records the sha1 of every tensor it sent
 (``sync`` records with ``role: cpu-engine``), so a test compares what the actor sent with what
-vLLM received and serves (``audit_vllm``).
+vLLM received and serves (``diagnostics/audit_vllm.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, merge_weight_chunks, split_weight_chunks
 
 from ...records import tensor_hash
-from .. import audit
+from ..diagnostics import audit
 from .vllm import WeightSyncError, sync_timeout_s
 
 __all__ = ["BACKEND", "CpuCheckpointEngine"]

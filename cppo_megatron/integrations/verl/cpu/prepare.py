@@ -34,9 +34,7 @@ from typing import Any
 from ....recipes import root as recipes_root
 from ... import vllm_shm
 from ...cpu_run import CpuRun
-from ..audit import ENV as AUDIT_ENV
-from ..clock import ENV as CLOCK_ENV
-from ..keytrace import ENV as KEYS_ENV
+from ..diagnostics import AUDIT_ENV, CLOCK_ENV, KEYS_ENV
 from ..runconfig import export_plugin_to_workers
 from .phases import Phases, choose_threads, machine_load
 from .vllm import CPU_ENV as VLLM_CPU_ENV

@@ -126,7 +126,7 @@ class HFRolloutServer:
         self._queue: list[tuple[list[int], dict, asyncio.Future]] = []
         self._drainer: asyncio.Task | None = None
         self.stats = {"requests": 0, "batches": 0, "generate_s": 0.0, "max_batch": 0, "tokens": 0}
-        from ..clock import Snapshots
+        from ..diagnostics.clock import Snapshots
 
         self.snapshots = Snapshots.from_env()  # wall-clock mode (CPPO_VERL_CLOCK): the policy at each mark
 
@@ -293,7 +293,7 @@ def __getattr__(name: str):
 
 def _make_adapter():
     from ...records import tensor_hash
-    from .. import audit
+    from ..diagnostics import audit
 
     BaseRollout = _adapter_base()
 

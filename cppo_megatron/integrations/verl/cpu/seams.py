@@ -22,7 +22,7 @@ answers"; paths relative to the ``verl`` package):
    staleness 0). On CPU the saved shards are cloned.
 
 Each fix is installed when its module is imported (``importhook``) and checks the platform
-at call time, so nothing changes for a run on GPUs. ``drift.py`` hashes the veRL functions the
+at call time, so nothing changes for a run on GPUs. ``diagnostics/drift.py`` hashes the veRL functions the
 fixes rely on (``initialize_global_process_group_ray``, ``EngineRegistry.get_engine_cls``,
 ``FSDPEngine._build_fsdp_module``), so a changed veRL fails a test instead of a run.
 """

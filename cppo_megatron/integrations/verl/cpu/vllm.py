@@ -35,7 +35,7 @@ sender's socket a timeout (``SYNC_TIMEOUT_ENV``, default 300 s), so a failed syn
 ``integrations/vllm_shm.py`` records each and removes it when the run ends, with vLLM's own CPU
 communicator segments).
 
-``drift.py`` hashes every veRL and vLLM function named here.
+``diagnostics/drift.py`` hashes every veRL and vLLM function named here.
 """
 
 from __future__ import annotations

@@ -49,15 +49,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..importhook import after_import
-from ..records import append as _append
-from ..records import optimizer_fingerprint, read
-from ..wrap import wrap
-from .dapo import REPLAY_BUFFER, recorders
+from ...importhook import after_import
+from ...records import append as _append
+from ...records import optimizer_fingerprint, read
+from ...wrap import wrap
+from .. import observers
+from ..dapo import REPLAY_BUFFER, REWARD_METRIC, metric_values, recorders
+from . import AUDIT_ENV
 
-__all__ = ["ENV", "enabled", "install", "read", "record"]
+__all__ = ["ENV", "enabled", "install", "observe", "prune_record", "read", "record"]
 
-ENV = "CPPO_VERL_AUDIT"
+ENV = AUDIT_ENV
 WRAP_TAG = __name__  # marks our layers on veRL's methods (integrations/wrap.py)
 V1 = ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer")
 LEGACY = ("verl.trainer.ppo.ray_trainer", "RayPPOTrainer")
@@ -290,10 +292,49 @@ def _record_placement(module) -> None:
         wrap(cls, "initialize", _placement_recorder, tag=WRAP_TAG)
 
 
+def prune_record(d: observers.PruneDecision) -> None:
+    """The ``prune`` record of one step (an observer of the seam's decision, ``observers.on_prune``).
+    Legacy loop: each row's index at the seam goes on the batch (``cppo_row``), the row identity
+    the later passes' records name."""
+    kept = d.result.selection.kept.tolist()
+    if d.loop == "legacy":
+        d.batch.non_tensor_batch["cppo_row"] = np.arange(len(d.uids), dtype=np.int64)
+        record("prune", step=d.step, loop="legacy", rows=list(range(len(d.uids))), uids=d.uids,
+               rewards=d.rewards.tolist(), kept=kept)
+        return
+    keys = list(d.keys or [])
+    record("prune", step=d.step, loop="v1", rows=[str(k) for k in keys], uids=d.uids, rewards=d.rewards.tolist(),
+           kept=kept, prompts=v1_prompt_ids(keys, d.batch), fields=list(d.batch.fields or []),
+           **_filter_record(d.filter_metric, keys, d.batch.partition_id, d.equal_groups))
+
+
+def _filter_record(metric: str | None, keys: list[str], partition_id: str, equal: list[str]) -> dict:
+    """DAPO's filter at the seam: its metric, the groups it passed with all rewards equal and, under
+    another metric than reward, each row's metric value (read from TransferQueue), so that
+    ``dapo.account_step`` checks the filter's verdicts on what it filtered by."""
+    if metric is None:
+        return {}
+    out: dict = {"filter_metric": metric, "filter_passed_zero_variance": equal}
+    if metric != REWARD_METRIC:
+        import transfer_queue as tq
+
+        data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["extra_fields"])
+        out["filter_values"] = metric_values(list(data["extra_fields"]), metric)
+    return out
+
+
+def observe() -> None:
+    """Subscribe the audit to the GPU path's observers: the seam's decision and the features'
+    named records (idempotent)."""
+    observers.on_prune(prune_record)
+    observers.on_record(record)
+
+
 def install() -> bool:
     """Install the trainer-side recorders when ``CPPO_VERL_AUDIT`` is set; returns whether."""
     if not enabled():
         return False
+    observe()
     for mod_name, _ in _WRAPPERS:
         after_import(mod_name, _patch)
     after_import(MEGATRON_ENGINE[0], _record_placement)  # each Megatron rank: where it runs

@@ -42,12 +42,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ..importhook import after_import
-from ..wrap import wrap
+from ...importhook import after_import
+from ...wrap import wrap
+from . import KEYS_ENV
 
 __all__ = ["ENV", "enabled", "install", "read"]
 
-ENV = "CPPO_VERL_KEYS"
+ENV = KEYS_ENV
 TAG = "_cppo_key_path"  # instance attribute on veRL config dataclasses: the config key they came from
 WRAP_TAG = __name__  # marks our layers on omegaconf's, hydra's and veRL's readers (integrations/wrap.py)
 FIELDS = "_cppo_field_names"  # on a config dataclass: its field names, cached

@@ -33,7 +33,7 @@ import inspect
 import textwrap
 from dataclasses import dataclass
 
-from ..wrap import original
+from ...wrap import original
 
 __all__ = [
     "BRIDGE_PINNED", "BRIDGE_VERSIONS", "CPU_PINNED", "MEGATRON_PINNED", "MEGATRON_VERSIONS", "PINNED",
@@ -285,7 +285,7 @@ def _vllm_pinned() -> dict[str, str]:
     pinned modules read vLLM's version when imported); {} elsewhere."""
     if not vllm_installed():
         return {}
-    from .cpu.vllm import alias_distribution
+    from ..cpu.vllm import alias_distribution
 
     alias_distribution()
     return VLLM_PINNED

@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from ..importhook import after_import
-from ..records import tensor_hash
-from ..wrap import wrap
+from ...importhook import after_import
+from ...records import tensor_hash
+from ...wrap import wrap
 from .audit import enabled, record
 
 __all__ = ["ADAPTER", "EXTENSION", "install", "served_difference", "served_parameter", "sharded_difference"]

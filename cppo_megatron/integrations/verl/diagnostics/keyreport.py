@@ -2,7 +2,7 @@
 
     CPPO_VERL_KEYS=runs/verl_toy/keys_7b cppo-megatron verl recipes/verl/qwen2.5-7b-math-megatron-cppo.yaml \\
         --cpu recipes/verl/cpu_toy.yaml
-    python -m cppo_megatron.integrations.verl.keyreport recipes/verl/qwen2.5-7b-math-megatron-cppo.yaml \\
+    python -m cppo_megatron.integrations.verl.diagnostics.keyreport recipes/verl/qwen2.5-7b-math-megatron-cppo.yaml \\
         --cpu recipes/verl/cpu_toy.yaml --trace runs/verl_toy/keys_7b
 
 For every key the recipe file sets (its own lines, not its defaults), one row: the recipe's
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...recipes import arg_type as recipe_arg
+from ....recipes import arg_type as recipe_arg
+from ..overrides import SKIP, flatten
 from . import keytrace
-from .overrides import SKIP, flatten
 
 __all__ = ["KeyRow", "combined_markdown", "composed_config", "interpolation_aliases", "key_rows", "main", "markdown",
            "recipe_leaves"]
@@ -112,8 +112,8 @@ def composed_config(recipe: str | os.PathLike, override_file: str | os.PathLike 
     (unresolved; no CPPO changes)."""
     from hydra import compose, initialize_config_dir
 
-    from .main import recipe_args
-    from .overrides import file_overrides
+    from ..main import recipe_args
+    from ..overrides import file_overrides
 
     args = recipe_args([str(recipe)], file_overrides(override_file) if override_file else [])
     path = next(a.split("=", 1)[1] for a in args if a.startswith("--config-path="))
@@ -244,7 +244,7 @@ def combined_markdown(runs: list[tuple[str, list[KeyRow]]], *, max_sites: int = 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m cppo_megatron.integrations.verl.keyreport",
+        prog="python -m cppo_megatron.integrations.verl.diagnostics.keyreport",
         description="Which keys of a veRL recipe a run read (from its CPPO_VERL_KEYS trace).")
     parser.add_argument("recipe", type=recipe_arg("verl"), help="the recipe file the run started from")
     parser.add_argument("--cpu", dest="override_file", default=None, type=recipe_arg("verl"),

@@ -33,13 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..importhook import after_import
-from ..wrap import wrap
+from ...importhook import after_import
+from ...wrap import wrap
+from . import CLOCK_ENV
 
 __all__ = ["ENV", "ClockSettings", "Snapshots", "install", "policy_at_marks", "read_run", "settings", "stop_now",
            "write_settings"]
 
-ENV = "CPPO_VERL_CLOCK"
+ENV = CLOCK_ENV
 SETTINGS = "clock.json"
 WRAP_TAG = __name__  # marks our layers on the two loops' step starts (integrations/wrap.py)
 LEGACY = ("verl.trainer.ppo.ray_trainer", "RayPPOTrainer")
