@@ -56,6 +56,10 @@ if [[ "${VERL_VLLM_TESTS:-1}" == "1" ]]; then
   bash scripts/setup_verl_vllm.sh
 fi
 export PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# each pytest leaves with its own status once its summary is out, skipping the interpreter's
+# finalization, where in-process Ray/ZeroMQ teardown once crashed a passed run (tests/conftest.py);
+# pytest-cov has saved and combined its data by then (it does so when the test loop ends)
+export CPPO_PYTEST_HARD_EXIT=1
 # a crash in native code (a pytest, or a process it starts) prints every thread's Python stack
 # (docs/testing.md, "Two CI failures, looked for")
 export PYTHONFAULTHANDLER=1
