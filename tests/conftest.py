@@ -8,9 +8,10 @@ passed, 65 skipped", with a segmentation fault during finalization, which turned
 into a failure; the C-level teardown of the libraries that tests start in process (Ray's core
 worker and gRPC threads after ``ray.init``, ZeroMQ contexts and their I/O threads, veRL's
 TransferQueue) is where such a crash comes from, and it says nothing about the tests. It has not
-been reproduced: subsets of the suite, and (2026-12-05) the in-process Ray/ZeroMQ modules
-(tests/integrations/verl/test_v1_hook.py and test_cpu_checkpoint_engine.py) run over and over
-without the flag, all exited 0 (docs/testing.md, "Two CI failures, looked for"). So the workaround
+been reproduced: subsets of the suite, and (2026-12-05, without the flag, faulthandler on) the only
+modules that start them in the pytest process, tests/integrations/verl/test_cpu_checkpoint_engine.py
+(ZeroMQ) 30 times and test_v1_hook.py (Ray, TransferQueue) with it 11 times, all exited 0
+(docs/testing.md, "Two CI failures, looked for"). So the workaround
 is kept only where its suspect is present: after each test, ``natives_started`` notes whether Ray
 is initialised or a ZeroMQ context exists in this process. A crash during the session is still a
 failure: the exit happens only after the last report, and pytest-cov has saved and combined its
