@@ -12,12 +12,16 @@
 #                                        # single-node 14B run, the V1 GRPO run and the colocate_async run
 #   RESUME_TESTS=all bash scripts/test.sh  # the longer resume chains: a dead worker first in veRL's Megatron chain, a
 #                                          # driver SIGKILL in veRL's FSDP and OpenRLHF's (docs/integrations/*.md)
+#   COVERAGE=0 bash scripts/test.sh    # without the branch-coverage measurement and its floor check
 #
 # Without arguments the suite runs as three streams side by side (most of an end-to-end run is
 # process start-up, which leaves a core idle): veRL's end-to-end runs; the environments of their
 # own (.venv-bridge, then .venv-vllm); and, in the foreground, lint, the rest of the suite and the
 # .venv-verl-vllm seams. The two background streams' output follows the foreground's; a failure in
 # any stream fails the script. docs/records/verl_cpu_mode.md, "What these pieces cost in CI".
+# The foreground pytest measures branch coverage ([tool.coverage.run] in pyproject.toml) and
+# scripts/coverage_floor.py prints it per module and fails the run when a module falls below its
+# floor in tests/coverage_floor.json (docs/testing.md, "Branch coverage").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -53,8 +57,12 @@ if [[ "${VERL_VLLM_TESTS:-1}" == "1" ]]; then
 fi
 export PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # each pytest leaves with its own status once its summary is out, skipping the interpreter's
-# finalization, where in-process Ray/ZeroMQ teardown once crashed a passed run (tests/conftest.py)
+# finalization, where in-process Ray/ZeroMQ teardown once crashed a passed run (tests/conftest.py);
+# pytest-cov has saved and combined its data by then (it does so when the test loop ends)
 export CPPO_PYTEST_HARD_EXIT=1
+# a crash in native code (a pytest, or a process it starts) prints every thread's Python stack
+# (docs/testing.md, "Two CI failures, looked for")
+export PYTHONFAULTHANDLER=1
 CACHE=${CPPO_CACHE:-$HOME/.cache/cppo-megatron}
 # each pytest lists its tests (and module set-ups) over 20 s: what the CI time is made of
 DURATIONS="--durations=40 --durations-min=20"
@@ -129,8 +137,14 @@ if [[ $# -eq 0 ]]; then
   {
     # lint and type check: the whole package (rules and paths in pyproject.toml); mypy's cache
     # lives outside the clone (a second run checks only what changed)
+    rm -f .coverage .coverage.*
+    if [[ "${COVERAGE:-1}" == "1" ]]; then
+      cov=(--cov --cov-report=) floor=(.venv/bin/python scripts/coverage_floor.py)
+    else
+      cov=() floor=(true)
+    fi
     .venv/bin/python -m ruff check && .venv/bin/python -m mypy --cache-dir "$CACHE/mypy" &&
-      .venv/bin/python -m pytest -q $DURATIONS "$@" && seams_block
+      .venv/bin/python -m pytest -q $DURATIONS "${cov[@]}" "$@" && "${floor[@]}" && seams_block
   } || rc=$?
   echo "(the foreground stream ended ${SECONDS} s after setup began)"
   finish_bg || rc=$?
