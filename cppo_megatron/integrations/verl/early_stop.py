@@ -21,9 +21,7 @@ Here, in veRL's driver:
 from __future__ import annotations
 
 import functools
-import os
 import sys
-import warnings
 import weakref
 from typing import Any
 
@@ -43,6 +41,7 @@ from ...core.early_stop import (
 from ..importhook import after_import
 from ..wrap import unwrap, wrap
 from . import audit
+from .checkpoint import state_file_seams
 from .early_stop_store import STORE, VALIDATING, publish
 from .runconfig import AGENT_NAME, cppo_config_from
 from .runconfig import apply_early_stop as apply
@@ -210,44 +209,18 @@ def state_of(trainer: Any) -> VerlEarlyStop:
 
 
 # ---------------------------------------------------------------------------------- checkpoints
-def _folder(trainer: Any, *, resuming: bool) -> str:
-    from .selective import step_folder
-
-    return step_folder(trainer, resuming=resuming)
-
-
-def _saving(original):
-    @functools.wraps(original)
-    def _save_checkpoint(self, *args, **kwargs):
-        if enabled(self.config):
-            folder = _folder(self, resuming=False)
-            os.makedirs(folder, exist_ok=True)
-            torch.save(state_of(self).state_dict(), os.path.join(folder, STATE_FILE))
-        return original(self, *args, **kwargs)
-
-    return _save_checkpoint
+def _published(trainer: Any, state: VerlEarlyStop, step: int) -> None:
+    if state.ready:
+        publish(step + 1, state.predictor.state_dict())
 
 
-def _loading(original):
-    @functools.wraps(original)
-    def _load_checkpoint(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        step = int(getattr(self, "global_steps", 0))
-        if enabled(self.config) and step > 0:
-            path = os.path.join(_folder(self, resuming=True), STATE_FILE)
-            if os.path.isfile(path):
-                state = state_of(self)
-                state.load_state_dict(torch.load(path, weights_only=False))
-                if state.ready:
-                    publish(step + 1, state.predictor.state_dict())
-            else:
-                warnings.warn(f"cppo: checkpoint {os.path.dirname(path)} has no early-stopping state ({STATE_FILE}); "
-                              "the predictor starts untrained and stops nothing until it has seen "
-                              f"{cppo_config_from(self.config).early_stop.min_examples} completions of each outcome",
-                              stacklevel=2)
-        return out
+def _untrained(trainer: Any) -> str:
+    return ("the predictor starts untrained and stops nothing until it has seen "
+            f"{cppo_config_from(trainer.config).early_stop.min_examples} completions of each outcome")
 
-    return _load_checkpoint
+
+_saving, _loading = state_file_seams(STATE_FILE, "early-stopping", enabled, state_of, missing=_untrained,
+                                     loaded=_published)
 
 
 def _validating(original):
