@@ -35,7 +35,7 @@ from ...core.early_stop import (
     step_accounting,
 )
 from ..importhook import after_import
-from ..wrap import unwrap, wrap
+from ..wrap import unwrap, wrap, wrap_methods
 from . import audit
 from .checkpoint import state_file_seams
 from .early_stop_store import STORE, VALIDATING, publish
@@ -230,18 +230,12 @@ def _counting(original):
 
 
 def _patch_server(module) -> None:
-    cls = getattr(module, SERVER[1], None)
-    if cls is None or "generate" not in cls.__dict__:
-        raise RuntimeError(f"cppo: {SERVER[0]}.{SERVER[1]}.generate is gone; veRL changed (pinned 0.9.1)")
-    wrap(cls, "generate", _counting, tag=WRAP_TAG)
+    wrap_methods(module, SERVER, {"generate": _counting}, tag=WRAP_TAG, changed="veRL changed (pinned 0.9.1)")
 
 
 def _patch_trainer(module) -> None:
-    cls = getattr(module, TARGET[1], None)
-    for name, make in (("_save_checkpoint", _saving), ("_load_checkpoint", _loading)):
-        if cls is None or name not in cls.__dict__:
-            raise RuntimeError(f"cppo: {TARGET[0]}.{TARGET[1]}.{name} is gone; veRL changed (pinned 0.9.1)")
-        wrap(cls, name, make, tag=WRAP_TAG)
+    wrap_methods(module, TARGET, {"_save_checkpoint": _saving, "_load_checkpoint": _loading}, tag=WRAP_TAG,
+                 changed="veRL changed (pinned 0.9.1)")
 
 
 def _patch_agent_loop(module) -> None:

@@ -38,7 +38,7 @@ from ...config import CPPOConfig
 from ...core.selective import EASY, HARD, INFORMATIVE
 from ...core.selective_run import SelectiveRun
 from ..importhook import after_import
-from ..wrap import unwrap, wrap
+from ..wrap import unwrap, wrap_methods
 from . import audit
 from .checkpoint import state_file_seams
 from .runconfig import cppo_config_from, selective_enabled
@@ -259,11 +259,8 @@ _MAKERS = {"_fetch_one_gen_batch": _fetching, "_save_checkpoint": _saving, "_loa
 
 
 def _patch(module) -> None:
-    cls = getattr(module, TARGET[1], None)
-    for name in SEAMS:
-        if cls is None or name not in cls.__dict__:
-            raise RuntimeError(f"cppo: {TARGET[0]}.{TARGET[1]}.{name} is gone; veRL changed (pinned 0.9.1)")
-        wrap(cls, name, _MAKERS[name], tag=WRAP_TAG)
+    wrap_methods(module, TARGET, {name: _MAKERS[name] for name in SEAMS}, tag=WRAP_TAG,
+                 changed="veRL changed (pinned 0.9.1)")
 
 
 def install() -> None:
