@@ -114,65 +114,52 @@ def _loads_of(parts, w: np.ndarray) -> np.ndarray:
     return np.array([w[np.asarray(p, dtype=np.int64)].sum() for p in parts], dtype=np.float64)
 
 
-def run_balance(s: BalanceSettings, *, log=print) -> Report:
-    s.validate()
-    verl_fn = verl_partitioner() if s.compare_verl else None
-    rows = []
-    skipped_verl = 0
-    for dist in s.distributions:
-        for k in s.ranks:
-            n = k * s.items_per_rank
-            lengths = sample_lengths(dist, n, s.seed + k)
-            w_t = sequence_workload(torch.from_numpy(lengths))
-            w = w_t.numpy()
-            for eq in s.equal_size:
-                lb = lower_bound(w, k, equal_size=eq)
-                fns = {"ours": functools.partial(balance_partitions, w_t, k, equal_size=eq)}
-                use_verl = verl_fn is not None and not (n < k or (eq and n % k))
-                if verl_fn is not None and not use_verl:
-                    skipped_verl += 1
-                if use_verl and verl_fn is not None:
-                    # veRL's _balance_batch passes the integer workloads as a list
-                    wl = (24576 * lengths + lengths * lengths).tolist()
-                    fns["verl"] = functools.partial(verl_fn, wl, k_partitions=k, equal_size=eq)
-                outs, times, cpu = _timed_interleaved(fns, s.repeats)
-                ours = outs["ours"]
-                naive = naive_partition(w, k)
-                row = {
-                    "distribution": dist,
-                    "ranks": k,
-                    "items": n,
-                    "equal_size": eq,
-                    "ours_imbalance": ours.imbalance,
-                    "ours_gap": ours.max_load / lb - 1,
-                    "ours_ms": 1e3 * times["ours"],
-                    "ours_cpu_ms": 1e3 * cpu["ours"],
-                    "ours_method": ours.method,
-                    "naive_imbalance": naive.imbalance,
-                    "verl_imbalance": None,
-                    "verl_gap": None,
-                    "verl_ms": None,
-                    "verl_cpu_ms": None,
-                    "lower_bound_imbalance": lb / (w.sum() / k),
-                }
-                if use_verl:
-                    loads = _loads_of(outs["verl"], w)
-                    row["verl_imbalance"] = float(loads.max() / loads.mean())
-                    row["verl_gap"] = float(loads.max() / lb - 1)
-                    row["verl_ms"] = 1e3 * times["verl"]
-                    row["verl_cpu_ms"] = 1e3 * cpu["verl"]
-                if row["verl_imbalance"] is not None:
-                    row["ours_le_verl"] = bool(ours.max_load <= row["verl_imbalance"] * (w.sum() / k) * (1 + 1e-12))
-                    row["time_ratio"] = row["ours_cpu_ms"] / row["verl_cpu_ms"] if row["verl_cpu_ms"] else None
-                rows.append(row)
-                log(
-                    f"balance: {dist:<9} k={k:<4} N={n:<5} equal={str(eq):<5}: ours {row['ours_imbalance']:.6f} "
-                    f"({row['ours_ms']:.1f} ms)  veRL "
-                    + (f"{row['verl_imbalance']:.6f} ({row['verl_ms']:.1f} ms)" if row["verl_imbalance"] else "-")
-                    + f"  naive {row['naive_imbalance']:.4f}"
-                )
+def _measure(dist: str, k: int, eq: bool, lengths: np.ndarray, repeats: int, verl_fn) -> dict:
+    """One input's row: our balancer, veRL's (``verl_fn``, None: not compared) and the naive split,
+    their imbalance, gap to the lower bound and median time."""
+    n = len(lengths)
+    w_t = sequence_workload(torch.from_numpy(lengths))
+    w = w_t.numpy()
+    lb = lower_bound(w, k, equal_size=eq)
+    fns = {"ours": functools.partial(balance_partitions, w_t, k, equal_size=eq)}
+    if verl_fn is not None:
+        # veRL's _balance_batch passes the integer workloads as a list
+        wl = (24576 * lengths + lengths * lengths).tolist()
+        fns["verl"] = functools.partial(verl_fn, wl, k_partitions=k, equal_size=eq)
+    outs, times, cpu = _timed_interleaved(fns, repeats)
+    ours = outs["ours"]
+    naive = naive_partition(w, k)
+    row = {
+        "distribution": dist,
+        "ranks": k,
+        "items": n,
+        "equal_size": eq,
+        "ours_imbalance": ours.imbalance,
+        "ours_gap": ours.max_load / lb - 1,
+        "ours_ms": 1e3 * times["ours"],
+        "ours_cpu_ms": 1e3 * cpu["ours"],
+        "ours_method": ours.method,
+        "naive_imbalance": naive.imbalance,
+        "verl_imbalance": None,
+        "verl_gap": None,
+        "verl_ms": None,
+        "verl_cpu_ms": None,
+        "lower_bound_imbalance": lb / (w.sum() / k),
+    }
+    if verl_fn is not None:
+        loads = _loads_of(outs["verl"], w)
+        row["verl_imbalance"] = float(loads.max() / loads.mean())
+        row["verl_gap"] = float(loads.max() / lb - 1)
+        row["verl_ms"] = 1e3 * times["verl"]
+        row["verl_cpu_ms"] = 1e3 * cpu["verl"]
+    if row["verl_imbalance"] is not None:
+        row["ours_le_verl"] = bool(ours.max_load <= row["verl_imbalance"] * (w.sum() / k) * (1 + 1e-12))
+        row["time_ratio"] = row["ours_cpu_ms"] / row["verl_cpu_ms"] if row["verl_cpu_ms"] else None
+    return row
 
-    compared = [r for r in rows if r.get("verl_imbalance") is not None]
+
+def _balance_notes(s: BalanceSettings, compared: list[dict], verl_fn, skipped_verl: int) -> list[str]:
+    """How the inputs were made and measured, and the verdict against veRL (or why there is none)."""
     notes = [
         f"N = {s.items_per_rank} x ranks sequences; workload 24576*len + len^2 (veRL's objective); "
         f"median of {s.repeats} calls, ours and veRL interleaved, as process CPU time (wall time in the JSON); "
@@ -186,46 +173,71 @@ def run_balance(s: BalanceSettings, *, log=print) -> Report:
             "veRL is not installed (or was disabled): no comparison. Install it with "
             "pip install -c constraints/cpu.txt 'cppo-megatron[verl]'."
         )
-    else:
-        import verl
+        return notes
+    import verl
 
-        wins = sum(r["ours_le_verl"] for r in compared)
-        faster = sum(1 for r in compared if r["time_ratio"] is not None and r["time_ratio"] <= 1.0)
-        within = sum(1 for r in compared if r["time_ratio"] is not None and r["time_ratio"] <= 1.5)
-        notes.append(
-            f"veRL {getattr(verl, '__version__', '?')}: ours at or below veRL's imbalance on {wins}/{len(compared)} "
-            f"inputs; no more CPU time on {faster}/{len(compared)} (within 1.5x on {within}/{len(compared)})."
-        )
-        if skipped_verl:
-            notes.append(f"{skipped_verl} input(s) skipped for veRL: its equal_size needs N divisible by k.")
+    wins = sum(r["ours_le_verl"] for r in compared)
+    faster = sum(1 for r in compared if r["time_ratio"] is not None and r["time_ratio"] <= 1.0)
+    within = sum(1 for r in compared if r["time_ratio"] is not None and r["time_ratio"] <= 1.5)
+    notes.append(
+        f"veRL {getattr(verl, '__version__', '?')}: ours at or below veRL's imbalance on {wins}/{len(compared)} "
+        f"inputs; no more CPU time on {faster}/{len(compared)} (within 1.5x on {within}/{len(compared)})."
+    )
+    if skipped_verl:
+        notes.append(f"{skipped_verl} input(s) skipped for veRL: its equal_size needs N divisible by k.")
+    return notes
 
-    def plot(fig):
-        ax = fig.add_subplot(1, 2, 1)
-        labels = [f"{r['distribution'][:4]} k{r['ranks']}{'=' if r['equal_size'] else ''}" for r in rows]
-        x = np.arange(len(rows))
-        floor = 1e-9
-        ax.scatter(x, [max(r["ours_gap"], floor) for r in rows], marker="o", s=14, label="ours")
-        if compared:
-            ax.scatter(x, [max(r["verl_gap"], floor) if r["verl_gap"] is not None else np.nan for r in rows],
-                       marker="x", s=14, label="veRL")
-        ax.scatter(x, [max(r["naive_imbalance"] / r["lower_bound_imbalance"] - 1, floor) for r in rows],
-                   marker="^", s=14, label="naive")
-        ax.set_yscale("log")
-        ax.set_xticks(x, labels, rotation=90, fontsize=5)
-        ax.set_ylabel("gap to lower bound (max/bound - 1)")
-        ax.set_title("balance quality (lower is better)", fontsize=9)
-        ax.legend(fontsize=7)
-        ax2 = fig.add_subplot(1, 2, 2)
-        ax2.scatter(x, [max(r["ours_cpu_ms"], 1e-3) for r in rows], marker="o", s=14, label="ours")
-        if compared:
-            ax2.scatter(x, [max(r["verl_cpu_ms"], 1e-3) if r["verl_cpu_ms"] is not None else np.nan for r in rows],
-                        marker="x", s=14, label="veRL")
-        ax2.set_yscale("log")
-        ax2.set_xticks(x, labels, rotation=90, fontsize=5)
-        ax2.set_ylabel("CPU ms per call (median)")
-        ax2.set_title("time", fontsize=9)
-        ax2.legend(fontsize=7)
 
+def _log_scatter(ax, x, labels: list[str], series: list[tuple[str, str, list]], ylabel: str, title: str) -> None:
+    """One log-scale panel, a point per input and a marker per series ``(label, marker, values)``."""
+    for label, marker, values in series:
+        ax.scatter(x, values, marker=marker, s=14, label=label)
+    ax.set_yscale("log")
+    ax.set_xticks(x, labels, rotation=90, fontsize=5)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+
+
+def _plot_balance(fig, rows: list[dict], compared: bool) -> None:
+    """Gap to the lower bound (left) and CPU time per call (right) of every input."""
+    labels = [f"{r['distribution'][:4]} k{r['ranks']}{'=' if r['equal_size'] else ''}" for r in rows]
+    x = np.arange(len(rows))
+    floor = 1e-9
+    gaps = [("ours", "o", [max(r["ours_gap"], floor) for r in rows])]
+    times = [("ours", "o", [max(r["ours_cpu_ms"], 1e-3) for r in rows])]
+    if compared:
+        gaps.append(("veRL", "x", [max(r["verl_gap"], floor) if r["verl_gap"] is not None else np.nan for r in rows]))
+        times.append(("veRL", "x", [max(r["verl_cpu_ms"], 1e-3) if r["verl_cpu_ms"] is not None else np.nan
+                                    for r in rows]))
+    gaps.append(("naive", "^", [max(r["naive_imbalance"] / r["lower_bound_imbalance"] - 1, floor) for r in rows]))
+    _log_scatter(fig.add_subplot(1, 2, 1), x, labels, gaps, "gap to lower bound (max/bound - 1)",
+                 "balance quality (lower is better)")
+    _log_scatter(fig.add_subplot(1, 2, 2), x, labels, times, "CPU ms per call (median)", "time")
+
+
+def run_balance(s: BalanceSettings, *, log=print) -> Report:
+    s.validate()
+    verl_fn = verl_partitioner() if s.compare_verl else None
+    rows = []
+    skipped_verl = 0
+    for dist in s.distributions:
+        for k in s.ranks:
+            n = k * s.items_per_rank
+            lengths = sample_lengths(dist, n, s.seed + k)
+            for eq in s.equal_size:
+                use_verl = verl_fn is not None and not (n < k or (eq and n % k))
+                if verl_fn is not None and not use_verl:
+                    skipped_verl += 1
+                row = _measure(dist, k, eq, lengths, s.repeats, verl_fn if use_verl else None)
+                rows.append(row)
+                log(
+                    f"balance: {dist:<9} k={k:<4} N={n:<5} equal={str(eq):<5}: ours {row['ours_imbalance']:.6f} "
+                    f"({row['ours_ms']:.1f} ms)  veRL "
+                    + (f"{row['verl_imbalance']:.6f} ({row['verl_ms']:.1f} ms)" if row["verl_imbalance"] else "-")
+                    + f"  naive {row['naive_imbalance']:.4f}"
+                )
+    compared = [r for r in rows if r.get("verl_imbalance") is not None]
     return Report(
         name="balance",
         title="Balancer: ours vs veRL get_seqlen_balanced_partitions vs contiguous split",
@@ -233,8 +245,8 @@ def run_balance(s: BalanceSettings, *, log=print) -> Report:
         columns=["distribution", "ranks", "items", "equal_size", "ours_imbalance", "verl_imbalance",
                  "naive_imbalance", "ours_gap", "verl_gap", "ours_cpu_ms", "verl_cpu_ms"],
         rows=rows,
-        notes=notes,
-        plot=plot,
+        notes=_balance_notes(s, compared, verl_fn, skipped_verl),
+        plot=lambda fig: _plot_balance(fig, rows, bool(compared)),
         formats={"ours_imbalance": ".6f", "verl_imbalance": ".6f", "naive_imbalance": ".4f", "ours_gap": ".1e",
                  "verl_gap": ".1e", "ours_cpu_ms": ".2f", "verl_cpu_ms": ".2f"},
     )

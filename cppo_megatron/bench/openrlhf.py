@@ -41,8 +41,9 @@ from pathlib import Path
 import yaml
 
 from ..recipes import arg_type as recipe_arg
+from .hostbench import check_args, compare, extras, notes, run_variants
 from .report import Report, plot_step_split, seconds_per_prompt
-from .samebatch import GRPO, SAME_BATCH, rows_against_both, same_batch_note, same_batch_prompts
+from .samebatch import GRPO, SAME_BATCH, same_batch_prompts
 
 GEN_KEYS = ("timing/generation", "timing/broadcast")
 REST_KEYS = ("timing/make_experience", "timing/ppo_train")
@@ -167,34 +168,23 @@ def _run_one(python: str, recipe: Path, flags: list[str], log_path: Path) -> Non
 def run(args: argparse.Namespace) -> Report:
     from ..integrations.openrlhf.metrics import read
 
-    if not 0.0 < args.rate < 1.0:
-        raise ValueError(f"--rate must be in (0, 1), got {args.rate}")
-    if args.steps <= args.skip:
-        raise ValueError(f"--steps ({args.steps}) must exceed --skip ({args.skip})")
-    if not Path(args.recipe).is_file():
-        raise ValueError(f"recipe {args.recipe!r} not found")
+    check_args(args)
     python = openrlhf_python(args.python)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    results = {}
     same = not args.no_same_batch and args.allocation != "off"
-    for name, extra in _variants(args.rate, args.allocation, yaml.safe_load(Path(args.recipe).read_text()), same):
-        slug = name.replace(" ", "_").replace("=", "")
-        run_dir = out / "openrlhf_runs" / slug
-        metrics_file = run_dir / "metrics.jsonl"
-        done = read(metrics_file) if metrics_file.is_file() else []
-        if args.reuse and sum("timing/step_total" in r for r in done) >= args.steps:
-            print(f"bench openrlhf: reusing {name} from {run_dir}", flush=True)
-        else:
-            if metrics_file.exists():
-                metrics_file.unlink()  # the JSONL appends
-            recipe = _recipe_for(args.recipe, run_dir, args.steps, out, slug)
-            _run_one(python, recipe, [*shlex.split(args.flags), *extra], out / f"openrlhf_{slug}.log")
-            done = read(metrics_file)
-        results[name] = (done, summarize(done, args.skip))
-    gen, rest = tuple(k.split("/")[1] for k in GEN_KEYS), tuple(k.split("/")[1] for k in REST_KEYS)
-    table, split = rows_against_both({k: v[1] for k, v in results.items()}, args.rate, gen, rest)
+
+    def launch(slug: str, run_dir: Path, extra: list[str]) -> list[dict]:
+        recipe = _recipe_for(args.recipe, run_dir, args.steps, out, slug)
+        _run_one(python, recipe, [*shlex.split(args.flags), *extra], out / f"openrlhf_{slug}.log")
+        return read(run_dir / "metrics.jsonl")
+
+    variants = _variants(args.rate, args.allocation, yaml.safe_load(Path(args.recipe).read_text()), same)
+    results = run_variants(variants, host="openrlhf", runs_dir=out / "openrlhf_runs", step_key="timing/step_total",
+                           steps=args.steps, skip=args.skip, reuse=args.reuse, read=read, launch=launch,
+                           summarize=summarize)
+    table, split = compare(results, args.rate, GEN_KEYS, REST_KEYS)
     for row in table:
         s = results[row["run"]][1]
         row.update({"ms/prompt gen": 1e3 * s["generation_s_per_prompt"],
@@ -211,17 +201,10 @@ def run(args: argparse.Namespace) -> Report:
                  "speedup same batch", "bound same batch", "of bound same batch", "ms/prompt gen",
                  "ms/prompt exp+train"],
         rows=table,
-        notes=[
-            f"GRPO phase split per prompt: T_gen (timing/generation + timing/broadcast) {1e3 * t_gen:.2f} ms, "
-            f"T_rest (timing/make_experience + timing/ppo_train) {1e3 * t_rest:.2f} ms",
-            "bound S_max(P) = (T_gen + T_rest) / (T_gen + (1-P) T_rest); 'of bound' = speedup / S_max",
-            *same_batch_note(table),
-            "runs are sequential OpenRLHF processes from the same start model and seed (not interleaved)",
-            f"total bench time {time.perf_counter() - t0:.0f} s",
-        ],
-        extras={"phase_split": {"t_gen_per_prompt_s": t_gen, "t_rest_per_prompt_s": t_rest},
-                "phase_split_same_batch": split["same_batch"],
-                "runs": {k: v[0] for k, v in results.items()}},
+        notes=notes(f"GRPO phase split per prompt: T_gen (timing/generation + timing/broadcast) {1e3 * t_gen:.2f} ms, "
+                    f"T_rest (timing/make_experience + timing/ppo_train) {1e3 * t_rest:.2f} ms", table,
+                    "OpenRLHF processes", t0),
+        extras=extras(split, results),
         plot=lambda fig: plot_step_split(fig, table, gen_label="timing/generation",
                                          title="OpenRLHF step time per prompt"),
     )

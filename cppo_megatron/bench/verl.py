@@ -44,8 +44,9 @@ import time
 from pathlib import Path
 
 from ..recipes import arg_type as recipe_arg
+from .hostbench import check_args, compare, extras, notes, run_variants
 from .report import Report, plot_step_split, seconds_per_prompt
-from .samebatch import GRPO, SAME_BATCH, rows_against_both, same_batch_note, same_batch_prompts
+from .samebatch import GRPO, SAME_BATCH, same_batch_prompts
 
 GEN_KEYS = ("timing_s/gen",)
 REST_KEYS = ("timing_s/old_log_prob", "timing_s/ref", "timing_s/update_actor")
@@ -122,8 +123,6 @@ def summarize(rows: list[dict], skip: int) -> dict:
 
 def _run_one(recipe: str, overrides: list[str], run_dir: Path, steps: int, loop: str, log_path: Path) -> list[dict]:
     print(f"bench verl: running {' '.join(overrides)} ({steps} steps, {loop} loop; log {log_path})", flush=True)
-    if (run_dir / "metrics.jsonl").exists():
-        (run_dir / "metrics.jsonl").unlink()  # veRL's file logger appends
     args = [sys.executable, "-m", "cppo_megatron.integrations.verl.main", recipe, *overrides,
             f"cppo_cpu.run_dir={run_dir}", f"trainer.total_training_steps={steps}",
             "trainer.val_before_train=false", "trainer.test_freq=-1", f"trainer.use_v1={loop == 'v1'}"]
@@ -136,12 +135,7 @@ def _run_one(recipe: str, overrides: list[str], run_dir: Path, steps: int, loop:
 
 
 def run(args: argparse.Namespace) -> Report:
-    if not 0.0 < args.rate < 1.0:
-        raise ValueError(f"--rate must be in (0, 1), got {args.rate}")
-    if args.steps <= args.skip:
-        raise ValueError(f"--steps ({args.steps}) must exceed --skip ({args.skip})")
-    if not Path(args.recipe).is_file():
-        raise ValueError(f"recipe {args.recipe!r} not found")
+    check_args(args)
     if args.early_stop and args.loop != "v1":
         raise ValueError("--early-stop runs on veRL's V1 loop (the predictor rides in its checkpoints): pass --loop v1")
     out = Path(args.out)
@@ -149,20 +143,15 @@ def run(args: argparse.Namespace) -> Report:
     t0 = time.perf_counter()
     same = None if args.no_same_batch or args.allocation == "off" else same_batch_overrides(
         args.recipe, args.overrides, args.rate)
-    results = {}
-    for name, extra in _variants(args.rate, args.allocation, same, args.early_stop):
-        slug = name.replace(" ", "_").replace("=", "")
-        run_dir = (out / "verl_runs" / slug).resolve()
-        done = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
-        if args.reuse and sum("timing_s/step" in r for r in done) >= args.steps:
-            print(f"bench verl: reusing {name} from {run_dir}", flush=True)
-            rows = done
-        else:
-            rows = _run_one(args.recipe, [*args.overrides, *extra], run_dir, args.steps, args.loop,
-                            out / f"verl_{slug}.log")
-        results[name] = (rows, summarize(rows, args.skip))
-    gen, rest = tuple(k.split("/")[1] for k in GEN_KEYS), tuple(k.split("/")[1] for k in REST_KEYS)
-    table, split = rows_against_both({k: v[1] for k, v in results.items()}, args.rate, gen, rest)
+
+    def launch(slug: str, run_dir: Path, extra: list[str]) -> list[dict]:
+        return _run_one(args.recipe, [*args.overrides, *extra], run_dir, args.steps, args.loop,
+                        out / f"verl_{slug}.log")
+
+    results = run_variants(_variants(args.rate, args.allocation, same, args.early_stop), host="verl",
+                           runs_dir=out / "verl_runs", step_key="timing_s/step", steps=args.steps, skip=args.skip,
+                           reuse=args.reuse, read=read_metrics, launch=launch, summarize=summarize)
+    table, split = compare(results, args.rate, GEN_KEYS, REST_KEYS)
     for row in table:
         s = results[row["run"]][1]
         row.update({"tokens/prompt": s["tokens_per_prompt"], "stopped share": s["stopped_share"],
@@ -180,17 +169,9 @@ def run(args: argparse.Namespace) -> Report:
                  "bound", "of bound", "speedup same batch", "bound same batch", "of bound same batch", "ms/prompt gen",
                  "ms/prompt update"],
         rows=table,
-        notes=[
-            f"GRPO phase split per prompt: T_gen (timing_s/gen) {1e3 * t_gen:.2f} ms, "
-            f"T_rest (old_log_prob + ref + update_actor) {1e3 * t_rest:.2f} ms",
-            "bound S_max(P) = (T_gen + T_rest) / (T_gen + (1-P) T_rest); 'of bound' = speedup / S_max",
-            *same_batch_note(table),
-            "runs are sequential veRL processes from the same start model and seed (not interleaved)",
-            f"total bench time {time.perf_counter() - t0:.0f} s",
-        ],
-        extras={"phase_split": {"t_gen_per_prompt_s": t_gen, "t_rest_per_prompt_s": t_rest},
-                "phase_split_same_batch": split["same_batch"],
-                "runs": {k: v[0] for k, v in results.items()}},
+        notes=notes(f"GRPO phase split per prompt: T_gen (timing_s/gen) {1e3 * t_gen:.2f} ms, "
+                    f"T_rest (old_log_prob + ref + update_actor) {1e3 * t_rest:.2f} ms", table, "veRL processes", t0),
+        extras=extras(split, results),
         plot=lambda fig: plot_step_split(fig, table, gen_label="timing_s/gen", title="veRL step time per prompt"),
     )
 

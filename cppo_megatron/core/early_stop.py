@@ -66,6 +66,7 @@ __all__ = [
     "StopAccounting",
     "StopHistory",
     "StopDecision",
+    "StopLearner",
     "calibration",
     "decide_at_boundary",
     "decide_stops",
@@ -80,6 +81,8 @@ __all__ = [
     "quality_metrics",
     "replay_early_stop",
     "restore_learner_state",
+    "shadow_wrong_stop_share",
+    "step_accounting",
     "roc_auc",
 ]
 
@@ -756,6 +759,45 @@ class StopAccounting:
         return out
 
 
+def step_accounting(lengths: torch.Tensor, stopped: torch.Tensor, group_ids: torch.Tensor, kept: torch.Tensor,
+                    max_new_tokens: int) -> tuple[StopAccounting, torch.Tensor]:
+    """One step's ``StopAccounting`` (``check`` it once its ``extra`` is filled) and the [N] bool mask
+    of the rows CPPO kept.
+
+    lengths: [N] int tokens each completion generated (a stopped one's prefix); stopped: [N] bool;
+    group_ids: [N] int64 each row's group; kept: [K] int64 the rows CPPO kept; max_new_tokens: the
+    completion length limit (the budget is N x it). A stopped row among the kept is a RuntimeError:
+    it has no reward to train on."""
+    as_1d_float("lengths", lengths, allow_empty=True)  # checked; read exactly, as float64
+    n = torch.as_tensor(lengths).to(torch.float64).cpu()
+    stop = torch.as_tensor(stopped, dtype=torch.bool)
+    N = n.numel()
+    if stop.shape != (N,):
+        raise ValueError(f"early stop accounting: stopped has shape {tuple(stop.shape)}, lengths {N} rows; "
+                         "pass one flag per row")
+    check_int("max_new_tokens", max_new_tokens, minimum=1)
+    kept_mask = torch.zeros(N, dtype=torch.bool)
+    kept_mask[torch.as_tensor(kept, dtype=torch.int64)] = True
+    if bool((kept_mask & stop).any()):
+        raise RuntimeError(f"early stop: a stopped completion was kept for training (rows "
+                           f"{(kept_mask & stop).nonzero().squeeze(1).tolist()})")
+    est = estimate_full_lengths(n, stop, group_ids)
+    acc = StopAccounting(started=N, kept=int(kept_mask.sum()), pruned_after=int((~kept_mask & ~stop).sum()),
+                         stopped=int(stop.sum()), tokens_generated=int(n.sum()), tokens_stopped=int(n[stop].sum()),
+                         tokens_budget=N * int(max_new_tokens), tokens_saved_estimate=float((est - n)[stop].sum()))
+    return acc, kept_mask
+
+
+def shadow_wrong_stop_share(shadow: torch.Tensor, kept_mask: torch.Tensor) -> float:
+    """The share of the explore rows the rule would have stopped (``shadow``, [N] bool) that CPPO then
+    kept (``kept_mask``, [N] bool): the cost of the rule's mistakes; NaN without such rows."""
+    sh, km = torch.as_tensor(shadow, dtype=torch.bool), torch.as_tensor(kept_mask, dtype=torch.bool)
+    if sh.shape != km.shape:
+        raise ValueError(f"shadow_wrong_stop_share: shadow {tuple(sh.shape)} and kept_mask {tuple(km.shape)} "
+                         "differ; pass one flag per row for both")
+    return float((sh & km).sum()) / float(sh.sum()) if bool(sh.any()) else float("nan")
+
+
 # ---------------------------------------------------------------------------------- quality
 def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     """Area under the ROC curve of ``scores`` [E] for 0/1 ``labels`` [E] (ties count one half);
@@ -822,3 +864,43 @@ def restore_learner_state(state: dict[str, Any], predictor: PrefixPredictor, his
     predictor.load_state_dict(state["predictor"])
     history.load_state_dict(state["history"])
     return bool(state["ready"]), {k: float(state["totals"].get(k, 0.0)) for k in RUN_TOTALS}
+
+
+class StopLearner:
+    """What one run's early stopping carries from step to step, on every host: the predictor, its
+    history, whether it may stop yet (``ready``) and the run totals (``RUN_TOTALS``); with the
+    settings each step reads (``es``: the ``early_stop`` section, ``min_running`` members of a
+    group that run to the end, G and the length limit).
+
+    Args:
+        cfg: the run's ``CPPOConfig`` (``early_stop`` section; its kept count k sets ``min_running``).
+        group_size: G, completions per prompt.
+        max_new_tokens: the completion length limit.
+    """
+
+    # the checkpoint error for a missing key (``{key}``); a host words its own
+    missing = "early stop state: {key} missing from the checkpoint"
+
+    def __init__(self, cfg: CPPOConfig, *, group_size: int, max_new_tokens: int) -> None:
+        self.cfg, self.es = cfg, cfg.early_stop
+        self.group_size, self.max_new_tokens = int(group_size), int(max_new_tokens)
+        self.min_running = self.es.min_running_for(self.group_size, cfg.keep_for_group(self.group_size))
+        self.predictor = PrefixPredictor(self.es.l2)
+        self.history = StopHistory(self.es.history_steps)
+        self.ready = False
+        self.totals = dict.fromkeys(RUN_TOTALS, 0.0)
+
+    def add_totals(self, acc: StopAccounting) -> dict[str, float]:
+        """Add a step's accounting to the run totals; their ``early_stop/total_*`` metrics."""
+        out = {}
+        for key in RUN_TOTALS:
+            self.totals[key] += float(getattr(acc, key))
+            out[f"early_stop/total_{key}"] = self.totals[key]
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return learner_state(self.predictor, self.history, self.ready, self.totals)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``; a missing key is a ValueError in ``missing``'s words."""
+        self.ready, self.totals = restore_learner_state(state, self.predictor, self.history, missing=self.missing)

@@ -108,6 +108,93 @@ def _p2p(send: dict, recv: dict, group) -> None:
             req.wait()
 
 
+def _rows_of(fields: dict, spec: _Spec, idx: torch.Tensor):
+    """The rows ``idx`` of one field: a list of tensors (ragged) or one tensor [len(idx), ...]."""
+    v = fields[spec.name]
+    if spec.ragged:
+        return [v[i] for i in idx.tolist()]
+    return v[idx.to(v.device)]
+
+
+def _send_indices(send_rows: Sequence[torch.Tensor], d: int) -> torch.Tensor:
+    return torch.as_tensor(send_rows[d], dtype=torch.int64)
+
+
+def _exchange_lengths(fields: dict, ragged: list[_Spec], send_rows: Sequence[torch.Tensor],
+                      recv_counts: Sequence[int], rank: int, world: int, dev, group) -> dict[int, torch.Tensor]:
+    """Round 1: the leading length of every ragged row sent (receivers cannot know them); returns
+    source rank -> [len(ragged) x recv_counts[source]] int64 lengths, field-major (empty without ragged fields)."""
+    send_hdr, recv_hdr = {}, {}
+    for d in range(world):
+        if d == rank or not ragged:
+            continue
+        row_lens = [[int(t.shape[0]) for t in _rows_of(fields, s, _send_indices(send_rows, d))] for s in ragged]
+        send_hdr[d] = torch.tensor(row_lens, dtype=torch.int64, device=dev).reshape(-1)
+    for s in range(world):
+        if s != rank and ragged:
+            recv_hdr[s] = torch.empty(len(ragged) * int(recv_counts[s]), dtype=torch.int64, device=dev)
+    _p2p(send_hdr, recv_hdr, group)
+    return recv_hdr
+
+
+def _pack(fields: dict, specs: list[_Spec], idx: torch.Tensor, dev) -> torch.Tensor:
+    """One uint8 buffer of the rows ``idx``, field after field (a ragged field's rows concatenated)."""
+    parts = []
+    for s in specs:
+        rows = _rows_of(fields, s, idx)
+        if s.ragged:
+            t = torch.cat(rows) if rows else torch.empty((0, *s.trailing), dtype=s.dtype)
+        else:
+            t = rows
+        parts.append(t.detach().to(dev).contiguous().reshape(-1).view(torch.uint8))
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=dev)
+
+
+def _itemsize(spec: _Spec) -> int:
+    return torch.empty(0, dtype=spec.dtype).element_size()
+
+
+def _recv_buffer(specs: list[_Spec], ragged: list[_Spec], lens: torch.Tensor, count: int, dev) -> torch.Tensor:
+    """The empty uint8 buffer for ``count`` rows from one source whose ragged rows have ``lens``."""
+    nbytes = 0
+    for sp in specs:
+        rows = int(lens[ragged.index(sp)].sum()) if sp.ragged else count
+        nbytes += rows * _numel(sp.trailing) * _itemsize(sp)
+    return torch.empty(nbytes, dtype=torch.uint8, device=dev)
+
+
+def _unpack(buf: torch.Tensor, specs: list[_Spec], ragged: list[_Spec], lens: torch.Tensor,
+            count: int) -> dict[str, FieldValue]:
+    """name -> one source's rows from its buffer (``_pack``'s layout): a list of tensors or one tensor."""
+    out: dict[str, FieldValue] = {}
+    pos = 0
+    for sp in specs:
+        if sp.ragged:
+            row_counts = lens[ragged.index(sp)].tolist()
+            nb = int(sum(row_counts)) * _numel(sp.trailing) * _itemsize(sp)
+            # clone first: a byte slice at an unaligned offset cannot be viewed as a wider dtype
+            flat = buf[pos : pos + nb].clone().view(sp.dtype).reshape(-1, *sp.trailing)
+            out[sp.name] = list(torch.split(flat, row_counts)) if row_counts else []
+        else:
+            nb = count * _numel(sp.trailing) * _itemsize(sp)
+            out[sp.name] = buf[pos : pos + nb].clone().view(sp.dtype).reshape(count, *sp.trailing)
+        pos += nb
+    return out
+
+
+def _joined(specs: list[_Spec], out: dict, dev) -> dict[str, FieldValue]:
+    """Each field's chunks (one per source rank) as one list (ragged) or one tensor."""
+    result: dict[str, FieldValue] = {}
+    for sp in specs:
+        chunks = out[sp.name]
+        if sp.ragged:
+            result[sp.name] = [t for ch in chunks for t in ch]
+        else:
+            empty = torch.empty((0, *sp.trailing), dtype=sp.dtype, device=dev)
+            result[sp.name] = torch.cat(chunks) if chunks else empty
+    return result
+
+
 def exchange_rows(
     fields: dict,
     send_rows: Sequence[torch.Tensor],
@@ -137,83 +224,28 @@ def exchange_rows(
     dev = comm_device(group, device)
     specs = specs if specs is not None else _agree_specs(fields, group)
     ragged = [s for s in specs if s.ragged]
-
-    def rows_of(spec, idx):
-        v = fields[spec.name]
-        if spec.ragged:
-            return [v[i] for i in idx.tolist()]
-        return v[idx.to(v.device)]
-
-    # round 1: the leading length of every ragged row (receivers cannot know them)
-    send_hdr, recv_hdr = {}, {}
-    for d in range(world):
-        idx = torch.as_tensor(send_rows[d], dtype=torch.int64)
-        if d == rank or not ragged:
-            continue
-        row_lens = [[int(t.shape[0]) for t in rows_of(s, idx)] for s in ragged]
-        send_hdr[d] = torch.tensor(row_lens, dtype=torch.int64, device=dev).reshape(-1)
-    for s in range(world):
-        if s != rank and ragged:
-            recv_hdr[s] = torch.empty(len(ragged) * int(recv_counts[s]), dtype=torch.int64, device=dev)
-    _p2p(send_hdr, recv_hdr, group)
+    recv_hdr = _exchange_lengths(fields, ragged, send_rows, recv_counts, rank, world, dev, group)
 
     # round 2: one byte buffer per peer, field after field
-    def pack(idx):
-        parts = []
-        for s in specs:
-            rows = rows_of(s, idx)
-            if s.ragged:
-                t = torch.cat(rows) if rows else torch.empty((0, *s.trailing), dtype=s.dtype)
-            else:
-                t = rows
-            parts.append(t.detach().to(dev).contiguous().reshape(-1).view(torch.uint8))
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=dev)
-
-    send_buf, recv_buf, recv_lens = {}, {}, {}
-    for d in range(world):
-        if d != rank:
-            send_buf[d] = pack(torch.as_tensor(send_rows[d], dtype=torch.int64))
+    send_buf = {d: _pack(fields, specs, _send_indices(send_rows, d), dev) for d in range(world) if d != rank}
+    recv_buf, recv_lens = {}, {}
     for s in range(world):
         if s == rank:
             continue
         c = int(recv_counts[s])
-        lens = recv_hdr[s].cpu().reshape(len(ragged), c) if ragged else torch.empty(0, c, dtype=torch.int64)
-        recv_lens[s] = lens
-        nbytes = 0
-        for sp in specs:
-            rows = int(lens[ragged.index(sp)].sum()) if sp.ragged else c
-            nbytes += rows * _numel(sp.trailing) * torch.empty(0, dtype=sp.dtype).element_size()
-        recv_buf[s] = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        recv_lens[s] = recv_hdr[s].cpu().reshape(len(ragged), c) if ragged else torch.empty(0, c, dtype=torch.int64)
+        recv_buf[s] = _recv_buffer(specs, ragged, recv_lens[s], c, dev)
     _p2p(send_buf, recv_buf, group)
 
     # unpack in source order; our own rows are copied locally
     out: dict = {s.name: [] for s in specs}
     for src in range(world):
         if src == rank:
-            idx = torch.as_tensor(send_rows[rank], dtype=torch.int64)
+            idx = _send_indices(send_rows, rank)
             for sp in specs:
-                rows = rows_of(sp, idx)
+                rows = _rows_of(fields, sp, idx)
                 out[sp.name].append([t.to(dev) for t in rows] if sp.ragged else rows.to(dev))
             continue
-        buf, pos, c = recv_buf[src], 0, int(recv_counts[src])
-        for sp in specs:
-            isz = torch.empty(0, dtype=sp.dtype).element_size()
-            if sp.ragged:
-                row_counts = recv_lens[src][ragged.index(sp)].tolist()
-                nb = int(sum(row_counts)) * _numel(sp.trailing) * isz
-                # clone first: a byte slice at an unaligned offset cannot be viewed as a wider dtype
-                flat = buf[pos : pos + nb].clone().view(sp.dtype).reshape(-1, *sp.trailing)
-                out[sp.name].append(list(torch.split(flat, row_counts)) if row_counts else [])
-            else:
-                nb = c * _numel(sp.trailing) * isz
-                out[sp.name].append(buf[pos : pos + nb].clone().view(sp.dtype).reshape(c, *sp.trailing))
-            pos += nb
-    result: dict[str, FieldValue] = {}
-    for sp in specs:
-        chunks = out[sp.name]
-        if sp.ragged:
-            result[sp.name] = [t for ch in chunks for t in ch]
-        else:
-            empty = torch.empty((0, *sp.trailing), dtype=sp.dtype, device=dev)
-            result[sp.name] = torch.cat(chunks) if chunks else empty
-    return result
+        for name, rows in _unpack(recv_buf[src], specs, ragged, recv_lens[src], int(recv_counts[src])).items():
+            out[name].append(rows)
+    return _joined(specs, out, dev)

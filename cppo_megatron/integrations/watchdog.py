@@ -26,15 +26,17 @@ the same one-line message.
 from __future__ import annotations
 
 import _thread
+import contextlib
 import os
 import re
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["ENV_GRACE", "EXIT_CODE", "DeadActor", "Watchdog", "dead_actors", "explain", "grace_from_env", "start"]
+__all__ = ["ENV_GRACE", "EXIT_CODE", "DeadActor", "Watchdog", "dead_actors", "explain", "grace_from_env", "start",
+           "watched"]
 
 ENV_GRACE = "CPPO_DEAD_WORKER_GRACE_S"
 DEFAULT_GRACE_S = 120.0
@@ -267,3 +269,25 @@ def start(resume_hint: Callable[[], str] = lambda: "") -> Watchdog | None:
     dog = Watchdog(grace, resume_hint)
     dog.start()
     return dog
+
+
+@contextlib.contextmanager
+def watched(host: str, resume_hint: Callable[[], str]) -> Iterator[Watchdog | None]:
+    """Run a host's training under the watchdog (``start``; stopped on the way out). When the block
+    ends with an error a dead worker explains (``explain``), one line on stderr says so:
+    ``cppo: dead worker: <host> stopped because <who and why>. <resume_hint()>``; the error goes on.
+
+    host: the host's name as the line says it ("veRL"); resume_hint: what rerunning does now."""
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"watched: host must name the host (e.g. 'veRL'), got {host!r}")
+    dog = start(resume_hint)
+    try:
+        yield dog
+    except BaseException as exc:
+        dead = explain(exc)
+        if dead is not None:
+            print(f"{PREFIX} {host} stopped because {dead.describe()}. {resume_hint()}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        if dog is not None:
+            dog.stop()

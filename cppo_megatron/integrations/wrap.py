@@ -26,7 +26,8 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["ORIGINAL", "TAG", "is_wrapped", "layer", "original", "replace", "unwrap", "wrap", "wrapped"]
+__all__ = ["ORIGINAL", "TAG", "is_wrapped", "layer", "original", "replace", "unwrap", "wrap", "wrap_methods",
+           "wrapped"]
 
 ORIGINAL = "__cppo_original__"  # on a wrapper: the attribute it replaced
 TAG = "__cppo_tag__"  # on a wrapper: the seam that installed it
@@ -104,6 +105,21 @@ def wrap(owner: Any, name: str, make: Callable[[Any], Any], *, tag: str) -> bool
     setattr(replacement, _INHERITED, isinstance(owner, type) and name not in owner.__dict__)
     setattr(owner, name, replacement)
     return True
+
+
+def wrap_methods(module: Any, target: tuple[str, str], makers: dict[str, Callable[[Any], Any]], *, tag: str,
+                 changed: str) -> None:
+    """``wrap`` each method ``makers`` names on the class ``target[1]`` of the host's imported ``module``
+    (``target[0]``, its dotted name) with its maker. A class or method no longer there, defined on the
+    class itself, is a RuntimeError naming it and ``changed`` (which host version the seam was pinned
+    at), before anything is wrapped past it."""
+    if not makers:
+        raise ValueError(f"wrap_methods[{tag}]: no methods to wrap on {target[0]}.{target[1]}; name at least one")
+    cls = getattr(module, target[1], None)
+    for name, make in makers.items():
+        if cls is None or name not in cls.__dict__:
+            raise RuntimeError(f"cppo: {target[0]}.{target[1]}.{name} is gone; {changed}")
+        wrap(cls, name, make, tag=tag)
 
 
 def replace(owner: Any, name: str, obj: Any, *, tag: str) -> bool:

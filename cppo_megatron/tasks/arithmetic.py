@@ -7,11 +7,10 @@ generalisation, not memorisation.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 
-from .base import Problem, Score, Task
+from .base import Problem, Score, Task, draw_split
 
 ALPHABET = "0123456789+-*="
 
@@ -20,11 +19,6 @@ def _evaluate(terms: list[int], ops: list[str]) -> int:
     # left to right with * binding tighter, as Python does
     expr = str(terms[0]) + "".join(f"{o}{t}" for o, t in zip(ops, terms[1:], strict=True))
     return int(eval(expr, {"__builtins__": {}}, {}))  # noqa: S307 - digits and + - * only
-
-
-def _in_test_split(text: str, test_fraction: float) -> bool:
-    h = int(hashlib.sha1(text.encode()).hexdigest()[:8], 16)
-    return h / 0xFFFFFFFF < test_fraction
 
 
 def make_arithmetic_task(
@@ -52,27 +46,15 @@ def make_arithmetic_task(
             f"arithmetic: only {space} distinct problems for train_size={train_size} + test_size={test_size}; "
             "widen the operand range or lower the sizes"
         )
-    rng = random.Random(seed)
-    train: list[Problem] = []
-    test: list[Problem] = []
-    seen: set[str] = set()
-    attempts = 0
-    while len(train) < train_size or len(test) < test_size:
-        attempts += 1
-        if attempts > 50 * (train_size + test_size):
-            raise ValueError("arithmetic: could not draw enough distinct problems; widen the ranges")
+
+    def draw(rng: random.Random) -> tuple[str, Problem]:
         t = [rng.randint(min_operand, max_operand) for _ in range(terms)]
         o = [rng.choice(ops) for _ in range(terms - 1)]
         text = str(t[0]) + "".join(f"{a}{b}" for a, b in zip(o, t[1:], strict=True)) + "="
-        if text in seen:
-            continue
-        seen.add(text)
-        p = Problem(text, str(_evaluate(t, o)))
-        if _in_test_split(text, test_fraction):
-            if len(test) < test_size:
-                test.append(p)
-        elif len(train) < train_size:
-            train.append(p)
+        return text, Problem(text, str(_evaluate(t, o)))
+
+    train, test = draw_split(seed, train_size, test_size, test_fraction, draw,
+                             exhausted="arithmetic: could not draw enough distinct problems; widen the ranges")
     return Task(
         name="arithmetic",
         train=train,

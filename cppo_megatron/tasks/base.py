@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -65,3 +70,40 @@ def combine_reward(score: Score, w_correct: float, w_format: float, w_step: floa
             raise ValueError(f"reward weight for steps is {w_step} but this task grades no steps; set it to 0")
         reward += w_step * score.steps
     return reward
+
+
+def in_test_split(text: str, test_fraction: float) -> bool:
+    """Whether ``text`` falls on the test side of a hash split that puts about ``test_fraction`` of all
+    texts there: the same text always falls on the same side, whatever was drawn before it."""
+    h = int(hashlib.sha1(text.encode()).hexdigest()[:8], 16)
+    return h / 0xFFFFFFFF < test_fraction
+
+
+def draw_split(seed: int, train_size: int, test_size: int, test_fraction: float,
+               draw: Callable[[random.Random], tuple[str, T]], *, exhausted: str) -> tuple[list[T], list[T]]:
+    """Draw until ``train_size`` train and ``test_size`` test items, each distinct by its text.
+
+    ``draw(rng)`` -> ``(text, item)`` draws one candidate from the seeded ``random.Random(seed)``;
+    a text drawn again is dropped, a new one goes to the side ``in_test_split`` names, or is dropped
+    when that side is full. The same arguments give the same lists. After 50 x (train_size +
+    test_size) draws it gives up with ``ValueError(exhausted)`` (the task's message and fix).
+    """
+    if not 0.0 <= test_fraction <= 1.0:
+        raise ValueError(f"draw_split: test_fraction={test_fraction} is not in [0, 1]; compute it from the sizes")
+    rng = random.Random(seed)
+    train: list[T] = []
+    test: list[T] = []
+    seen: set[str] = set()
+    attempts = 0
+    while len(train) < train_size or len(test) < test_size:
+        attempts += 1
+        if attempts > 50 * (train_size + test_size):
+            raise ValueError(exhausted)
+        text, item = draw(rng)
+        if text in seen:
+            continue
+        seen.add(text)
+        side, cap = (test, test_size) if in_test_split(text, test_fraction) else (train, train_size)
+        if len(side) < cap:
+            side.append(item)
+    return train, test

@@ -13,10 +13,11 @@ rows are disjoint (a question's text decides its split, as in the arithmetic tas
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from pathlib import Path
+
+from .base import draw_split
 
 NAMES = ("Mia", "Tom", "Ana", "Sam", "Lea", "Max", "Ivy", "Ben")
 ITEMS = ("pens", "cards", "apples", "stamps", "shells", "coins")
@@ -27,11 +28,6 @@ TEMPLATES = (
     ("{n} had {a} {i} and gave away {b}. How many are left?", "-"),
     ("{n} had {a} {i}, then lost {b}. How many {i} remain?", "-"),
 )
-
-
-def _in_test_split(text: str, test_fraction: float) -> bool:
-    h = int(hashlib.sha1(text.encode()).hexdigest()[:8], 16)
-    return h / 0xFFFFFFFF < test_fraction
 
 
 def word_problem_rows(*, train_size: int, test_size: int, seed: int = 0,
@@ -53,24 +49,19 @@ def word_problem_rows(*, train_size: int, test_size: int, seed: int = 0,
         raise ValueError(f"word problems: train_size + test_size = {train_size + test_size} is more than half of "
                          f"the {space} distinct problems; lower the sizes or widen the operand range")
     test_fraction = min(0.5, 1.5 * test_size / (train_size + test_size))
-    rng = random.Random(seed)
-    train: list[dict] = []
-    test: list[dict] = []
-    seen: set[str] = set()
-    while len(train) < train_size or len(test) < test_size:
+
+    def draw(rng: random.Random) -> tuple[str, dict]:
         template, op = rng.choice(TEMPLATES)
         a, b = rng.randint(min_operand, max_operand), rng.randint(min_operand, max_operand)
         if op == "-" and a < b:
             a, b = b, a
         question = template.format(n=rng.choice(NAMES), i=rng.choice(ITEMS), a=a, b=b)
-        if question in seen:
-            continue
-        seen.add(question)
         result = a + b if op == "+" else a - b
-        row = {"question": question, "answer": f"{a}{op}{b}={result}\n#### {result}"}
-        side = test if _in_test_split(question, test_fraction) else train
-        if len(side) < (test_size if side is test else train_size):
-            side.append(row)
+        return question, {"question": question, "answer": f"{a}{op}{b}={result}\n#### {result}"}
+
+    train, test = draw_split(seed, train_size, test_size, test_fraction, draw,
+                             exhausted="word problems: could not draw enough distinct problems; lower the sizes or "
+                                       "widen the operand range")
     return train, test
 
 

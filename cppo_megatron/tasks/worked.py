@@ -29,12 +29,11 @@ steps written correctly before the first slip: the per-step signal).
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from dataclasses import dataclass
 
-from .base import Problem, Score, Task
+from .base import Problem, Score, Task, draw_split
 
 __all__ = ["ALPHABET", "TASK_NAME", "WorkedCheck", "check_worked", "first_divergence", "make_worked_task",
            "parse_question", "score_worked", "worked_solution", "worked_steps"]
@@ -143,11 +142,6 @@ def first_divergence(prefix: str, problem: Problem) -> int | None:
     return None
 
 
-def _in_test_split(text: str, test_fraction: float) -> bool:
-    h = int(hashlib.sha1(text.encode()).hexdigest()[:8], 16)
-    return h / 0xFFFFFFFF < test_fraction
-
-
 def _draw(rng: random.Random, k: int, d: int) -> tuple[list[int], list[str]]:
     lo, hi = (0 if d == 1 else 10 ** (d - 1)), 10**d - 1
     terms = [rng.randint(lo, hi) for _ in range(k)]
@@ -187,27 +181,17 @@ def make_worked_task(*, train_size: int = 20000, test_size: int = 1000, min_term
         raise ValueError(f"worked arithmetic: about {space} distinct problems for train_size={train_size} + "
                          f"test_size={test_size}; raise max_terms or max_digits, or lower the sizes")
     test_fraction = min(0.5, 1.5 * test_size / (train_size + test_size))
-    rng = random.Random(seed)
-    train: list[Problem] = []
-    test: list[Problem] = []
-    seen: set[str] = set()
-    attempts = 0
-    while len(train) < train_size or len(test) < test_size:
-        attempts += 1
-        if attempts > 50 * (train_size + test_size):
-            raise ValueError("worked arithmetic: could not draw enough distinct problems; raise max_terms or "
-                             "max_digits, or lower the sizes")
+
+    def draw(rng: random.Random) -> tuple[str, Problem]:
         k, d = rng.choice(cells)
         terms, ops = _draw(rng, k, d)
         text = str(terms[0]) + "".join(f"{o}{t}" for o, t in zip(ops, terms[1:], strict=True)) + "="
-        if text in seen:
-            continue
-        seen.add(text)
         steps = worked_steps(terms, ops)
-        p = Problem(text, str(steps[-1]), {"terms": terms, "ops": ops, "steps": steps, "level": (k, d)})
-        side, cap = (test, test_size) if _in_test_split(text, test_fraction) else (train, train_size)
-        if len(side) < cap:
-            side.append(p)
+        return text, Problem(text, str(steps[-1]), {"terms": terms, "ops": ops, "steps": steps, "level": (k, d)})
+
+    train, test = draw_split(seed, train_size, test_size, test_fraction, draw,
+                             exhausted="worked arithmetic: could not draw enough distinct problems; raise max_terms "
+                                       "or max_digits, or lower the sizes")
     return Task(
         name=TASK_NAME,
         train=train,

@@ -28,17 +28,13 @@ from typing import Any
 import torch
 
 from ..core.early_stop import (
-    RUN_TOTALS,
-    PrefixPredictor,
-    StopAccounting,
-    StopHistory,
+    StopLearner,
     decide_at_boundary,
-    estimate_full_lengths,
     explore_groups,
     imputed_moments,
-    learner_state,
     quality_metrics,
-    restore_learner_state,
+    shadow_wrong_stop_share,
+    step_accounting,
 )
 from ..core.settings import CPPOConfig
 from ..rollout.base import BoundaryView
@@ -89,8 +85,9 @@ class RoundMonitor:
         return out.stop
 
 
-class EarlyStopping:
-    """Predictor, history and totals of one run, and the monitors of the step in progress.
+class EarlyStopping(StopLearner):
+    """Predictor, history and totals of one run (``core.StopLearner``), and the monitors of the step
+    in progress.
 
     Args:
         cfg: the run's ``CPPOConfig`` (``early_stop`` section enabled; ``seed``; its kept count k).
@@ -102,13 +99,7 @@ class EarlyStopping:
                  audit_path: str | Path | None = None) -> None:
         if not cfg.early_stop.enabled:
             raise ValueError("EarlyStopping needs cppo.early_stop.enabled=true")
-        self.cfg, self.es = cfg, cfg.early_stop
-        self.group_size, self.max_new_tokens = int(group_size), int(max_new_tokens)
-        self.min_running = self.es.min_running_for(self.group_size, cfg.keep_for_group(self.group_size))
-        self.predictor = PrefixPredictor(self.es.l2)
-        self.history = StopHistory(self.es.history_steps)
-        self.ready = False
-        self.totals = dict.fromkeys(RUN_TOTALS, 0.0)
+        super().__init__(cfg, group_size=group_size, max_new_tokens=max_new_tokens)
         self.step = -1
         self.monitors: list[RoundMonitor] = []
         self.audit_path = None if audit_path is None else Path(audit_path)
@@ -151,20 +142,10 @@ class EarlyStopping:
 
     def _step_metrics(self, batch: Any, kept: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
         """``early_stop/*``: accounting, predictor quality, totals; the audit line."""
-        N = batch.num_rows
         stopped = batch.stopped
         quality = self._quality(y, stopped)
         shadow = self._cat("shadow").to(torch.bool)
-        kept_mask = torch.zeros(N, dtype=torch.bool)
-        kept_mask[kept] = True
-        lengths = batch.completion_lengths
-        est = estimate_full_lengths(lengths, stopped, batch.group_ids)
-        acc = StopAccounting(
-            started=N, kept=int(kept_mask.sum()), pruned_after=int((~kept_mask & ~stopped).sum()),
-            stopped=int(stopped.sum()), tokens_generated=int(lengths.sum()), tokens_stopped=int(lengths[stopped].sum()),
-            tokens_budget=N * self.max_new_tokens, tokens_saved_estimate=float((est - lengths)[stopped].sum()))
-        if bool((kept_mask & stopped).any()):
-            raise RuntimeError("early stop: a stopped completion was kept for training")
+        acc, kept_mask = step_accounting(batch.completion_lengths, stopped, batch.group_ids, kept, self.max_new_tokens)
         acc.extra.update(quality)
         mu, _ = self.moments()
         fin = ~stopped
@@ -175,18 +156,12 @@ class EarlyStopping:
             "history_successes": float(self.history.completions()[1]),
             "min_running": float(self.min_running), "explore_groups": float(self._cat("explore").sum()),
             "shadow_stopped": float(shadow.sum()),
-            # explore rows the rule would have stopped that CPPO then kept: the cost of its mistakes
-            "shadow_wrong_stop_share": float((shadow & kept_mask).sum()) / float(shadow.sum()) if shadow.any()
-            else float("nan"),
+            "shadow_wrong_stop_share": shadow_wrong_stop_share(shadow, kept_mask),
             "stop_tokens_mean": float(at[stopped].mean()) if stopped.any() else float("nan"),
             "reward_mean_estimate": float(torch.where(fin, batch.rewards.to(torch.float64), mu).mean()),
         })
         metrics = acc.check().metrics()
-        for key, value in (("started", acc.started), ("stopped", acc.stopped), ("kept", acc.kept),
-                           ("tokens_generated", acc.tokens_generated),
-                           ("tokens_saved_estimate", acc.tokens_saved_estimate)):
-            self.totals[key] += float(value)
-            metrics[f"early_stop/total_{key}"] = self.totals[key]
+        metrics.update(self.add_totals(acc))
         if self.audit_path is not None:
             self._audit(self.audit_path, batch, kept, stopped, shadow)
         return metrics
@@ -252,12 +227,4 @@ class EarlyStopping:
         if not xs:
             return torch.zeros(0, 0, dtype=torch.float64), torch.zeros(0), torch.zeros(0), counts
         return torch.cat(xs), torch.cat(ys), torch.cat(rs), counts
-
-    # ------------------------------------------------------------------ checkpoint
-    def state_dict(self) -> dict[str, Any]:
-        return learner_state(self.predictor, self.history, self.ready, self.totals)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.ready, self.totals = restore_learner_state(state, self.predictor, self.history,
-                                                        missing="early stop state: {key} missing from the checkpoint")
 

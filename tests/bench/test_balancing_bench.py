@@ -46,3 +46,21 @@ def test_balance_settings_validate():
         BalanceSettings(distributions=["x"]).validate()
     with pytest.raises(ValueError, match="ranks must be integers >= 1"):
         BalanceSettings(ranks=[0]).validate()
+
+
+def test_balance_plot_draws_gaps_and_times_per_input_on_log_axes():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rep = run_balance(BalanceSettings(distributions=["uniform"], ranks=[2], items_per_rank=4, repeats=1,
+                                      compare_verl=False), log=lambda *_: None)
+    fig = plt.figure()
+    rep.plot(fig)
+    gaps, times = fig.axes
+    assert gaps.get_yscale() == times.get_yscale() == "log"
+    assert [t.get_text() for t in gaps.get_legend().get_texts()] == ["ours", "naive"]  # no veRL: not drawn
+    assert [t.get_text() for t in times.get_legend().get_texts()] == ["ours"]
+    assert [t.get_text() for t in gaps.get_xticklabels()] == ["unif k2", "unif k2="]
+    assert gaps.get_ylabel() == "gap to lower bound (max/bound - 1)" and times.get_title() == "time"
+    plt.close(fig)

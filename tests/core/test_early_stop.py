@@ -393,3 +393,55 @@ def test_the_learner_state_round_trips_and_names_a_missing_key():
     assert torch.equal(p2.predict(x), p.predict(x)) and h2.completions() == (3, 3)
     with pytest.raises(ValueError, match="^host: 'ready' missing$"):
         restore_learner_state({k: v for k, v in saved.items() if k != "ready"}, p2, h2, missing="host: {key} missing")
+
+
+def test_step_accounting_counts_every_row_and_refuses_a_kept_stopped_one():
+    from cppo_megatron.core.early_stop import step_accounting
+
+    lengths = torch.tensor([10, 40, 16, 60, 16, 30])
+    stop = torch.tensor([0, 0, 1, 0, 1, 0], dtype=torch.bool)
+    g = torch.tensor([0, 0, 0, 1, 1, 2])
+    acc, kept_mask = step_accounting(lengths, stop, g, torch.tensor([1, 3]), 64)
+    assert kept_mask.tolist() == [False, True, False, True, False, False]
+    assert (acc.started, acc.kept, acc.pruned_after, acc.stopped) == (6, 2, 2, 2)
+    assert (acc.tokens_generated, acc.tokens_stopped, acc.tokens_budget) == (172, 32, 6 * 64)
+    assert acc.tokens_saved_estimate == (40 - 16) + (60 - 16)  # estimate_full_lengths over the stopped rows
+    acc.check()
+    with pytest.raises(RuntimeError, match=r"a stopped completion was kept for training \(rows \[2\]\)"):
+        step_accounting(lengths, stop, g, torch.tensor([1, 2]), 64)
+    with pytest.raises(ValueError, match="stopped has shape"):
+        step_accounting(lengths, stop[:5], g, torch.tensor([1]), 64)
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1, got 0"):
+        step_accounting(lengths, stop, g, torch.tensor([1]), 0)
+
+
+def test_shadow_wrong_stop_share_is_the_kept_share_of_the_would_be_stops():
+    from cppo_megatron.core.early_stop import shadow_wrong_stop_share
+
+    shadow = torch.tensor([1, 1, 0, 1, 0], dtype=torch.bool)
+    kept = torch.tensor([1, 0, 1, 0, 0], dtype=torch.bool)
+    assert shadow_wrong_stop_share(shadow, kept) == pytest.approx(1 / 3)
+    assert math.isnan(shadow_wrong_stop_share(torch.zeros(5, dtype=torch.bool), kept))
+    with pytest.raises(ValueError, match="differ"):
+        shadow_wrong_stop_share(shadow, kept[:4])
+
+
+def test_the_stop_learner_adds_up_totals_and_round_trips_in_its_hosts_words():
+    from cppo_megatron.core.early_stop import RUN_TOTALS, StopLearner
+
+    learner = StopLearner(_cfg(), group_size=8, max_new_tokens=32)
+    assert (learner.min_running, learner.ready) == (8, False)  # 2 k = 8 with k = 4 of G = 8
+    acc = StopAccounting(started=8, kept=4, stopped=4, tokens_generated=100, tokens_saved_estimate=20.0)
+    learner.add_totals(acc)
+    m = learner.add_totals(acc)
+    assert m == {f"early_stop/total_{k}": v for k, v in
+                 zip(RUN_TOTALS, (16.0, 8.0, 8.0, 200.0, 40.0), strict=True)}
+    back = StopLearner(_cfg(), group_size=8, max_new_tokens=32)
+    back.load_state_dict(learner.state_dict())
+    assert back.totals == learner.totals and not back.ready
+
+    class Host(StopLearner):
+        missing = "host: {key} is not in my file"
+
+    with pytest.raises(ValueError, match="^host: 'ready' is not in my file$"):
+        Host(_cfg(), group_size=8, max_new_tokens=32).load_state_dict({"predictor": {}, "history": {}})

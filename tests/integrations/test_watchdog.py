@@ -165,3 +165,30 @@ def test_a_fork_with_the_watchdog_running_is_clean():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "forked" in out.stdout, out.stderr[-2000:]
     assert "Exception ignored" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+def test_watched_names_the_dead_worker_behind_the_hosts_error_and_stops_the_watchdog(monkeypatch, capsys):
+    from ray.exceptions import ActorDiedError
+
+    stopped = []
+
+    class Dog:
+        def stop(self):
+            stopped.append(True)
+
+    monkeypatch.setattr(watchdog, "start", lambda hint: Dog())
+    ctx = Reason(reason=Reason.WORKER_DIED, pid=23824, name="LhQg7JWorkerDict_0:1", class_name="WorkerDict",
+                 node_ip_address="192.0.2.2", ray_namespace="ns", actor_id=bytes(16),
+                 error_message="The actor is dead because its worker process has died.")
+    with pytest.raises(ActorDiedError), watchdog.watched("veRL", lambda: "Rerun to resume."):
+        raise ActorDiedError(cause=ctx)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"{watchdog.PREFIX} veRL stopped because Ray actor 'LhQg7JWorkerDict_0:1' (WorkerDict)")
+    assert err.endswith(". Rerun to resume.") and stopped == [True]
+    with pytest.raises(ValueError, match="bad value"), watchdog.watched("OpenRLHF", lambda: "hint"):
+        raise ValueError("bad value")  # not a dead worker: no line
+    with watchdog.watched("OpenRLHF", lambda: "hint") as dog:
+        assert isinstance(dog, Dog)
+    assert capsys.readouterr().err == "" and stopped == [True, True, True]
+    with pytest.raises(ValueError, match="host must name the host"), watchdog.watched("", lambda: ""):
+        pass

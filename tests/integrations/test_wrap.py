@@ -141,3 +141,27 @@ def test_an_attribute_name_that_is_empty_or_not_a_string_is_refused(name):
     with pytest.raises(ValueError, match=f"^wrap: attribute name must be a non-empty string, got {name!r}$"):
         w.wrap(host, name, _plus(1), tag="a")
     assert w.original(host.f) is host.f  # nothing installed
+
+
+def test_wrap_methods_wraps_each_named_method_or_names_the_one_gone():
+    host = _host()
+
+    def tagged(fn):
+        def wrapper(self):
+            return "cppo " + fn(self)
+        return wrapper
+
+    w.wrap_methods(host, ("host", "C"), {"m": tagged, "s": lambda fn: staticmethod(lambda: "new")}, tag="t",
+                   changed="host changed (pinned 1.0)")
+    assert host.C().m() == "cppo C.m" and host.C.s() == "new"
+    assert w.is_wrapped(host.C.__dict__["m"], "t")
+    # D only inherits m: a seam on D's own m is gone, and nothing was wrapped
+    with pytest.raises(RuntimeError, match=r"^cppo: host.D.m is gone; host changed \(pinned 1.0\)$"):
+        w.wrap_methods(host, ("host", "D"), {"m": tagged}, tag="u", changed="host changed (pinned 1.0)")
+    with pytest.raises(RuntimeError, match=r"^cppo: host.E.m is gone; "):
+        w.wrap_methods(host, ("host", "E"), {"m": tagged}, tag="u", changed="host changed (pinned 1.0)")
+    # a method missing after the first: the first is wrapped, the error names the second
+    with pytest.raises(RuntimeError, match=r"host.C.nope is gone"):
+        w.wrap_methods(host, ("host", "C"), {"m": tagged, "nope": tagged}, tag="v", changed="x")
+    with pytest.raises(ValueError, match="no methods to wrap on host.C; name at least one"):
+        w.wrap_methods(host, ("host", "C"), {}, tag="w", changed="x")

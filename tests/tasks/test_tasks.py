@@ -98,3 +98,22 @@ def test_reasoning_gym_task():
 def test_unknown_task():
     with pytest.raises(ValueError, match="unknown task.name 'sat'"):
         build_task(load_recipe(None, ["task.name=sat"]).task)
+
+
+def test_draw_split_keeps_each_text_once_on_its_hash_side_and_gives_up_with_the_tasks_words():
+    import random
+
+    from cppo_megatron.tasks.base import draw_split, in_test_split
+
+    def draw(rng: random.Random):
+        n = rng.randint(0, 9)  # ten distinct texts: duplicates are certain
+        return f"q{n}", n
+
+    train, test = draw_split(3, 3, 4, 0.5, draw, exhausted="never")  # 3 of the ten texts fall on the train side
+    assert (train, test) == draw_split(3, 3, 4, 0.5, draw, exhausted="never")  # seeded
+    assert sorted(train) == [1, 2, 4] and len(test) == 4 and len(set(train + test)) == 7
+    assert all(in_test_split(f"q{n}", 0.5) for n in test) and not any(in_test_split(f"q{n}", 0.5) for n in train)
+    with pytest.raises(ValueError, match="^ten texts cannot fill 20$"):
+        draw_split(0, 18, 2, 0.5, draw, exhausted="ten texts cannot fill 20")
+    with pytest.raises(ValueError, match=r"test_fraction=1.5 is not in \[0, 1\]"):
+        draw_split(0, 1, 1, 1.5, draw, exhausted="")

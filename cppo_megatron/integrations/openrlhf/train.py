@@ -231,18 +231,10 @@ def launch(forwarded: list[str], cfg: CPPOConfig | None, num_gpus: int | None = 
         ray.init(**kwargs)
     sys.argv = [OPENRLHF_MODULE, *forwarded]
     _clean_shm("a run before this one")  # its driver was killed before it could
-    dog = watchdog.start(resume_hint)
     try:
-        runpy.run_module(OPENRLHF_MODULE, run_name="__main__", alter_sys=True)
-    except BaseException as exc:
-        dead = watchdog.explain(exc)
-        if dead is not None:
-            print(f"{watchdog.PREFIX} OpenRLHF stopped because {dead.describe()}. {resume_hint()}",
-                  file=sys.stderr, flush=True)
-        raise
+        with watchdog.watched("OpenRLHF", resume_hint):
+            runpy.run_module(OPENRLHF_MODULE, run_name="__main__", alter_sys=True)
     finally:
-        if dog is not None:
-            dog.stop()
         if ours:
             import ray
 
@@ -273,9 +265,32 @@ def run_argv(argv: list[str], cpu_num_gpus: int | None = None) -> int:
     """The launcher without its error printing: ValueError names a bad flag or value (the
     `cppo-megatron` CLI prints it on one line, exit 2; `main` does the same here).
     With the CPU mode on (``cpu.enabled()``), the CPU mode's required flags are added."""
+    raw, dry_run, forwarded = split_argv(argv)
+    cfg, args, forwarded, batches = _settle_flags(raw, forwarded)
+    _check_run(cfg, args, cpu_num_gpus)
+    command = shlex.join(["python", "-m", OPENRLHF_MODULE, *forwarded])
+    if cfg is None:
+        print("CPPO off: plain OpenRLHF")
+    else:
+        # OpenRLHF's estimator decides the advantage formula; the hook uses the same
+        cfg = dataclasses.replace(cfg, adv_norm=hook.SUPPORTED_ESTIMATORS[args.algo.advantage.estimator])
+        _print_plan(cfg, args, *batches)
+    print(f"openrlhf: {command}")
+    if dry_run:
+        if cfg is not None:
+            print(f"patched checkout instead: export {hook.ENV_CONFIG}='{json.dumps(cfg.to_dict())}'")
+        return 0
+    launch(forwarded, cfg, num_gpus=cpu_num_gpus, resume_hint=lambda: resume_hint(args))
+    return 0
+
+
+def _settle_flags(raw: dict | None, forwarded: list[str]) -> tuple[CPPOConfig | None, Any, list[str], tuple[int, int]]:
+    """The run's CPPO config (None: CPPO off), OpenRLHF's parsed args and the flags it gets, after
+    the CPU mode's required flags, the allocation (prompts per step; ``(before, after)``) and the CPU
+    recipe's run length; warns of an OpenRLHF other than the pinned one and of settings the hook reads
+    differently."""
     from . import cpu
 
-    raw, dry_run, forwarded = split_argv(argv)
     # nested sections, dotted keys and deprecated flat names (a FutureWarning each) as CPPOConfig takes them
     values = None if raw is None else nest_keys(CPPOConfig, raw, where="cppo", renamed=RENAMED)
     if cpu.enabled():
@@ -293,8 +308,10 @@ def run_argv(argv: list[str], cpu_num_gpus: int | None = None) -> int:
     for note in [] if values is None else hook.check_settings(values, args.algo.advantage.estimator):
         print(f"warning: {note}", file=sys.stderr)
     cfg = None if values is None else CPPOConfig.from_dict(values)
+    batches = (0, 0)
     if cfg is not None:  # after every override: the final rate decides the prompts per step
         forwarded, before, after = allocate(cfg, forwarded, args)
+        batches = (before, after)
         args = parse_openrlhf_args(forwarded)
     if cpu.enabled():
         from .cpu.prepare import max_steps_flags
@@ -303,6 +320,12 @@ def run_argv(argv: list[str], cpu_num_gpus: int | None = None) -> int:
         if steps:
             forwarded = forwarded + steps
             args = parse_openrlhf_args(forwarded)
+    return cfg, args, forwarded, batches
+
+
+def _check_run(cfg: CPPOConfig | None, args: Any, cpu_num_gpus: int | None) -> None:
+    """Warnings on resuming, the notes (or refusals) of selective rollout and DAPO's filter, then what
+    OpenRLHF / DeepSpeed / vLLM would refuse minutes later in a Ray actor: one line now."""
     for note in checkpoint_warnings(args):
         print(f"warning: {note}", file=sys.stderr)
     if cfg is not None and cfg.selective.enabled:  # GRESO before generation: refused where not built, else explained
@@ -315,55 +338,46 @@ def run_argv(argv: list[str], cpu_num_gpus: int | None = None) -> int:
 
         for note in check_filtering(args):
             print(f"note: {note}")
-    # what OpenRLHF / DeepSpeed / vLLM would refuse minutes later in a Ray actor: one line now
     from .preflight import check as preflight
 
     preflight(args, cpu_num_gpus=cpu_num_gpus)
-    command = shlex.join(["python", "-m", OPENRLHF_MODULE, *forwarded])
-    if cfg is None:
-        print("CPPO off: plain OpenRLHF")
-    else:
-        counts = plan(cfg, args)
-        # OpenRLHF's estimator decides the advantage formula; the hook uses the same
-        cfg = dataclasses.replace(cfg, adv_norm=hook.SUPPORTED_ESTIMATORS[args.algo.advantage.estimator])
-        print(cfg.describe())
-        n = args.rollout.n_samples_per_prompt
-        print(
-            f"allocation={cfg.allocation}: {BATCH_FLAG} {before} -> {after} prompts"
-            + (f" (x G/k = {n}/{cfg.keep_for_group(n)})" if cfg.allocation else " (unchanged)")
+
+
+def _print_plan(cfg: CPPOConfig, args: Any, before: int, after: int) -> None:
+    """The CPPO settings, the allocation (``before`` -> ``after`` prompts per step), the counts per step
+    and what in them a user should change."""
+    counts = plan(cfg, args)
+    print(cfg.describe())
+    n = args.rollout.n_samples_per_prompt
+    print(
+        f"allocation={cfg.allocation}: {BATCH_FLAG} {before} -> {after} prompts"
+        + (f" (x G/k = {n}/{cfg.keep_for_group(n)})" if cfg.allocation else " (unchanged)")
+    )
+    print(
+        "per step: {prompts_per_step:.0f} prompts x {n} = {generated_per_step:.0f} completions generated, "
+        "{selected_per_step:.0f} selected, {kept_per_step:.0f} kept (OpenRLHF needs multiples of "
+        "{keep_multiple:.0f}), {optimizer_steps_per_rollout:g} optimizer steps".format(
+            n=args.rollout.n_samples_per_prompt, **counts
         )
+    )
+    reason = cfg.noop_reason(n)
+    if reason is not None:
+        print(f"warning: cppo {reason}. Set --rollout.n_samples_per_prompt (G) > 1 and --cppo.pruning_rate "
+              ">= 1/G, or run plain OpenRLHF (--cppo.off)")
+    elif counts["kept_per_step"] >= counts["generated_per_step"] and not cfg.is_grpo:
+        print(f"warning: cppo keeps all {counts['kept_per_step']:.0f} completions after rounding up to "
+              f"OpenRLHF's multiple of {counts['keep_multiple']:.0f}: nothing is pruned. Raise "
+              f"{BATCH_FLAG} (or keep cppo.allocation on) or lower --train.batch_size")
+    if counts["kept_per_step"] > counts["selected_per_step"]:
         print(
-            "per step: {prompts_per_step:.0f} prompts x {n} = {generated_per_step:.0f} completions generated, "
-            "{selected_per_step:.0f} selected, {kept_per_step:.0f} kept (OpenRLHF needs multiples of "
-            "{keep_multiple:.0f}), {optimizer_steps_per_rollout:g} optimizer steps".format(
-                n=args.rollout.n_samples_per_prompt, **counts
-            )
+            "note: CPPO will keep more than it selects every step (metric cppo/topped_up); raise "
+            "--rollout.batch_size or lower --train.batch_size to avoid it"
         )
-        reason = cfg.noop_reason(n)
-        if reason is not None:
-            print(f"warning: cppo {reason}. Set --rollout.n_samples_per_prompt (G) > 1 and --cppo.pruning_rate "
-                  ">= 1/G, or run plain OpenRLHF (--cppo.off)")
-        elif counts["kept_per_step"] >= counts["generated_per_step"] and not cfg.is_grpo:
-            print(f"warning: cppo keeps all {counts['kept_per_step']:.0f} completions after rounding up to "
-                  f"OpenRLHF's multiple of {counts['keep_multiple']:.0f}: nothing is pruned. Raise "
-                  f"{BATCH_FLAG} (or keep cppo.allocation on) or lower --train.batch_size")
-        if counts["kept_per_step"] > counts["selected_per_step"]:
-            print(
-                "note: CPPO will keep more than it selects every step (metric cppo/topped_up); raise "
-                "--rollout.batch_size or lower --train.batch_size to avoid it"
-            )
-        if args.actor.lr_scheduler != "constant_with_warmup":
-            print(
-                f"note: OpenRLHF sizes the --actor.lr_scheduler {args.actor.lr_scheduler} horizon from unpruned "
-                "sample counts; with pruning the run ends early in that schedule"
-            )
-    print(f"openrlhf: {command}")
-    if dry_run:
-        if cfg is not None:
-            print(f"patched checkout instead: export {hook.ENV_CONFIG}='{json.dumps(cfg.to_dict())}'")
-        return 0
-    launch(forwarded, cfg, num_gpus=cpu_num_gpus, resume_hint=lambda: resume_hint(args))
-    return 0
+    if args.actor.lr_scheduler != "constant_with_warmup":
+        print(
+            f"note: OpenRLHF sizes the --actor.lr_scheduler {args.actor.lr_scheduler} horizon from unpruned "
+            "sample counts; with pruning the run ends early in that schedule"
+        )
 
 
 if __name__ == "__main__":

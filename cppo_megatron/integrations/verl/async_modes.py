@@ -39,7 +39,7 @@ import logging
 from typing import Any
 
 from ..importhook import after_import
-from ..wrap import replace, wrap
+from ..wrap import replace, wrap_methods
 from .runconfig import cppo_config_from, is_cppo
 
 __all__ = ["SEPARATE_ASYNC", "FlushTolerantLogger", "install", "separate_async_rule"]
@@ -110,11 +110,7 @@ def _patch(module) -> None:
     logger = getattr(module, "logger", None)
     if isinstance(logger, logging.Logger):
         replace(module, "logger", FlushTolerantLogger(logger, {}), tag=WRAP_TAG)
-    cls = getattr(module, SEPARATE_ASYNC[1], None)
-    if cls is None or "__init__" not in cls.__dict__:
-        raise RuntimeError(f"cppo: {SEPARATE_ASYNC[0]}.{SEPARATE_ASYNC[1]}.__init__ is gone; "
-                           "veRL changed (pinned 0.9.1)")
-    wrap(cls, "__init__", _sized_init, tag=WRAP_TAG)
+    wrap_methods(module, SEPARATE_ASYNC, {"__init__": _sized_init}, tag=WRAP_TAG, changed="veRL changed (pinned 0.9.1)")
 
 
 def install() -> None:

@@ -45,6 +45,7 @@ __all__ = [
     "StepAccount",
     "account_step",
     "check_filter_groups",
+    "config_get",
     "equal_reward_groups",
     "filter_groups_enabled",
     "filter_groups_warnings",
@@ -59,7 +60,9 @@ REWARD_METRIC = "reward"
 REPLAY_BUFFER = ("verl.trainer.ppo.v1.replay_buffer", "ReplayBuffer")
 
 
-def _get(node: Any, dotted: str, default: Any = None) -> Any:
+def config_get(node: Any, dotted: str, default: Any = None) -> Any:
+    """``node.a.b.c`` for ``dotted`` = "a.b.c" in a veRL config (an OmegaConf node or a plain dict),
+    or ``default`` where a part is missing, not a mapping, or the value is None."""
     for part in dotted.split("."):
         if node is None or not hasattr(node, "get"):
             return default
@@ -71,7 +74,7 @@ def filter_groups_enabled(config: Any) -> bool:
     """``algorithm.filter_groups.enable`` of a veRL config (False when the group is absent)."""
     if not hasattr(config, "get"):
         raise TypeError(f"filter_groups_enabled: expected a veRL config mapping, got {type(config).__name__}")
-    return bool(_get(config, "algorithm.filter_groups.enable", False))
+    return bool(config_get(config, "algorithm.filter_groups.enable", False))
 
 
 def filter_metric(config: Any) -> str | None:
@@ -79,7 +82,7 @@ def filter_metric(config: Any) -> str | None:
     None when the filter is off or no metric is set."""
     if not filter_groups_enabled(config):
         return None
-    metric = _get(config, "algorithm.filter_groups.metric", None)
+    metric = config_get(config, "algorithm.filter_groups.metric", None)
     return str(metric) if metric not in (None, "") else None
 
 
@@ -88,14 +91,14 @@ def check_filter_groups(config: Any) -> None:
     honour; nothing when ``algorithm.filter_groups.enable`` is off."""
     if not filter_groups_enabled(config):
         return
-    if not bool(_get(config, "trainer.use_v1", True)):
+    if not bool(config_get(config, "trainer.use_v1", True)):
         raise ValueError(
             "algorithm.filter_groups.enable=True with trainer.use_v1=False: veRL 0.9.1's legacy loop "
             "(RayPPOTrainer.fit) never reads algorithm.filter_groups, so every group would train unfiltered; "
             "set trainer.use_v1=true (its sync replay buffer filters and refills) or "
             "algorithm.filter_groups.enable=false"
         )
-    mode = str(_get(config, "trainer.v1.trainer_mode", "sync"))
+    mode = str(config_get(config, "trainer.v1.trainer_mode", "sync"))
     if mode != "sync":
         raise ValueError(
             f"algorithm.filter_groups.enable=True with trainer.v1.trainer_mode={mode}: the asynchronous replay "
@@ -109,15 +112,16 @@ def check_filter_groups(config: Any) -> None:
             "TaskRunner (trainer_base.py:196); set algorithm.filter_groups.metric=reward (rm_scores summed per "
             "completion, what CPPO prunes by) or the reward_extra_info field your reward returns, e.g. acc"
         )
-    sampler = _get(config, "trainer.v1.sampler.custom_sampler", None)
-    if sampler is not None and _get(sampler, "path") and _get(sampler, "name"):
+    sampler = config_get(config, "trainer.v1.sampler.custom_sampler", None)
+    if sampler is not None and config_get(sampler, "path") and config_get(sampler, "name"):
         raise ValueError(
-            f"algorithm.filter_groups.enable=True with trainer.v1.sampler.custom_sampler.name={_get(sampler, 'name')}: "
+            f"algorithm.filter_groups.enable=True with trainer.v1.sampler.custom_sampler.name="
+            f"{config_get(sampler, 'name')}: "
             "veRL hands algorithm.filter_groups to its built-in replay buffer only (trainer_base.py:164), so what "
             "a custom sampler filters is neither known nor audited; remove trainer.v1.sampler.custom_sampler"
         )
-    rm = _get(config, "reward.reward_model", None)
-    if bool(_get(rm, "enable", False)) and not bool(_get(rm, "enable_resource_pool", False)):
+    rm = config_get(config, "reward.reward_model", None)
+    if bool(config_get(rm, "enable", False)) and not bool(config_get(rm, "enable_resource_pool", False)):
         raise ValueError(
             "algorithm.filter_groups.enable=True with reward.reward_model.enable=True and "
             "reward.reward_model.enable_resource_pool=False: a colocated reward model scores after the replay "
@@ -130,7 +134,7 @@ def filter_groups_warnings(config: Any) -> list[str]:
     """DAPO settings that are valid but do nothing in veRL 0.9.1's V1 replay buffer (one line each)."""
     if not filter_groups_enabled(config):
         return []
-    limit = int(_get(config, "algorithm.filter_groups.max_num_gen_batches", 0) or 0)
+    limit = int(config_get(config, "algorithm.filter_groups.max_num_gen_batches", 0) or 0)
     if limit > 0:
         return [
             f"algorithm.filter_groups.max_num_gen_batches={limit} is ignored by veRL 0.9.1's V1 replay buffer "

@@ -23,26 +23,22 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import warnings
 import weakref
 from typing import Any
 
 import torch
 
 from ...core.early_stop import (
-    RUN_TOTALS,
-    PrefixPredictor,
-    StopAccounting,
-    StopHistory,
-    estimate_full_lengths,
+    StopLearner,
     imputed_moments,
-    learner_state,
     quality_metrics,
-    restore_learner_state,
+    shadow_wrong_stop_share,
+    step_accounting,
 )
 from ..importhook import after_import
-from ..wrap import unwrap, wrap
+from ..wrap import unwrap, wrap, wrap_methods
 from . import observers
+from .checkpoint import state_file_seams
 from .diagnostics import AUDIT_ENV
 from .early_stop_store import STORE, VALIDATING, publish
 from .runconfig import AGENT_NAME, cppo_config_from, settings_of
@@ -94,17 +90,11 @@ def parse_infos(extra_fields: Any, n: int) -> list[dict]:
     return out
 
 
-class VerlEarlyStop:
-    """Predictor, history and totals of one veRL run (the trainer's driver process)."""
+class VerlEarlyStop(StopLearner):
+    """Predictor, history and totals of one veRL run (``core.StopLearner``, in the trainer's driver
+    process), and what veRL's rows carry of the step: each row's ``cppo_early_stop`` info."""
 
-    def __init__(self, cfg: Any, *, group_size: int, max_new_tokens: int) -> None:
-        self.cfg, self.es = cfg, cfg.early_stop
-        self.group_size, self.max_new_tokens = int(group_size), int(max_new_tokens)
-        self.min_running = self.es.min_running_for(self.group_size, cfg.keep_for_group(self.group_size))
-        self.predictor = PrefixPredictor(self.es.l2)
-        self.history = StopHistory(self.es.history_steps)
-        self.ready = False
-        self.totals = dict.fromkeys(RUN_TOTALS, 0.0)
+    missing = f"cppo early stop: {{key}} missing from {STATE_FILE}"
 
     def moments(self, infos: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
         q = torch.tensor([float("nan") if i["q"] is None else float(i["q"]) for i in infos], dtype=torch.float64)
@@ -115,35 +105,23 @@ class VerlEarlyStop:
                  kept: torch.Tensor, counters: dict | None = None) -> dict[str, float]:
         """The step's ``early_stop/*`` metrics; then the finished rows join the history, the
         predictor is refitted and published for step ``step + 1``."""
-        N = len(infos)
         stopped = torch.tensor([bool(i["stopped"]) for i in infos])
         y = (rewards.to(torch.float64) >= self.es.success_threshold).to(torch.float64)
         first: dict[str, int] = {}
         gids = torch.tensor([first.setdefault(u, len(first)) for u in uids], dtype=torch.int64)
-        kept_mask = torch.zeros(N, dtype=torch.bool)
-        kept_mask[kept] = True
-        if bool((kept_mask & stopped).any()):
-            raise RuntimeError("cppo early stop: a stopped completion was kept for training")
-        est = estimate_full_lengths(lengths, stopped, gids)
-        acc = StopAccounting(started=N, kept=int(kept_mask.sum()), pruned_after=int((~kept_mask & ~stopped).sum()),
-                             stopped=int(stopped.sum()), tokens_generated=int(lengths.sum()),
-                             tokens_stopped=int(lengths[stopped].sum()), tokens_budget=N * self.max_new_tokens,
-                             tokens_saved_estimate=float((est - lengths.to(torch.float64))[stopped].sum()))
+        acc, kept_mask = step_accounting(lengths, stopped, gids, kept, self.max_new_tokens)
         acc.extra.update(self._quality(infos, y, stopped))
         mu, _ = self.moments(infos)
         shadow = torch.tensor([bool(i.get("shadow")) for i in infos])
         acc.extra.update({
             "predictor_ready": float(self.ready), "predictor_version": float(self.predictor.version),
             "min_running": float(self.min_running), "shadow_stopped": float(shadow.sum()),
-            "shadow_wrong_stop_share": float((shadow & kept_mask).sum()) / float(shadow.sum()) if shadow.any()
-            else float("nan"),
+            "shadow_wrong_stop_share": shadow_wrong_stop_share(shadow, kept_mask),
             "degraded_groups": float(len({u for u, i in zip(uids, infos, strict=True) if i.get("degraded")})),
             "reward_mean_estimate": float(torch.where(stopped, mu, rewards.to(torch.float64)).mean()),
         })
         metrics = acc.check().metrics()
-        for key in RUN_TOTALS:
-            self.totals[key] += float(getattr(acc, key))
-            metrics[f"early_stop/total_{key}"] = self.totals[key]
+        metrics.update(self.add_totals(acc))
         self._file(step, infos, y, rewards, stopped)
         self.ready = self.history.refit(self.predictor, self.es.min_examples)
         if self.ready:
@@ -193,13 +171,6 @@ class VerlEarlyStop:
         x = torch.tensor(xs, dtype=torch.float64) if xs else torch.zeros(0, 0, dtype=torch.float64)
         self.history.add(step, x, torch.tensor(ys, dtype=torch.float64), torch.tensor(rs, dtype=torch.float64), counts)
 
-    def state_dict(self) -> dict[str, Any]:
-        return learner_state(self.predictor, self.history, self.ready, self.totals)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.ready, self.totals = restore_learner_state(state, self.predictor, self.history,
-                                                        missing=f"cppo early stop: {{key}} missing from {STATE_FILE}")
-
 
 def state_of(trainer: Any) -> VerlEarlyStop:
     """The trainer's ``VerlEarlyStop``, created on first use from its config."""
@@ -211,44 +182,18 @@ def state_of(trainer: Any) -> VerlEarlyStop:
 
 
 # ---------------------------------------------------------------------------------- checkpoints
-def _folder(trainer: Any, *, resuming: bool) -> str:
-    from .selective import step_folder
-
-    return step_folder(trainer, resuming=resuming)
-
-
-def _saving(original):
-    @functools.wraps(original)
-    def _save_checkpoint(self, *args, **kwargs):
-        if enabled(self.config):
-            folder = _folder(self, resuming=False)
-            os.makedirs(folder, exist_ok=True)
-            torch.save(state_of(self).state_dict(), os.path.join(folder, STATE_FILE))
-        return original(self, *args, **kwargs)
-
-    return _save_checkpoint
+def _published(trainer: Any, state: VerlEarlyStop, step: int) -> None:
+    if state.ready:
+        publish(step + 1, state.predictor.state_dict())
 
 
-def _loading(original):
-    @functools.wraps(original)
-    def _load_checkpoint(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        step = int(getattr(self, "global_steps", 0))
-        if enabled(self.config) and step > 0:
-            path = os.path.join(_folder(self, resuming=True), STATE_FILE)
-            if os.path.isfile(path):
-                state = state_of(self)
-                state.load_state_dict(torch.load(path, weights_only=False))
-                if state.ready:
-                    publish(step + 1, state.predictor.state_dict())
-            else:
-                warnings.warn(f"cppo: checkpoint {os.path.dirname(path)} has no early-stopping state ({STATE_FILE}); "
-                              "the predictor starts untrained and stops nothing until it has seen "
-                              f"{cppo_config_from(self.config).early_stop.min_examples} completions of each outcome",
-                              stacklevel=2)
-        return out
+def _untrained(trainer: Any) -> str:
+    return ("the predictor starts untrained and stops nothing until it has seen "
+            f"{cppo_config_from(trainer.config).early_stop.min_examples} completions of each outcome")
 
-    return _load_checkpoint
+
+_saving, _loading = state_file_seams(STATE_FILE, "early-stopping", enabled, state_of, missing=_untrained,
+                                     loaded=_published)
 
 
 def _validating(original):
@@ -287,18 +232,12 @@ def _counting(original):
 
 
 def _patch_server(module) -> None:
-    cls = getattr(module, SERVER[1], None)
-    if cls is None or "generate" not in cls.__dict__:
-        raise RuntimeError(f"cppo: {SERVER[0]}.{SERVER[1]}.generate is gone; veRL changed (pinned 0.9.1)")
-    wrap(cls, "generate", _counting, tag=WRAP_TAG)
+    wrap_methods(module, SERVER, {"generate": _counting}, tag=WRAP_TAG, changed="veRL changed (pinned 0.9.1)")
 
 
 def _patch_trainer(module) -> None:
-    cls = getattr(module, TARGET[1], None)
-    for name, make in (("_save_checkpoint", _saving), ("_load_checkpoint", _loading)):
-        if cls is None or name not in cls.__dict__:
-            raise RuntimeError(f"cppo: {TARGET[0]}.{TARGET[1]}.{name} is gone; veRL changed (pinned 0.9.1)")
-        wrap(cls, name, make, tag=WRAP_TAG)
+    wrap_methods(module, TARGET, {"_save_checkpoint": _saving, "_load_checkpoint": _loading}, tag=WRAP_TAG,
+                 changed="veRL changed (pinned 0.9.1)")
 
 
 def _patch_agent_loop(module) -> None:

@@ -139,22 +139,14 @@ def launch(config, plan, phases) -> None:
     # a CPU run says how long Ray took to start and when the first step was logged
     watcher = FirstStepWatcher(cpu_run.run_dir / "metrics.jsonl", phases).start() if cpu_run is not None else None
     # a dead worker rank ends the job with a line naming it, within a bounded time (watchdog.py)
-    dog = watchdog.start(lambda: resume_hint(config))
     try:
-        with timed_ray_init(phases) if cpu_run is not None else contextlib.nullcontext():
-            # veRL's hydra-decorated main; __wrapped__ is its body (functools.wraps in hydra.main)
-            verl_main.__wrapped__(config)
-    except BaseException as exc:
-        dead = watchdog.explain(exc)
-        if dead is not None:
-            print(f"{watchdog.PREFIX} veRL stopped because {dead.describe()}. {resume_hint(config)}",
-                  file=sys.stderr, flush=True)
-        raise
+        with watchdog.watched("veRL", lambda: resume_hint(config)):
+            with timed_ray_init(phases) if cpu_run is not None else contextlib.nullcontext():
+                # veRL's hydra-decorated main; __wrapped__ is its body (functools.wraps in hydra.main)
+                verl_main.__wrapped__(config)
     finally:
         if watcher is not None:
             watcher.stop()
-        if dog is not None:
-            dog.stop()
         _remove_recorded_shm("this run")
 
 

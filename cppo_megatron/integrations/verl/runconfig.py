@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from ...config import ESTIMATOR_NAME, CPPOConfig, SelectiveConfig, renamed_key
-from .dapo import check_filter_groups, filter_groups_warnings, filter_metric
+from .dapo import check_filter_groups, config_get, filter_groups_warnings, filter_metric
 from .layout import dp_size
 
 __all__ = [
@@ -115,10 +115,10 @@ class RunSettings:
         cfg = cppo_config_from(config)
         return cls(
             cppo=True, cfg=cfg, selective=bool(cfg.selective.enabled), early_stop=bool(cfg.early_stop.enabled),
-            filter_metric=filter_metric(config), group_size=int(_sel_get(config, "actor_rollout_ref.rollout.n", 1)),
-            actor_mini_batch=int(_sel_get(config, "actor_rollout_ref.actor.ppo_mini_batch_size", 0) or 0),
-            critic_mini_batch=int(_sel_get(config, "critic.ppo_mini_batch_size", 0) or 0),
-            critic_warmup=int(_sel_get(config, "trainer.critic_warmup", 0) or 0),
+            filter_metric=filter_metric(config), group_size=int(config_get(config, "actor_rollout_ref.rollout.n", 1)),
+            actor_mini_batch=int(config_get(config, "actor_rollout_ref.actor.ppo_mini_batch_size", 0) or 0),
+            critic_mini_batch=int(config_get(config, "critic.ppo_mini_batch_size", 0) or 0),
+            critic_warmup=int(config_get(config, "trainer.critic_warmup", 0) or 0),
         )
 
 
@@ -244,14 +244,6 @@ def check_compatible(config: Any) -> None:
 
 
 # ---------------------------------------------------------------------------- selective rollout
-def _sel_get(node: Any, dotted: str, default: Any = None) -> Any:
-    for part in dotted.split("."):
-        if node is None or not hasattr(node, "get"):
-            return default
-        node = node.get(part, None)
-    return default if node is None else node
-
-
 def selective_enabled(config: Any) -> bool:
     """True when the veRL config selects the cppo estimator and ``cppo.selective.enabled``."""
     return is_cppo(config) and bool(cppo_config_from(config).selective.enabled)
@@ -262,13 +254,13 @@ def check_selective(config: Any) -> None:
     honour in veRL 0.9.1; nothing when ``cppo.selective.enabled`` is off."""
     if not selective_enabled(config):
         return
-    if not bool(_sel_get(config, "trainer.use_v1", True)):
+    if not bool(config_get(config, "trainer.use_v1", True)):
         raise ValueError(
             "cppo.selective.enabled=true with trainer.use_v1=false: the hook sits in the V1 trainer's "
             "dataloader seam (PPOTrainer._fetch_one_gen_batch); the legacy loop (RayPPOTrainer.fit) is not "
             "hooked. Set trainer.use_v1=true or cppo.selective.enabled=false"
         )
-    mode = str(_sel_get(config, "trainer.v1.trainer_mode", "sync"))
+    mode = str(config_get(config, "trainer.v1.trainer_mode", "sync"))
     if mode != "sync":
         raise ValueError(
             f"cppo.selective.enabled=true with trainer.v1.trainer_mode={mode}: the asynchronous modes draw "
@@ -276,21 +268,22 @@ def check_selective(config: Any) -> None:
             "checkpoints) across steps, for which recording every generated group under its step is not "
             "built; set trainer.v1.trainer_mode=sync"
         )
-    if bool(_sel_get(config, "algorithm.filter_groups.enable", False)):
+    if bool(config_get(config, "algorithm.filter_groups.enable", False)):
         raise ValueError(
             "cppo.selective.enabled=true with algorithm.filter_groups.enable=true: DAPO's filter evicts "
             "zero-variance groups inside the replay buffer before the seam where selective rollout records "
             "outcomes, so exactly the groups it learns from would go unrecorded (not built yet); set "
             "algorithm.filter_groups.enable=false or cppo.selective.enabled=false"
         )
-    sampler = _sel_get(config, "trainer.v1.sampler.custom_sampler", None)
-    if sampler is not None and _sel_get(sampler, "path") and _sel_get(sampler, "name"):
+    sampler = config_get(config, "trainer.v1.sampler.custom_sampler", None)
+    if sampler is not None and config_get(sampler, "path") and config_get(sampler, "name"):
         raise ValueError(
-            f"cppo.selective.enabled=true with trainer.v1.sampler.custom_sampler.name={_sel_get(sampler, 'name')}: "
+            f"cppo.selective.enabled=true with trainer.v1.sampler.custom_sampler.name="
+            f"{config_get(sampler, 'name')}: "
             "a custom replay buffer decides which generated groups reach the step, so outcomes could go "
             "unrecorded; remove trainer.v1.sampler.custom_sampler"
         )
-    gen = _sel_get(config, "data.gen_batch_size", None)
+    gen = config_get(config, "data.gen_batch_size", None)
     if gen not in (None, 1):
         raise ValueError(
             f"cppo.selective.enabled=true with data.gen_batch_size={gen}: the hook replaces each skipped prompt "
@@ -326,23 +319,23 @@ def check_early_stop(config: Any) -> None:
         return
     es = cppo_config_from(config).early_stop
     refusals = [
-        (not bool(_sel_get(config, "trainer.use_v1", True)), "trainer.use_v1=false",
+        (not bool(config_get(config, "trainer.use_v1", True)), "trainer.use_v1=false",
          "the predictor's checkpoint and the seam's TransferQueue reads are built for the V1 loop; set "
          "trainer.use_v1=true"),
-        (str(_sel_get(config, "trainer.v1.trainer_mode", "sync")) != "sync",
-         f"trainer.v1.trainer_mode={_sel_get(config, 'trainer.v1.trainer_mode')}",
+        (str(config_get(config, "trainer.v1.trainer_mode", "sync")) != "sync",
+         f"trainer.v1.trainer_mode={config_get(config, 'trainer.v1.trainer_mode')}",
          "the asynchronous modes generate a step's groups with an older predictor and carry partial rollouts; "
          "set trainer.v1.trainer_mode=sync"),
-        (bool(_sel_get(config, "algorithm.filter_groups.enable", False)), "algorithm.filter_groups.enable=true",
+        (bool(config_get(config, "algorithm.filter_groups.enable", False)), "algorithm.filter_groups.enable=true",
          "DAPO's filter reads every reward of a group, and a stopped completion has none; turn one of them off"),
         (es.features != "logprob", f"cppo.early_stop.features={es.features}",
          "veRL's server hands out the sampled tokens' log-probs only; set cppo.early_stop.features=logprob"),
-        (str(_sel_get(config, "actor_rollout_ref.rollout.agent.default_agent_loop", "single_turn_agent"))
+        (str(config_get(config, "actor_rollout_ref.rollout.agent.default_agent_loop", "single_turn_agent"))
          not in ("single_turn_agent", AGENT_NAME),
          "actor_rollout_ref.rollout.agent.default_agent_loop="
-         f"{_sel_get(config, 'actor_rollout_ref.rollout.agent.default_agent_loop')}",
+         f"{config_get(config, 'actor_rollout_ref.rollout.agent.default_agent_loop')}",
          "early stopping wraps the single-turn agent loop; multi-turn (tool) loops are not built"),
-        (bool(_sel_get(config, "actor_rollout_ref.rollout.multi_turn.enable", False)),
+        (bool(config_get(config, "actor_rollout_ref.rollout.multi_turn.enable", False)),
          "actor_rollout_ref.rollout.multi_turn.enable=true", "multi-turn rollouts are not built"),
     ]
     for bad, what, fix in refusals:

@@ -28,7 +28,6 @@ the history is "identical on every rank" by construction: there is one copy.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 import weakref
 from typing import Any
@@ -39,8 +38,9 @@ from ...config import CPPOConfig
 from ...core.selective import EASY, HARD, INFORMATIVE
 from ...core.selective_run import SelectiveRun
 from ..importhook import after_import
-from ..wrap import unwrap, wrap
+from ..wrap import unwrap, wrap_methods
 from . import observers
+from .checkpoint import state_file_seams
 from .runconfig import selective_enabled, settings_of
 
 __all__ = [
@@ -236,16 +236,7 @@ def record(trainer: Any, uids: list[str], rewards: torch.Tensor, response_tokens
                                             response_tokens))
 
 
-# ---------------------------------------------------------------------------------- checkpoints
-def _step_folder(trainer: Any, *, resuming: bool) -> str:
-    cfg = trainer.config.trainer
-    if resuming and str(cfg.get("resume_mode", "auto")) == "resume_path":
-        folder = str(cfg.resume_from_path)
-    else:
-        folder = os.path.join(str(cfg.default_local_dir), f"global_step_{int(trainer.global_steps)}")
-    return folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
-
-
+# ---------------------------------------------------------------------------------- the seams
 def _fetching(original):
     @functools.wraps(original)
     def _fetch_one_gen_batch(self, *args, **kwargs):
@@ -256,49 +247,20 @@ def _fetching(original):
     return _fetch_one_gen_batch
 
 
-def _saving(original):
-    @functools.wraps(original)
-    def _save_checkpoint(self, *args, **kwargs):
-        if enabled(self.config):
-            folder = _step_folder(self, resuming=False)
-            os.makedirs(folder, exist_ok=True)
-            # before veRL writes latest_checkpointed_iteration.txt: a checkpoint it resumes from has it
-            torch.save(state_of(self).state_dict(), os.path.join(folder, STATE_FILE))
-        return original(self, *args, **kwargs)
-
-    return _save_checkpoint
+# the history, rates and counters ride in veRL's checkpoint (global_step_N/cppo_selective.pt)
+def _unknown_pass(trainer: Any) -> str:
+    state_of(trainer).epoch_seen = None  # where the dataloader's pass stands is not known: no repeat check
+    return "resuming with an empty history and the initial rates"
 
 
-def _loading(original):
-    @functools.wraps(original)
-    def _load_checkpoint(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        if enabled(self.config) and int(getattr(self, "global_steps", 0)) > 0:
-            path = os.path.join(_step_folder(self, resuming=True), STATE_FILE)
-            state = state_of(self)
-            if os.path.isfile(path):
-                state.load_state_dict(torch.load(path, weights_only=False))
-            else:
-                state.epoch_seen = None  # where the dataloader's pass stands is not known: no repeat check
-                warnings.warn(f"cppo: checkpoint {os.path.dirname(path)} has no selective-rollout state "
-                              f"({STATE_FILE}); resuming with an empty history and the initial rates",
-                              stacklevel=2)
-        return out
-
-    return _load_checkpoint
-
-
-step_folder = _step_folder  # public: early stopping keeps its state beside veRL's checkpoint the same way
+_saving, _loading = state_file_seams(STATE_FILE, "selective-rollout", enabled, state_of, missing=_unknown_pass)
 
 _MAKERS = {"_fetch_one_gen_batch": _fetching, "_save_checkpoint": _saving, "_load_checkpoint": _loading}
 
 
 def _patch(module) -> None:
-    cls = getattr(module, TARGET[1], None)
-    for name in SEAMS:
-        if cls is None or name not in cls.__dict__:
-            raise RuntimeError(f"cppo: {TARGET[0]}.{TARGET[1]}.{name} is gone; veRL changed (pinned 0.9.1)")
-        wrap(cls, name, _MAKERS[name], tag=WRAP_TAG)
+    wrap_methods(module, TARGET, {name: _MAKERS[name] for name in SEAMS}, tag=WRAP_TAG,
+                 changed="veRL changed (pinned 0.9.1)")
 
 
 def install() -> None:

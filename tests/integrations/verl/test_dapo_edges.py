@@ -81,3 +81,17 @@ def test_rewards_held_as_jagged_tensors_are_summed_per_row(monkeypatch):
 def test_a_config_without_an_algorithm_section_has_the_filter_off():
     assert dapo.filter_groups_enabled({"algorithm": None}) is False
     assert dapo.filter_groups_enabled({"algorithm": {"filter_groups": 3}}) is False
+
+
+def test_config_get_reads_a_dotted_key_or_gives_the_default():
+    from omegaconf import OmegaConf
+
+    from cppo_megatron.integrations.verl.dapo import config_get
+
+    plain = {"trainer": {"v1": {"trainer_mode": "sync", "sampler": None}, "use_v1": False}}
+    for cfg in (plain, OmegaConf.create(plain)):
+        assert config_get(cfg, "trainer.v1.trainer_mode") == "sync"
+        assert config_get(cfg, "trainer.use_v1", True) is False  # a falsy value is a value
+        assert config_get(cfg, "trainer.v1.sampler", "none") == "none"  # None: the default
+        assert config_get(cfg, "trainer.v1.trainer_mode.deeper", 7) == 7  # a str is not a mapping
+        assert config_get(cfg, "data.gen_batch_size") is None
