@@ -4,6 +4,7 @@ CLI in a fresh interpreter as a user runs it."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -90,6 +91,8 @@ def test_stdout_reader_gone_only_for_a_pipe_without_its_reader(monkeypatch):
         os.close(read_end)
         assert cli.stdout_reader_gone() is True
         monkeypatch.undo()
+    monkeypatch.setattr(sys, "stdout", io.StringIO())  # no file descriptor (a test's capture, a notebook)
+    assert cli.stdout_reader_gone() is False
 
 
 def test_a_broken_pipe_elsewhere_keeps_its_traceback(monkeypatch):
