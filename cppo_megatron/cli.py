@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 import types
 
@@ -145,6 +147,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def stdout_reader_gone() -> bool:
+    """True when stdout is a pipe whose reading end is closed (poll reports POLLERR on the
+    write end once no reader is left): the one BrokenPipeError the CLI stops quietly on."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), stdout closed or replaced
+        return False
+
+
 def parse_command(name: str, rest: list[str]) -> tuple[types.ModuleType, argparse.Namespace]:
     """(command module, parsed arguments) for ``cppo-megatron NAME REST...``; argparse exits 2
     on a bad option. Also what the docs test uses to check a command line without running it.
@@ -171,11 +186,22 @@ def parse_command(name: str, rest: list[str]) -> tuple[types.ModuleType, argpars
 def console() -> int:
     """The ``cppo-megatron`` command: ``main`` with each repeated warning of the libraries it
     drives shown once and counted at exit (a job log, not a wall of repeats); ``main`` itself,
-    which tests call in-process, changes no logging."""
+    which tests call in-process, changes no logging. Output piped into a reader that stops
+    early (``| head``, ``less`` quit) ends the command with status 141, without a traceback."""
     from .integrations.logs import collapse_repeated_logs
 
     collapse_repeated_logs()
-    return main()
+    try:
+        rc = main()
+        sys.stdout.flush()  # a reader that left shows here, not as a traceback at exit
+        return rc
+    except BrokenPipeError:
+        if not stdout_reader_gone():
+            raise  # a socket or a child's pipe: a real failure, with its traceback
+        # `cppo-megatron verl ... --cppo-dry-run | head`: the reader has what it wanted; stop
+        # as `yes | head` does, quietly (stdout to /dev/null so Python's exit flush is quiet too)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -11,7 +11,10 @@ from pathlib import Path
 class MetricsLogger:
     """Appends one JSON object per record to ``metrics.jsonl``; mirrors numeric values to
     TensorBoard under the same keys. On resume, records past the checkpoint's step are
-    dropped first so the file never holds two versions of a step."""
+    dropped first so the file never holds two versions of a step; TensorBoard gets the same
+    rule (``purge_step``: it hides the earlier files' events from that step on). A new run in
+    the same ``out_dir`` starts both afresh: the old ``metrics.jsonl`` and the old runs' event
+    files go (TensorBoard would otherwise draw them beside the new run's curves)."""
 
     def __init__(self, out_dir: Path, *, tensorboard: bool, resume_step: int | None = None) -> None:
         self.path = out_dir / "metrics.jsonl"
@@ -28,7 +31,12 @@ class MetricsLogger:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+                tb_dir = out_dir / "tensorboard"
+                if resume_step is None:
+                    for stale in tb_dir.glob("events.out.tfevents.*"):
+                        stale.unlink()
+                purge = None if resume_step is None else resume_step + 1
+                self.tb = SummaryWriter(str(tb_dir), purge_step=purge)
             except ImportError:
                 self.tb = None
 

@@ -139,6 +139,32 @@ def test_the_metrics_log_starts_fresh_or_keeps_the_resumed_steps(tmp_path):
     assert read_metrics(path) == []
 
 
+def _tb_scalars(tb_dir: Path, tag: str) -> list[tuple[int, float]]:
+    """What TensorBoard would draw for ``tag`` from every event file in ``tb_dir``."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    mux = EventMultiplexer({"run": str(tb_dir)})
+    mux.Reload()
+    return [(e.step, e.value) for e in mux.Scalars("run", tag)]
+
+
+def test_tensorboard_starts_fresh_or_purges_past_the_resumed_step(tmp_path):
+    pytest.importorskip("tensorboard")
+    tb_dir = Path(tmp_path) / "tensorboard"
+    for rerun in ("first", "second"):  # the same out_dir twice, without --resume
+        logger = MetricsLogger(tmp_path, tensorboard=True)
+        for step in (1, 2, 3):
+            logger.log({"reward/mean": float(step if rerun == "first" else 10 * step)}, step)
+        logger.close()
+    assert len(list(tb_dir.glob("events.out.tfevents.*"))) == 1  # the first run's file went
+    assert _tb_scalars(tb_dir, "reward/mean") == [(1, 10.0), (2, 20.0), (3, 30.0)]
+    logger = MetricsLogger(tmp_path, tensorboard=True, resume_step=1)  # crashed after step 3, resumed at 1
+    for step in (2, 3):
+        logger.log({"reward/mean": float(100 * step)}, step)
+    logger.close()
+    assert _tb_scalars(tb_dir, "reward/mean") == [(1, 10.0), (2, 200.0), (3, 300.0)]
+
+
 def test_evaluation_needs_problems():
     with pytest.raises(ValueError, match="^evaluate: no problems$"):
         evaluate(None, None, None, [], 4)

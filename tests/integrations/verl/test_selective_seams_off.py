@@ -5,15 +5,18 @@ untouched, writes and reads no state), and where a resumed run's state is looked
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
-
 from omegaconf import OmegaConf
 
-from cppo_megatron.integrations.verl import selective
+from cppo_megatron.integrations.verl import checkpoint, selective
+
+
+class _Trainer:  # the run settings are cached per trainer (a weak key): a plain object, as veRL's is
+    def __init__(self, config, global_steps):
+        self.config, self.global_steps = config, global_steps
 
 
 def trainer_of(config, global_steps=3):
-    return SimpleNamespace(config=config, global_steps=global_steps)
+    return _Trainer(config, global_steps)
 
 
 def test_without_selective_rollout_the_seams_call_verl_and_keep_no_state(config, tmp_path):
@@ -42,10 +45,10 @@ def test_the_state_of_a_resume_path_run_is_read_from_that_path(config, tmp_path,
     OmegaConf.update(config, "trainer.resume_from_path", "old/global_step_7", force_add=True)
     OmegaConf.update(config, "trainer.default_local_dir", "ckpt", force_add=True)
     trainer = trainer_of(config, global_steps=9)
-    assert selective._step_folder(trainer, resuming=True) == os.path.join(str(tmp_path), "old/global_step_7")
-    assert selective._step_folder(trainer, resuming=False) == os.path.join(str(tmp_path), "ckpt", "global_step_9")
+    assert checkpoint.step_folder(trainer, resuming=True) == os.path.join(str(tmp_path), "old/global_step_7")
+    assert checkpoint.step_folder(trainer, resuming=False) == os.path.join(str(tmp_path), "ckpt", "global_step_9")
     OmegaConf.update(config, "trainer.resume_from_path", "/abs/global_step_7")
-    assert selective._step_folder(trainer, resuming=True) == "/abs/global_step_7"
+    assert checkpoint.step_folder(trainer, resuming=True) == "/abs/global_step_7"
 
 
 def torch_zeros(n):
