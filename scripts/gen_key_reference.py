@@ -101,16 +101,13 @@ def _rows(cls: type, prefix: str) -> list[tuple[str, dataclasses.Field, object]]
 
 
 def _table(rows: list[tuple[str, dataclasses.Field, object]], *, hosts: bool) -> list[str]:
-    from cppo_megatron.core.settings import CHECK_WORDS
+    from cppo_megatron.core.settings import allowed_words
 
     head = "| key | type | default | allowed | " + ("read by | " if hosts else "") + "meaning |"
     lines = [head, "|" + "---|" * (6 if hosts else 5)]
     for key, f, hint in rows:
         meta = f.metadata
-        if meta.get("choices"):
-            allowed = ", ".join(f"`{c}`" for c in meta["choices"])
-        else:
-            allowed = CHECK_WORDS[meta["check"]] if meta.get("check") else ""
+        allowed = allowed_words(meta)
         help_text = meta.get("help", "").replace("|", "\\|")
         default = f.default if f.default is not dataclasses.MISSING else None
         cells = [f"`{key}`", _type_name(hint), f"`{_value(default)}`", allowed]

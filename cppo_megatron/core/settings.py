@@ -34,6 +34,7 @@ __all__ = [
     "ADV_NORMS",
     "CHECKS",
     "CHECK_WORDS",
+    "allowed_words",
     "CONFIG_KEYS",
     "CPPOConfig",
     "DEFAULT_PRUNING_RATE",
@@ -108,6 +109,13 @@ CHECKS = {
     "[0, 1)": lambda v: 0 <= v < 1,
 }
 CHECK_WORDS = {check: (f"in {check}" if check[0] in "([" else check) for check in CHECKS}
+
+
+def allowed_words(metadata: Mapping[str, Any]) -> str:
+    """What a setting allows, in words, from its field metadata: its choices, else its check's words."""
+    if metadata.get("choices"):
+        return ", ".join(f"`{c}`" for c in metadata["choices"])
+    return CHECK_WORDS[metadata["check"]] if metadata.get("check") else ""
 
 
 def section_type(f: dataclasses.Field) -> type | None:

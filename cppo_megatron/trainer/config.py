@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import CHECK_WORDS, CPPOConfig, check_fields, renamed_key, section_type, setting
+from ..config import CPPOConfig, allowed_words, check_fields, renamed_key, section_type, setting
 from ..core.loss import KL_KINDS, LOSS_AGG_MODES
 from ..rollout.base import ENGINES
 
@@ -282,10 +282,7 @@ def recipe_markdown() -> str:
             out += ["", f"`{head}`: {_SECTION_DOCS[head]}" if head else "Top level:", "",
                     "| key | default | allowed | meaning |", "|---|---|---|---|"]
         meta = f.metadata
-        if meta.get("choices"):
-            allowed = ", ".join(f"`{c}`" for c in meta["choices"])
-        else:
-            allowed = CHECK_WORDS[meta["check"]] if meta.get("check") else ""
+        allowed = allowed_words(meta)
         text = meta.get("help", "").replace("|", "\\|")
         out.append(f"| `{key}` | `{_yaml_value(f.default)}` | {allowed} | {text} |")
     return "\n".join(out[1:])
