@@ -482,6 +482,7 @@ def run(args: argparse.Namespace) -> int:
     a = _verl_args(args)
     if a.seeds < 1 or a.budget <= 0 or a.evals < 1:
         raise ValueError(f"--seeds, --budget, --evals must be positive, got {a.seeds}, {a.budget}, {a.evals}")
+    runs = interleave(grid(a))  # a wrong --exclude/--generation fails here, before the start model is built
     gens = [g.strip() for g in (getattr(a, "generation", None) or "all").split(",")]
     use_v1 = any(g != "all" for g in gens)  # selective rollout and veRL's filter exist in V1 only
     recipe = str(Path(a.recipe).resolve())
@@ -512,7 +513,6 @@ def run(args: argparse.Namespace) -> int:
                           int(config.data.max_response_length))
     start = evaluator.accuracy(None)
     marks = [round(a.budget * (i + 1) / a.evals, 3) for i in range(a.evals)]
-    runs = interleave(grid(a))
     print(f"study verl: {len(runs)} runs x {a.budget:g} s of wall time from {model_dir} (held-out accuracy "
           f"{start['accuracy']:.3f} on {start['problems']} problems); evaluations at {marks} s", flush=True)
     rows: list[dict] = []

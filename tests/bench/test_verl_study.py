@@ -111,6 +111,19 @@ def test_options_the_veRL_study_cannot_honour_are_refused(argv, match):
         verl_study._verl_args(parse([GRPO_RECIPE, *argv]))
 
 
+def test_a_wrong_arm_name_fails_before_the_recipe_is_composed_or_a_start_model_built(tmp_path, monkeypatch):
+    """`run` checks --exclude before composing the recipe (and before cpu mode's warm-up builds a
+    missing start model, minutes of work): the tripwires at our own boundary are never reached."""
+    def tripwire(*a, **k):
+        raise AssertionError("reached past the arm check")
+    monkeypatch.setattr(verl_study, "compose", tripwire)
+    monkeypatch.setattr("cppo_megatron.integrations.verl.cpu.prepare.ensure_inputs", tripwire)
+    with pytest.raises(ValueError, match=r"--exclude \['p0_nope'\]: not an arm"):
+        verl_study.run(parse([GRPO_RECIPE, "--generation", "all,selective", "--exclude", "p0_nope",
+                              "--out", str(tmp_path / "out")]))
+    assert not (tmp_path / "out").exists()
+
+
 def test_time_to_target_and_the_default_target():
     curve = [[0.0, 0.2, 0.0], [30.0, 0.25, 16.0], [60.0, 0.31, 32.0], [90.0, 0.29, 48.0]]
     assert verl_study.time_to_target(curve, 0.3) == 60.0
