@@ -351,3 +351,71 @@ def test_the_dry_run_turns_on_prefix_caching_and_says_what_runs(capsys):
     assert main([*RECIPE, "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "--vllm.enable_prefix_caching" in out and "generated in segments of 16 tokens" in out
+
+
+# ---------------------------------------------------------------------------------- edges
+def test_the_group_refuses_an_extra_member_and_an_empty_budget_and_decides_nothing_without_a_predictor():
+    coord = early_stop_group.GroupCoordinator(uid="g", step=0, size=1, cfg=cfg_of(), min_running=1, max_new_tokens=8,
+                                              timeout_s=5.0)
+    member = coord.join()
+    with pytest.raises(RuntimeError, match="more than n=1 members joined group g"):
+        coord.join()
+
+    async def call(tokens, ask):
+        return early_stop_group.Segment([5] * ask, [-0.5] * ask, True)
+
+    with pytest.raises(ValueError, match="budget must be >= 1, got 0"):
+        asyncio.run(early_stop_group.generate_in_segments(coord, member, budget=0, call=call))
+    two = early_stop_group.GroupCoordinator(uid="h", step=0, size=2, cfg=cfg_of(), min_running=1, max_new_tokens=8,
+                                            timeout_s=5.0)
+
+    async def both():
+        return await asyncio.gather(*[early_stop_group.generate_in_segments(two, two.join(), budget=8, call=call)
+                                      for _ in range(2)])
+
+    runs = asyncio.run(both())  # the default predictor source has none: features recorded, nothing stopped
+    assert [(len(r.tokens), r.stopped, r.requests) for r in runs] == [(8, False, 3)] * 2
+    assert two.predictor is None and two.complete and len(two.records[0]) == 2
+
+
+def test_the_wrappers_pass_through_when_early_stopping_is_off(orl, make_args, gpu_only_stubs):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    early_stop.uninstall()
+    with pytest.raises(RuntimeError, match="not installed in this process"):
+        early_stop.learner(make_args())
+    marker = object()
+    assert early_stop._wrap_generate_samples(lambda self, **kw: marker)(object()) is marker
+    gen = types.SimpleNamespace(prompts_dataloader=object())
+    early_stop._wrap_generator_init(lambda self, *a, **k: None)(gen)
+    assert gen.prompts_dataloader not in early_stop._TRAIN_LOADERS
+    loader = StatefulDataLoader(list(range(2)), batch_size=1)  # not the train loader: its state is OpenRLHF's
+    assert early_stop.STATE_KEY not in early_stop._wrap_loader_state(lambda self: {"a": 1})(loader)
+    assert early_stop._wrap_loader_load(lambda self, s: s)(loader, {"a": 1}) == {"a": 1}
+    assert not early_stop.install(CPPOConfig(pruning_rate=0.75)) and not early_stop.enabled()
+    early_stop._patch_generator(types.SimpleNamespace())  # a module still executing: nothing to wrap yet
+    early_stop._patch_loader(types.SimpleNamespace())
+    early_stop_rollout._patch_agent(types.SimpleNamespace())
+    params = types.SimpleNamespace(max_tokens=4, min_tokens=0, logprobs=3, extra_args={"user": 1})
+    seg = early_stop_rollout._segment_params(params, 2, 0)
+    assert (seg.logprobs, seg.extra_args) == (3, {"user": 1})
+    engine = early_stop_rollout.SegmentedEngine(types.SimpleNamespace(name="actor"), None, 0)
+    assert engine.name == "actor"
+
+
+def test_a_run_without_a_length_limit_is_refused_at_its_first_draw(orl, make_args):
+    hook.install(cfg_of(), orl.Maker)
+    try:
+        with pytest.raises(ValueError, match="needs --rollout.max_new_tokens"):
+            early_stop.learner(make_args())
+    finally:
+        hook.uninstall(orl.Maker)
+
+
+def test_uninstall_leaves_modules_not_imported_alone(monkeypatch):
+    import sys
+
+    for name in (early_stop.GENERATOR_MODULE, early_stop.LOADER_MODULE, early_stop_rollout.AGENT_MODULE):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    early_stop.uninstall()
+    assert not early_stop.enabled()
