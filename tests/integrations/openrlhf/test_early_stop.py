@@ -150,6 +150,15 @@ def test_a_planted_predictor_stops_exactly_what_the_rule_names(rollout_side):
                                                                                                               abs=1e-4)
 
 
+def test_the_most_certain_majority_members_go_first(rollout_side):
+    # min_running 4 leaves room for two of the three candidates: the two most certain failures (2: 1 - q =
+    # 0.998, 3: 0.982), not 4 (0.881), and never the likely successes 0, 1
+    agent, _ = rollout_side
+    early_stop_rollout.install(cfg_of(min_running=4))
+    outs, _ = _generate(agent, STREAMS, _ctx(), [])
+    assert [o[early_stop_rollout.INFO_KEY]["stopped"] for o in outs] == [False, False, True, True, False, False]
+
+
 def test_without_a_predictor_or_a_context_nothing_stops(rollout_side):
     agent, _ = rollout_side
     scored: list = []
@@ -419,3 +428,26 @@ def test_uninstall_leaves_modules_not_imported_alone(monkeypatch):
         monkeypatch.delitem(sys.modules, name, raising=False)
     early_stop.uninstall()
     assert not early_stop.enabled()
+
+
+def test_the_audit_record_names_every_stopped_row_and_vllms_counts(orl, make_args, make_maker, monkeypatch, tmp_path):
+    from cppo_megatron.integrations.records import read
+
+    monkeypatch.setenv("CPPO_OPENRLHF_AUDIT", str(tmp_path))
+    _maker_run(orl, make_args, make_maker, _responses(STOPPED, REWARDS, LENGTHS), cfg_of())
+    (rec,) = read(tmp_path, "early_stop")
+    (prune,) = read(tmp_path, "prune")
+    assert rec["step"] == prune["step"] == 0 and rec["stopped"] == [2, 3, 5] and rec["kept"] == [0, 7]
+    assert rec["vllm_generated"] == rec["lengths"] == LENGTHS and sorted(prune["survivors"]) == [0, 7]
+
+
+def test_a_ray_worker_installs_the_rollout_side_from_the_runs_config(monkeypatch, gpu_only_stubs):
+    import json
+
+    monkeypatch.setenv(hook.ENV_CONFIG, json.dumps(cfg_of().to_dict()))
+    try:
+        hook.setup_ray_worker()
+        assert early_stop_rollout._CONFIG and early_stop_rollout._CONFIG[0].early_stop.segment_tokens == 3
+    finally:
+        early_stop_rollout.uninstall()
+        hook.uninstall()
