@@ -289,8 +289,9 @@ def install(cfg: Any) -> bool:
     if not cfg.early_stop.enabled:
         uninstall()
         return False
+    if _CONFIG != [cfg]:  # a new run's config: a new learner (installing the same one again keeps the run's)
+        _LEARNER.clear()
     _CONFIG[:] = [cfg]
-    _LEARNER.clear()
     for module, patch in _PATCHES:
         after_import(module, patch)
     early_stop_rollout.install(cfg)

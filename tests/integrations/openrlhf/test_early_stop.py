@@ -294,6 +294,8 @@ def test_a_training_draw_carries_the_step_and_the_predictor_and_evaluation_does_
     gen = _generator(sg, args)
     state = early_stop.learner(args)
     assert state.next_step == 3  # the step OpenRLHF resumes at (checkpoint global_step3)
+    early_stop.install(cfg_of())  # the same run installed again (another import): its learner stays
+    assert early_stop.learner(args) is state
     (drawn,), *_ = gen.generate_samples(n_samples_per_prompt=8)
     ctx = drawn.extra_args[early_stop_rollout.CONTEXT_KEY]
     assert (ctx["step"], ctx["group_size"], ctx["max_new_tokens"], ctx["predictor"]) == (3, 8, 12, None)
