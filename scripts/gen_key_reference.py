@@ -40,9 +40,9 @@ HOSTS: dict[str, str] = {
     # runconfig.check_compatible (norm_adv_by_std_in_grpo), openrlhf/hook.check_settings (the estimator)
     "cppo.adv_norm": f"{ALL_HOSTS} (veRL and OpenRLHF refuse a value that contradicts their estimator)",
     # the EarlyStopConfig help; runconfig.check_early_stop; nothing in integrations/openrlhf reads it
-    "cppo.early_stop.": "trainer, veRL (V1 sync loop); not OpenRLHF",
-    "cppo.early_stop.features": "trainer, veRL (`logprob` only; runconfig.check_early_stop); not OpenRLHF",
-    "cppo.early_stop.timeout_s": "veRL",
+    "cppo.early_stop.": "trainer, veRL (V1 sync loop), OpenRLHF (synchronous loop)",
+    "cppo.early_stop.features": "trainer, veRL and OpenRLHF (`logprob` only; their check_early_stop / check_args)",
+    "cppo.early_stop.timeout_s": "veRL, OpenRLHF",
     # the SelectiveConfig help
     "cppo.selective.": "trainer, veRL (V1 sync loop), OpenRLHF (synchronous loop)",
 }

@@ -49,11 +49,11 @@ def test_every_key_is_listed_once_with_its_help_and_host():
     assert len(cppo) == len([k for k in RECIPE_KEYS if k.startswith("cppo.")])
     assert all("trainer" in r or "veRL" in r for r in cppo)
     assert "| trainer (veRL and OpenRLHF refuse it) |" in rows["cppo.keep_mass"]
-    assert "not OpenRLHF" in rows["cppo.early_stop.enabled"]
+    assert "OpenRLHF (synchronous loop)" in rows["cppo.early_stop.enabled"]
     assert "OpenRLHF (synchronous loop)" in rows["cppo.selective.enabled"]
     assert "| `0.875`" not in rows["cppo.pruning_rate"] and "| float \\| null | `null` |" in rows["cppo.pruning_rate"]
     assert rows["seed"].startswith("| `seed` | int | `0` |")  # types come from the annotations
-    assert "| `cppo.early_stop.timeout_s` | float | `600.0` | > 0 | veRL |" in rows["cppo.early_stop.timeout_s"]
+    assert "| `cppo.early_stop.timeout_s` | float | `600.0` | > 0 | veRL, OpenRLHF |" in rows["cppo.early_stop.timeout_s"]
 
 
 def test_the_host_notes_name_existing_keys():

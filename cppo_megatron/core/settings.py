@@ -376,7 +376,7 @@ class EarlyStopConfig:
         features).""", check=">= 0")
     success_threshold: float = setting(0.5, """a completion succeeds when its reward is at least this (the
         outcome the predictor predicts; 0.5 for 0/1 rewards and for correct + format rewards).""")
-    timeout_s: float = setting(600.0, """veRL: seconds a group's coordinator waits for its members at a
+    timeout_s: float = setting(600.0, """veRL and OpenRLHF: seconds a group's coordinator waits for its members at a
         boundary before it lets every member run on (a member that died must not hang the step).""",
         check="> 0")
 

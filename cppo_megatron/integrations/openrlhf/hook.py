@@ -54,6 +54,7 @@ from ...core.signal import signal_metrics
 from ..importhook import after_import, remove
 from ..wrap import is_wrapped, unwrap, wrap
 from . import audit, filtering, selective
+from . import early_stop as early_stopping
 from .checkpoint import resumed_step
 
 logger = logging.getLogger(__name__)
@@ -171,13 +172,6 @@ def check_settings(values: Mapping[str, Any], estimator: str) -> list[str]:
             "cppo.equal_size=false cannot be honoured under OpenRLHF: each actor gets an equal consecutive "
             "chunk of the survivors, so they are always balanced into equal-size parts; remove it"
         )
-    early_stop = values.get("early_stop") or {}
-    if isinstance(early_stop, Mapping) and early_stop.get("enabled"):
-        raise ValueError(
-            "cppo.early_stop.enabled=true is not built for OpenRLHF yet: the integration sends each prompt's "
-            "vLLM requests whole, with no segment boundary where a predictor could stop a completion "
-            "(docs/early_stopping.md); remove it, or run early stopping in the embedded trainer or veRL"
-        )
     implied = SUPPORTED_ESTIMATORS.get(estimator)
     if "adv_norm" in values and implied is not None and values["adv_norm"] != implied:
         other = next(e for e, n in SUPPORTED_ESTIMATORS.items() if n == values["adv_norm"]) \
@@ -228,6 +222,10 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
     adv_norm = check_supported(args)
     if not rollout_samples:
         return rollout_samples
+    # early stopping: the stopped samples' records; they get a stand-in reward nothing reads
+    infos = early_stopping.infos_of(rollout_samples) if early_stopping.enabled() else None
+    if infos is not None:
+        early_stopping.stand_in_rewards(rollout_samples, infos)
     raw_rewards, rewards, group_ids = _step_rewards(rollout_samples, args)
     # OpenRLHF's global step before this one (0-based): a resumed run continues the count
     step = int(maker._cppo_step) if hasattr(maker, "_cppo_step") else resumed_step(args)
@@ -235,12 +233,20 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
     # selective rollout (GRESO): every generated group's outcome, under its prompt index, before pruning
     recorded = selective.record_step(rollout_samples, raw_rewards, rewards, group_ids, step=step)
     run_cfg = cfg if cfg.adv_norm == adv_norm else dataclasses.replace(cfg, adv_norm=adv_norm)
-    result = prune(rewards, group_ids, run_cfg, step=step)
-    kept, multiple = _kept_to_a_multiple(result, run_cfg, args, step)
+    stopped = None if infos is None else early_stopping.stopped_mask(infos)
+    result = prune(rewards, group_ids, run_cfg, step=step) if infos is None else \
+        early_stopping.prune(rewards, group_ids, infos, run_cfg, args, step)
+    kept, multiple = _kept_to_a_multiple(result, run_cfg, args, step, exclude=stopped)
     metrics = _step_metrics(result, rewards, kept.numel(), multiple)
-    # signal/*: every group of the step before pruning, on the rewards the advantages see
+    # signal/*: every group of the step before pruning (the finished completions), on the rewards the advantages see
     lengths = torch.cat([torch.as_tensor(s.response_length).reshape(-1) for s in rollout_samples])
-    metrics.update(signal_metrics(rewards, group_ids, lengths=lengths))
+    fin = slice(None) if stopped is None else ~stopped
+    metrics.update(signal_metrics(rewards[fin], group_ids[fin], lengths=lengths[fin]))
+    if infos is not None:  # early_stop/*: every completion kept, pruned after generation or stopped, counted
+        es_metrics, es_record = early_stopping.end_step(args, step, rollout_samples, rewards, group_ids, infos, kept)
+        metrics.update(es_metrics)
+        if audit.enabled():
+            audit.record("early_stop", "trainer", **es_record)
     order_out, balance_metrics = _balanced_order(kept, rollout_samples, args, cfg)
     metrics.update(balance_metrics)
     if recorded is not None:
@@ -286,16 +292,19 @@ def _step_rewards(samples: list, args: Any) -> tuple[torch.Tensor, torch.Tensor,
     return raw_rewards, torch.cat([s.rewards.reshape(1) for s in samples]), group_ids
 
 
-def _kept_to_a_multiple(result: Any, cfg: CPPOConfig, args: Any, step: int) -> tuple[torch.Tensor, int]:
+def _kept_to_a_multiple(result: Any, cfg: CPPOConfig, args: Any, step: int,
+                        exclude: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """(kept [K] ascending indices, the multiple): the core's survivors, topped up with the next ones
-    in the core's order where OpenRLHF needs a multiple of ``multiple`` (``minimum_keep_multiple``)."""
+    in the core's order where OpenRLHF needs a multiple of ``multiple`` (``minimum_keep_multiple``),
+    never from the rows ``exclude`` ([N] bool: stopped completions, which have no reward)."""
     multiple = minimum_keep_multiple(args)
-    n_total, n_core = result.advantages.numel(), result.selection.num_kept
-    n_keep = min(n_total, -(-n_core // multiple) * multiple)
+    n_core = result.selection.num_kept
+    free = ~result.selection.kept_mask() if exclude is None else ~result.selection.kept_mask() & ~exclude
+    n_keep = min(n_core + int(free.sum()), -(-n_core // multiple) * multiple)
     kept_mask = result.selection.kept_mask()
     if n_keep > n_core:
         order = keep_order(result.advantages, cfg, step=step)
-        kept_mask[order[~kept_mask[order]][: n_keep - n_core]] = True
+        kept_mask[order[free[order]][: n_keep - n_core]] = True
     return kept_mask.nonzero().squeeze(1), multiple
 
 
@@ -477,6 +486,7 @@ def install(cfg: CPPOConfig, maker_class: Any = None) -> None:
     _CONFIG = _check_config(cfg)
     # GRESO's seams (prompt index, draw, checkpoint) when cfg asks for it, else removed (selective.py)
     selective.install(_CONFIG)
+    early_stopping.install(_CONFIG)  # segment-wise generation and the stopped samples' accounting (early_stop.py)
     if is_installed(maker_class):
         return
     wrap(maker_class, "make_experience_batch", _pruning_make_batch, tag=WRAP_TAG)
@@ -494,6 +504,7 @@ def uninstall(maker_class: Any = None) -> None:
         unwrap(maker_class, name, tag=WRAP_TAG)
     remove(filtering.install_generator)
     selective.uninstall()
+    early_stopping.uninstall()
     generator = sys.modules.get(filtering.GENERATOR_MODULE)
     if generator is not None:
         filtering.uninstall_generator(generator)
@@ -532,8 +543,13 @@ def setup_ray_worker() -> None:
     Workers that never import the experience maker (vLLM engines, model actors) import
     nothing extra.
     """
-    if config_from_env() is None:
+    cfg = config_from_env()
+    if cfg is None:
         return
+    if cfg.early_stop.enabled:  # a rollout actor never imports the experience maker: its side installs here
+        from . import early_stop_rollout
+
+        early_stop_rollout.install(cfg)
     after_import(TARGET_MODULE, _install_on_import)  # now, when the module is already imported
     # the async trainer generates in another actor, which may never import the experience maker
     after_import(filtering.GENERATOR_MODULE, filtering.install_generator)

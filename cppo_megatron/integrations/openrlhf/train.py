@@ -313,6 +313,10 @@ def _settle_flags(raw: dict | None, forwarded: list[str]) -> tuple[CPPOConfig | 
         forwarded, before, after = allocate(cfg, forwarded, args)
         batches = (before, after)
         args = parse_openrlhf_args(forwarded)
+        if cfg.early_stop.enabled and not args.vllm.enable_prefix_caching:
+            # each segment continues its prefix in a new request: vLLM's prefix cache keeps its KV
+            forwarded = [*forwarded, "--vllm.enable_prefix_caching"]
+            args = parse_openrlhf_args(forwarded)
     if cpu.enabled():
         from .cpu.prepare import max_steps_flags
 
@@ -332,6 +336,11 @@ def _check_run(cfg: CPPOConfig | None, args: Any, cpu_num_gpus: int | None) -> N
         from .selective import check_args as check_selective
 
         for note in check_selective(args):
+            print(f"note: {note}")
+    if cfg is not None and cfg.early_stop.enabled:  # segment-wise generation: refused where not built
+        from .early_stop import check_args as check_early_stop
+
+        for note in check_early_stop(args, cfg):
             print(f"note: {note}")
     if cfg is not None:  # DAPO's filter before CPPO: refused where it cannot be honoured, else explained
         from .filtering import check_args as check_filtering

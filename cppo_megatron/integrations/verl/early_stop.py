@@ -28,13 +28,7 @@ from typing import Any
 
 import torch
 
-from ...core.early_stop import (
-    StopLearner,
-    imputed_moments,
-    quality_metrics,
-    shadow_wrong_stop_share,
-    step_accounting,
-)
+from ..early_stop_learner import GroupStopLearner
 from ..importhook import after_import
 from ..wrap import unwrap, wrap, wrap_methods
 from . import observers
@@ -90,86 +84,23 @@ def parse_infos(extra_fields: Any, n: int) -> list[dict]:
     return out
 
 
-class VerlEarlyStop(StopLearner):
-    """Predictor, history and totals of one veRL run (``core.StopLearner``, in the trainer's driver
-    process), and what veRL's rows carry of the step: each row's ``cppo_early_stop`` info."""
+class VerlEarlyStop(GroupStopLearner):
+    """Predictor, history and totals of one veRL run (``integrations.early_stop_learner``, in the
+    trainer's driver process), and what veRL's rows carry of the step: each row's ``cppo_early_stop``
+    info."""
 
     missing = f"cppo early stop: {{key}} missing from {STATE_FILE}"
-
-    def moments(self, infos: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-        q = torch.tensor([float("nan") if i["q"] is None else float(i["q"]) for i in infos], dtype=torch.float64)
-        # the class means of the predictor that decided: it is refitted only in end_step
-        return imputed_moments(torch.nan_to_num(q, nan=0.5), self.predictor.class_means)
 
     def end_step(self, step: int, uids: list[str], rewards: torch.Tensor, lengths: torch.Tensor, infos: list[dict],
                  kept: torch.Tensor, counters: dict | None = None) -> dict[str, float]:
         """The step's ``early_stop/*`` metrics; then the finished rows join the history, the
         predictor is refitted and published for step ``step + 1``."""
-        stopped = torch.tensor([bool(i["stopped"]) for i in infos])
-        y = (rewards.to(torch.float64) >= self.es.success_threshold).to(torch.float64)
-        first: dict[str, int] = {}
-        gids = torch.tensor([first.setdefault(u, len(first)) for u in uids], dtype=torch.int64)
-        acc, kept_mask = step_accounting(lengths, stopped, gids, kept, self.max_new_tokens)
-        acc.extra.update(self._quality(infos, y, stopped))
-        mu, _ = self.moments(infos)
-        shadow = torch.tensor([bool(i.get("shadow")) for i in infos])
-        acc.extra.update({
-            "predictor_ready": float(self.ready), "predictor_version": float(self.predictor.version),
-            "min_running": float(self.min_running), "shadow_stopped": float(shadow.sum()),
-            "shadow_wrong_stop_share": shadow_wrong_stop_share(shadow, kept_mask),
-            "degraded_groups": float(len({u for u, i in zip(uids, infos, strict=True) if i.get("degraded")})),
-            "reward_mean_estimate": float(torch.where(stopped, mu, rewards.to(torch.float64)).mean()),
-        })
-        metrics = acc.check().metrics()
-        metrics.update(self.add_totals(acc))
-        self._file(step, infos, y, rewards, stopped)
-        self.ready = self.history.refit(self.predictor, self.es.min_examples)
+        metrics, record = self.account_step(step, uids, rewards, lengths, infos, kept)
         if self.ready:
             publish(step + 1, self.predictor.state_dict())
         if observers.recording():
-            observers.record("early_stop", step=step, uids=uids, stopped=stopped.nonzero().squeeze(1).tolist(),
-                         stopped_at=[int(i["stopped_at"]) for i in infos], q=[i["q"] for i in infos],
-                         kept=kept.tolist(), explore=[bool(i["explore"]) for i in infos],
-                         ready=acc.extra["predictor_ready"], version=acc.extra["predictor_version"],
-                         lengths=lengths.tolist(), vllm_counters=counters)
+            observers.record("early_stop", **record, vllm_counters=counters)
         return metrics
-
-    def _quality(self, infos: list[dict], y: torch.Tensor, stopped: torch.Tensor) -> dict[str, float]:
-        pairs: dict[str, tuple[list, list]] = {"predictor_": ([], []), "predictor_first_": ([], []),
-                                               "predictor_all_": ([], [])}
-        for i, info in enumerate(infos):
-            if stopped[i]:
-                continue
-            scored = [(b, q) for b, _x, q in info["records"] if q is not None]
-            for j, (_b, q) in enumerate(scored):
-                pairs["predictor_all_"][0].append(q)
-                pairs["predictor_all_"][1].append(float(y[i]))
-                if info["explore"]:
-                    pairs["predictor_"][0].append(q)
-                    pairs["predictor_"][1].append(float(y[i]))
-                    if j == 0:
-                        pairs["predictor_first_"][0].append(q)
-                        pairs["predictor_first_"][1].append(float(y[i]))
-        out: dict[str, float] = {"predictor_auc": float("nan")}
-        for name, (qs, ys) in pairs.items():
-            if qs:
-                out.update(quality_metrics(torch.tensor(qs, dtype=torch.float64), torch.tensor(ys), name))
-        return out
-
-    def _file(self, step: int, infos: list[dict], y: torch.Tensor, rewards: torch.Tensor,
-              stopped: torch.Tensor) -> None:
-        xs, ys, rs = [], [], []
-        for i, info in enumerate(infos):
-            if stopped[i]:
-                continue
-            for _b, x, _q in info["records"]:
-                xs.append(x)
-                ys.append(float(y[i]))
-                rs.append(float(rewards[i]))
-        fin = ~stopped
-        counts = (int((y[fin] == 0).sum()), int((y[fin] == 1).sum()))
-        x = torch.tensor(xs, dtype=torch.float64) if xs else torch.zeros(0, 0, dtype=torch.float64)
-        self.history.add(step, x, torch.tensor(ys, dtype=torch.float64), torch.tensor(rs, dtype=torch.float64), counts)
 
 
 def state_of(trainer: Any) -> VerlEarlyStop:

@@ -27,15 +27,14 @@ stopped (``VALIDATING``, set by the wrapper ``early_stop.install`` puts on
 
 from __future__ import annotations
 
-import asyncio
-import math
 from typing import Any
 
-import torch
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 from verl.workers.rollout.replica import TokenOutput
 
-from ...core.early_stop import FINISHED, RUNNING, STOPPED, PrefixPredictor, decide_at_boundary, explore_group
+from ...core.early_stop import PrefixPredictor
+from ..early_stop_group import GroupCoordinator as SharedCoordinator
+from ..early_stop_group import Segment, generate_in_segments, stream_of
 from . import observers
 from .early_stop_store import VALIDATING, fetch_state
 from .runconfig import cppo_config_from
@@ -61,130 +60,23 @@ async def predictor_for(step: int) -> PrefixPredictor | None:
     return _PREDICTORS[step]
 
 
-class GroupCoordinator:
-    """The n members of one prompt's group: they report after each segment (``boundary``) or when
-    done (``finish``); once every member still running has reached the boundary, one decision is
-    made for all of them (``core.decide_at_boundary``) and each learns whether it stops."""
+class GroupCoordinator(SharedCoordinator):
+    """The shared ``integrations.early_stop_group.GroupCoordinator`` with veRL's predictor store and
+    audit record (``early_stop_boundary``, agent-loop side)."""
 
-    def __init__(self, *, uid: str, step: int, size: int, cfg: Any, min_running: int, max_new_tokens: int,
-                 timeout_s: float) -> None:
-        self.uid, self.step, self.size, self.cfg = uid, step, size, cfg
-        es = cfg.early_stop
-        self.es, self.min_running, self.max_new_tokens, self.timeout_s = es, min_running, max_new_tokens, timeout_s
-        self.explore = explore_group(uid, es.explore_share, seed=cfg.seed, step=step)
-        self.joined = 0
-        self.tokens: list[list[int]] = [[] for _ in range(size)]
-        self.logp: list[list[float]] = [[] for _ in range(size)]
-        self.status = torch.full((size,), RUNNING, dtype=torch.int64)
-        self.q_last = torch.full((size,), float("nan"), dtype=torch.float64)
-        self.shadowed = torch.zeros(size, dtype=torch.bool)
-        self.stopped_at = [-1] * size
-        self.records: list[list[list]] = [[] for _ in range(size)]  # per member: [boundary, features, q]
-        self.waiting: dict[int, asyncio.Future] = {}  # member -> its decision at the pending boundary
-        self.pending: int | None = None  # the boundary being gathered
-        self.degraded = False  # a wait timed out: every member runs to its end
-        self.predictor: PrefixPredictor | None = None
-        self.boundaries = 0
-        self.done = 0
-
-    def join(self) -> int:
-        if self.joined >= self.size:
-            raise RuntimeError(f"cppo early stop: more than n={self.size} agent loops joined group {self.uid}")
-        self.joined += 1
-        return self.joined - 1
-
-    async def boundary(self, member: int, tokens: list[int], logp: list[float]) -> bool:
-        """Member ``member`` has generated ``tokens`` (a boundary): True when it must stop."""
-        self.tokens[member], self.logp[member] = list(tokens), list(logp)
-        if self.degraded:
-            return False
-        t = len(tokens)
-        if self.pending is None:
-            self.pending = t
-        fut = asyncio.get_running_loop().create_future()
-        self.waiting[member] = fut
-        await self._maybe_decide()
-        try:
-            return bool(await asyncio.wait_for(asyncio.shield(fut), self.timeout_s))
-        except asyncio.TimeoutError:
-            self.degraded = True
-            self._release_all(False)
-            return False
-
-    async def finish(self, member: int, tokens: list[int], logp: list[float]) -> None:
-        """Member ``member`` ended (EOS or the length limit) with ``tokens``."""
-        self.tokens[member], self.logp[member] = list(tokens), list(logp)
-        self.status[member] = FINISHED
-        self.done += 1
-        await self._maybe_decide()
-
-    def leave(self, member: int) -> None:
-        """A member that failed: the others must not wait for it."""
-        self.status[member] = FINISHED
-        self.done += 1
-        asyncio.ensure_future(self._maybe_decide())
-
-    async def _maybe_decide(self) -> None:
-        running = [m for m in range(self.size) if self.status[m] == RUNNING]
-        if self.pending is None or self.joined < self.size or any(m not in self.waiting for m in running):
-            return
-        t, waiting = self.pending, dict(self.waiting)
-        self.pending, self.waiting = None, {}
-        stop = await self._decide(t)
-        for m, fut in waiting.items():
-            if not fut.done():
-                fut.set_result(bool(stop[m]))
-
-    async def _decide(self, t: int) -> torch.Tensor:
-        if self.predictor is None:
-            self.predictor = await predictor_for(self.step)
-        lengths = torch.tensor([len(x) for x in self.tokens], dtype=torch.int64)
-        lp = torch.zeros(self.size, max(int(lengths.max()), 1), dtype=torch.float32)
-        for m, vals in enumerate(self.logp):
-            lp[m, : len(vals)] = torch.tensor(vals, dtype=torch.float32)
-        explore = torch.full((self.size,), self.explore, dtype=torch.bool)
-        out = decide_at_boundary(
-            self.predictor, logprobs=lp, lengths=lengths, status=self.status, group_ids=torch.zeros(self.size,
-            dtype=torch.int64), explore=explore, q_last=self.q_last, shadowed=self.shadowed,
-            segment_tokens=self.es.segment_tokens, max_new_tokens=self.max_new_tokens, min_running=self.min_running,
-            min_confidence=self.es.min_confidence, seed=self.cfg.seed, step=self.step,
-            stream=_stream(self.uid) + self.boundaries)
-        members = out.present.nonzero().squeeze(1).tolist()
-        for j, m in enumerate(members):
-            q = None if out.q is None else float(out.q[j])
-            self.records[m].append([t, out.x[j].tolist(), q])
-        self.shadowed |= out.shadow
-        for m in out.stop.nonzero().squeeze(1).tolist():
-            self.status[m] = STOPPED
-            self.stopped_at[m] = t
-        if observers.recording() and out.q is not None:
-            observers.record("early_stop_boundary", role="agent_loop", step=self.step, uid=self.uid, boundary=t,
-                         q=self.q_last.tolist(), status=out.status.tolist(),
-                         stopped=out.stop.nonzero().squeeze(1).tolist(),
-                         explore=self.explore, version=self.predictor.version if self.predictor else 0)
-        self.boundaries += 1
-        return out.stop
-
-    def _release_all(self, value: bool) -> None:
-        waiting, self.waiting, self.pending = self.waiting, {}, None
-        for fut in waiting.values():
-            if not fut.done():
-                fut.set_result(value)
-
-    def info(self, member: int) -> dict:
-        """What the trainer's seam needs of a member (JSON-able)."""
-        q = float(self.q_last[member])
-        return {"stopped": self.stopped_at[member] >= 0, "stopped_at": self.stopped_at[member],
-                "q": None if math.isnan(q) else q, "records": self.records[member], "explore": self.explore,
-                "shadow": bool(self.shadowed[member]),
-                "ready": bool(self.predictor is not None and self.predictor.fitted),
-                "version": 0 if self.predictor is None else self.predictor.version, "degraded": self.degraded}
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(load_predictor=predictor_for, on_decision=_record_decision, **kwargs)
 
 
-def _stream(uid: str) -> int:
-    import hashlib
+def _record_decision(coord: SharedCoordinator, boundary: int, out: Any) -> None:
+    if observers.recording():
+        observers.record("early_stop_boundary", role="agent_loop", step=coord.step, uid=coord.uid, boundary=boundary,
+                         q=coord.q_last.tolist(), status=out.status.tolist(),
+                         stopped=out.stop.nonzero().squeeze(1).tolist(), explore=coord.explore,
+                         version=coord.predictor.version if coord.predictor else 0)
 
-    return int.from_bytes(hashlib.sha256(uid.encode()).digest()[:4], "big") * 1000
+
+_stream = stream_of  # the tie-break stream of a group (tests recompute a decision with it)
 
 
 class SegmentedServer:
@@ -201,36 +93,22 @@ class SegmentedServer:
 
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
                        **kwargs: Any) -> TokenOutput:
-        c, seg = self.coordinator, self.coordinator.es.segment_tokens
+        c = self.coordinator
         budget = int(sampling_params.get("max_tokens", self.budget_of(len(prompt_ids))))
-        tokens: list[int] = []
-        logp: list[float] = []
-        first: TokenOutput | None = None
-        last: TokenOutput | None = None
-        try:
-            while True:
-                ask = min(seg, budget - len(tokens))
-                params = {**sampling_params, "max_tokens": ask}
-                last = await self.inner.generate(request_id, prompt_ids=list(prompt_ids) + tokens,
-                                                 sampling_params=params, **kwargs)
-                first = first or last
-                tokens += list(last.token_ids)
-                logp += list(last.log_probs or [])
-                ended = (len(last.token_ids) < ask or last.stop_reason != "completed"
-                         or (last.token_ids and last.token_ids[-1] in self.eos_ids) or len(tokens) >= budget)
-                if ended:
-                    await c.finish(self.member, tokens, logp)
-                    break
-                if await c.boundary(self.member, tokens, logp):
-                    break
-        except BaseException:
-            c.leave(self.member)
-            raise
-        assert first is not None and last is not None  # the loop ran at least once
+
+        async def call(tokens: list[int], ask: int) -> Segment:
+            out = await self.inner.generate(request_id, prompt_ids=list(prompt_ids) + tokens,
+                                            sampling_params={**sampling_params, "max_tokens": ask}, **kwargs)
+            ended = (len(out.token_ids) < ask or out.stop_reason != "completed"
+                     or bool(out.token_ids and out.token_ids[-1] in self.eos_ids))
+            return Segment(list(out.token_ids), list(out.log_probs or []), not ended, out)
+
+        run = await generate_in_segments(c, self.member, budget=budget, call=call)
+        first, last = run.first.output, run.last.output
         extra = dict(last.extra_fields)  # the last request's: its global_steps, and vLLM's counters in audit mode
         extra["min_global_steps"] = first.extra_fields.get("min_global_steps", first.extra_fields.get("global_steps"))
         extra[INFO_KEY] = c.info(self.member)
-        return TokenOutput(token_ids=tokens, log_probs=logp if last.log_probs is not None else None,
+        return TokenOutput(token_ids=run.tokens, log_probs=run.logp if last.log_probs is not None else None,
                            routed_experts=None, stop_reason=last.stop_reason, num_preempted=last.num_preempted,
                            extra_fields=extra)
 
@@ -261,7 +139,7 @@ class EarlyStopAgentLoop(SingleTurnAgentLoop):
             return await super().run(sampling_params, **kwargs)
         finally:
             self.server_manager = real
-            if coord.done + int((coord.status == STOPPED).sum()) >= n:
+            if coord.complete:
                 _GROUPS.pop(key, None)
 
     def _budget(self, prompt_len: int) -> int:

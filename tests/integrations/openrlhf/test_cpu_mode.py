@@ -153,9 +153,10 @@ def test_tiny_cpu_recipes_dry_run(tmp_path):
 
 
 def test_worked_cpu_recipes_dry_run(tmp_path):
-    """The worked-arithmetic testbed's twins: the positions and lengths of the task, its reward file,
-    allocation in the CPPO one, P = 0 through the hook (signal/* logged) in the GRPO one."""
-    for name, prompts in (("worked_cpu_cppo", 128), ("worked_cpu_grpo", 16)):
+    """The worked-arithmetic testbed's recipes: the positions and lengths of the task, its reward file,
+    allocation in the CPPO ones, P = 0 through the hook (signal/* logged) in the GRPO one, early
+    stopping with prefix caching in the early-stop one."""
+    for name, prompts in (("worked_cpu_cppo", 128), ("worked_cpu_grpo", 16), ("worked_cpu_early_stop", 128)):
         out = _dry_run(str(RECIPES / f"{name}.yaml"), cwd=tmp_path)
         command = next(line for line in out.splitlines() if line.startswith("openrlhf: "))
         assert _flag(command, "--rollout.batch_size") == str(prompts)
@@ -165,6 +166,9 @@ def test_worked_cpu_recipes_dry_run(tmp_path):
         assert _flag(command, "--reward.remote_url") == str(RECIPES / "reward_worked.py")
         assert _flag(command, "--actor.model_name_or_path") == str(tmp_path / "runs/openrlhf_worked/model")
         assert "CPPO off" not in out
+        # early stopping: segments of 16 tokens, each continuing its prefix from vLLM's prefix cache
+        assert ("early_stop(segment=16" in out) == ("--vllm.enable_prefix_caching" in command) == (
+            name == "worked_cpu_early_stop")
     assert not (tmp_path / "runs").exists()  # a dry run builds nothing
 
 @pytest.mark.parametrize("name", CLUSTER)

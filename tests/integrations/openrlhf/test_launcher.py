@@ -183,10 +183,9 @@ def test_launch_runs_openrlhfs_own_main_with_the_forwarded_arguments(monkeypatch
     (["--cppo.equal_size", "false"],
      "error: cppo.equal_size=false cannot be honoured under OpenRLHF: each actor gets an equal consecutive chunk "
      "of the survivors, so they are always balanced into equal-size parts; remove it"),
-    (["--cppo.early_stop.enabled", "true"],
-     "error: cppo.early_stop.enabled=true is not built for OpenRLHF yet: the integration sends each prompt's "
-     "vLLM requests whole, with no segment boundary where a predictor could stop a completion "
-     "(docs/early_stopping.md); remove it, or run early stopping in the embedded trainer or veRL"),
+    (["--cppo.early_stop.enabled", "true", "--train.async_enable"],
+     "error: cppo.early_stop.enabled=true with --train.async_enable: the asynchronous trainer generates ahead of "
+     "the step whose predictor must decide; remove the flag"),
     (["--cppo.adv_norm", "none"],
      "error: cppo.adv_norm=none conflicts with --algo.advantage.estimator group_norm, whose advantage "
      "normalisation (std) the hook follows; remove cppo.adv_norm or use --algo.advantage.estimator dr_grpo"),

@@ -576,3 +576,46 @@ def test_selective_rollout_skips_seen_zero_variance_prompts_and_accounts_for_eve
     assert hist["outcomes"].tolist() == [{"mixed": 0, "easy": 1, "hard": 2}[outcome[r]] for r in first["rows"]]
     print(f"selective: step 2 drew {len(draws[1]['drawn'])}, skipped {draws[1]['skipped']}, "
           f"generated {len(draws[1]['kept'])}; ~{saved:.0f} tokens saved")  # -rP
+
+
+# early stopping: completions of up to 16 tokens (the random model rarely ends one early), decisions every
+# 4; the predictor is ready after step 1's rows (4 of each outcome) and decides in step 2; min_confidence
+# 0.5 lets it stop whichever running members it puts on their group's majority side
+EARLY_STOP = ("--cppo.pruning_rate", str(P), "--cppo.early_stop.enabled", "true", "--cppo.early_stop.segment_tokens",
+              "4", "--cppo.early_stop.min_examples", "4", "--cppo.early_stop.min_confidence", "0.5",
+              "--cppo.early_stop.explore_share", "0.0", "--rollout.max_new_tokens", "16")
+
+
+@pytest.fixture(scope="module")
+def early_stop_run(workdir):
+    return run_openrlhf(workdir, "early_stop", *EARLY_STOP)
+
+
+def test_early_stopping_stops_generation_in_vllm_and_never_trains_a_stopped_completion(early_stop_run):
+    """From the audit records and metrics.jsonl: step 1 decides nothing (no predictor yet) and every
+    completion runs to its end; step 2 stops completions at a 4-token boundary, and vLLM's own outputs
+    say it generated exactly their prefixes (fewer tokens than step 1 for the same number of completions);
+    no stopped row reaches an actor's loss; kept + pruned + stopped = started in OpenRLHF's logs."""
+    records = early_stop_run["audit"]
+    stops, prunes, trains = by_kind(records, "early_stop"), by_kind(records, "prune"), by_kind(records, "train")
+    assert [s["step"] for s in stops] == [p["step"] for p in prunes] == [0, 1]
+    first, second = stops
+    assert first["stopped"] == [] and first["ready"] == 0.0
+    assert second["ready"] == 1.0 and second["stopped"], second
+    n = len(second["lengths"])
+    assert n == len(first["lengths"]) == PROMPTS * G // round(G * (1 - P)) * G
+    # vLLM's own count of what it generated for each completion is the completion itself
+    for s in stops:
+        assert s["vllm_generated"] == s["lengths"]
+    for row in second["stopped"]:
+        assert second["stopped_at"][row] == second["lengths"][row] and second["lengths"][row] % 4 == 0
+        assert second["lengths"][row] < 16
+    assert sum(second["vllm_generated"]) < sum(first["vllm_generated"])
+    # a stopped completion is never kept, never trained
+    assert not set(second["stopped"]) & set(prunes[1]["survivors"])
+    trained = {row for t in trains if t["step"] == 2 for row in t["rows"]}
+    assert trained == set(prunes[1]["survivors"]) and not trained & set(second["stopped"])
+    m = {r["step"]: r for r in early_stop_run["metrics"]}[2]
+    assert m["early_stop/stopped"] == len(second["stopped"]) and m["early_stop/started"] == n
+    assert m["early_stop/kept"] + m["early_stop/pruned_after"] + m["early_stop/stopped"] == n
+    assert m["early_stop/tokens_generated"] == sum(second["lengths"]) and m["early_stop/tokens_vs_budget"] < 1
