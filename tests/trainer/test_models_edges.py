@@ -60,8 +60,9 @@ def test_devices():
 
 
 def test_a_gguf_file_loads_as_its_network_with_its_own_tokenizer(tmp_path):
-    """``model.source=gguf``: tests/tiny_gguf.py's file (2 layers, hidden 32, 1 KV head, BOS/EOS/PAD
-    its last three tokens) loads with the tokenizer inside the file, once per process."""
+    """``model.source=gguf``: tests/tiny_gguf.py's file (2 layers, hidden 32, 1 KV head, 261 tokens) loads
+    with the tokenizer inside the file, once per process; transformers' GGUF reader gives it no pad token
+    and EOS 258, so padding is EOS, in the tokenizer and in the model's generation config."""
     from tests.tiny_gguf import write_tiny_gguf
 
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
@@ -69,7 +70,7 @@ def test_a_gguf_file_loads_as_its_network_with_its_own_tokenizer(tmp_path):
     model, tok = build_model(mcfg, None, seed=0)
     cfg = model.config
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads, cfg.vocab_size) == (2, 32, 1, 261)
-    assert model.generation_config.pad_token_id == tok.pad_id == 260
+    assert model.generation_config.pad_token_id == tok.pad_id == tok.eos_id == 258
     assert build_tokenizer(mcfg, None).encode("ab  c") == tok.encode("ab  c")
     assert model.dtype == torch.float32
 

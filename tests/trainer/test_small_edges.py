@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import signal
 import threading
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,7 +18,7 @@ import torch
 from cppo_megatron.trainer import faults, interrupts
 from cppo_megatron.trainer.evaluate import evaluate
 from cppo_megatron.trainer.logger import MetricsLogger, read_metrics
-from cppo_megatron.trainer.metrics import logprob_diff_sums, update_metrics
+from cppo_megatron.trainer.metrics import logprob_diff, logprob_diff_sums, update_metrics
 from cppo_megatron.trainer.policy import KeptBatch, lr_factor
 from cppo_megatron.trainer.tokenizer import CharTokenizer, HFTokenizer
 
@@ -37,6 +38,23 @@ def test_log_prob_differences_of_rows_with_and_without_tokens():
     assert sums.tolist() == [0.5, 2.0, 0.5]
     with pytest.raises(ValueError, match="^logprob_diff: 1 rows of sampler log-probs for 2 trainer rows$"):
         logprob_diff_sums([torch.zeros(1)], [torch.zeros(1), torch.zeros(1)])
+    with pytest.raises(ValueError, match="^logprob_diff: 2 sampler log-probs for completion 1 of 3 tokens$"):
+        logprob_diff_sums([torch.zeros(1), torch.zeros(2)], [torch.zeros(1), torch.zeros(3)])
+
+
+def test_the_log_prob_difference_is_the_mean_over_tokens_and_warns_above_its_threshold():
+    sums = torch.tensor([0.5, 2.0, 0.375], dtype=torch.float64)  # summed over ranks; the largest maxed
+    assert logprob_diff(sums) == {"rollout/logprob_diff": 0.25, "rollout/logprob_diff_max": 0.375}
+    with pytest.warns(UserWarning, match=r"^rollout/logprob_diff=0.2500 exceeds 0.2: the rollout engine and the "
+                                         r"trainer disagree$"):
+        assert logprob_diff(sums, 0.2)["rollout/logprob_diff"] == 0.25
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # at the threshold, or on a rank that does not warn (None): silent
+        assert logprob_diff(sums, 0.25)["rollout/logprob_diff"] == 0.25
+        assert logprob_diff(sums, None)["rollout/logprob_diff"] == 0.25
+        # no completion token on any rank: 0, not a division by zero
+        assert logprob_diff(torch.zeros(3, dtype=torch.float64), 0.0) == {"rollout/logprob_diff": 0.0,
+                                                                          "rollout/logprob_diff_max": 0.0}
 
 
 def test_a_byte_level_character_tokenizer_decodes_utf8():
