@@ -186,3 +186,31 @@ def test_tensorboard_starts_fresh_or_purges_past_the_resumed_step(tmp_path):
 def test_evaluation_needs_problems():
     with pytest.raises(ValueError, match="^evaluate: no problems$"):
         evaluate(None, None, None, [], 4)
+
+
+def test_without_tensorboard_installed_the_metrics_log_is_written_alone(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # what a missing package raises
+    logger = MetricsLogger(tmp_path, tensorboard=True)
+    assert logger.tb is None
+    logger.log({"reward/mean": 0.5}, 1)
+    logger.close()
+    assert read_metrics(Path(tmp_path) / "metrics.jsonl") == [{"reward/mean": 0.5}]
+    assert not (Path(tmp_path) / "tensorboard").exists()
+
+
+def test_the_backends_refuse_what_their_callers_must_not_pass():
+    """Checks on the loop's side of the backend interface (the loop never passes these), by message."""
+    from cppo_megatron.trainer.backends.hf import HFBackend
+    from cppo_megatron.trainer.backends.megatron import MegatronBackend
+
+    batch = SimpleNamespace(local_rows=torch.tensor([0, 1]), num_rows=3)  # a rank holding 2 of 3 rows
+    with pytest.raises(ValueError, match="^HFBackend: this process must hold every row of the step$"):
+        HFBackend.place(SimpleNamespace(), batch, torch.tensor([0]), torch.zeros(3))
+    with pytest.raises(RuntimeError, match=r"^reference log-probs need train.beta > 0 \(HFBackend.start builds the "
+                                           r"reference\)$"):
+        HFBackend.logprobs(SimpleNamespace(ref_model=None), SimpleNamespace(payload=(None, None)), reference=True)
+    with pytest.raises(ValueError, match=r"^MegatronBackend.update needs the old-policy log-probs "
+                                         r"\(needs_old_logprobs is True\)$"):
+        MegatronBackend.update(SimpleNamespace(), SimpleNamespace(), None, None, step=1)
