@@ -178,8 +178,9 @@ class _Exit(BaseException):
 
 
 @pytest.fixture
-def failing_rank(one_rank, monkeypatch):
-    """``main`` as rank 0 whose ``os._exit`` raises ``_Exit(status)``; tears the group down after."""
+def exit_raises(one_rank, monkeypatch):
+    """``main`` as rank 0 whose ``os._exit`` raises ``_Exit(status)`` (a failing rank fails the test
+    instead of ending pytest); tears the group down after."""
     def exit_(status):
         raise _Exit(status)
 
@@ -200,7 +201,7 @@ ONE_RANK = MICRO + ["backend=megatron", "megatron.tp=1", "megatron.pp=1", "train
 
 
 @pytest.mark.in_process_dist
-def test_a_rank_that_fails_at_setup_names_itself_and_exits_1(failing_rank, tmp_path, capsys):
+def test_a_rank_that_fails_at_setup_names_itself_and_exits_1(exit_raises, tmp_path, capsys):
     with pytest.raises(_Exit) as exited:
         main([RECIPE, *ONE_RANK, f"out_dir={tmp_path}", "--resume"])  # no checkpoint to resume from
     assert exited.value.args == (1,)
@@ -210,7 +211,7 @@ def test_a_rank_that_fails_at_setup_names_itself_and_exits_1(failing_rank, tmp_p
 
 
 @pytest.mark.in_process_dist
-def test_a_rank_that_fails_mid_step_names_its_step_and_phase(failing_rank, tmp_path, capsys, monkeypatch):
+def test_a_rank_that_fails_mid_step_names_its_step_and_phase(exit_raises, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("CPPO_MEGATRON_FAULT", "cppo:1:0:raise")
     monkeypatch.setenv("CPPO_MEGATRON_DEBUG", "1")
     with pytest.raises(_Exit) as exited:
@@ -223,7 +224,7 @@ def test_a_rank_that_fails_mid_step_names_its_step_and_phase(failing_rank, tmp_p
 
 
 @pytest.mark.in_process_dist
-def test_a_rank_stopped_by_sigterm_exits_0_without_the_done_line(one_rank, tmp_path, capsys, monkeypatch):
+def test_a_rank_stopped_by_sigterm_exits_0_without_the_done_line(exit_raises, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("CPPO_MEGATRON_FAULT", "update:1:0:sigterm")
     # stopped in step 1 of 2 (a stop in the last step would end the run as usual)
     assert main([RECIPE, *ONE_RANK, "train.steps=2", f"out_dir={tmp_path}"]) == 0  # torchrun: 130 = failure
@@ -247,7 +248,7 @@ def test_teardown_closes_the_trainer_when_the_default_group_is_already_gone():
 
 
 @pytest.mark.in_process_dist
-def test_the_done_line_of_several_ranks_gives_the_workload_balance(one_rank, tmp_path, capsys, monkeypatch):
+def test_the_done_line_of_several_ranks_gives_the_workload_balance(exit_raises, tmp_path, capsys, monkeypatch):
     """What rank 0 prints after a run on several DP ranks (its summary has ``balance/*``): the trainer
     replaced by one that returns such a summary (a real one needs several processes)."""
     import cppo_megatron.trainer.loop as loop
@@ -284,3 +285,17 @@ def test_the_module_runs_as_a_program(capsys, monkeypatch):
         runpy.run_module("cppo_megatron.trainer.launch", run_name="__main__")
     assert exited.value.code == 0
     assert capsys.readouterr().out.startswith("usage: cppo_megatron.trainer.launch [-h] [--resume] recipe")
+
+
+@pytest.mark.in_process_dist
+def test_the_megatron_backend_compares_an_engines_sampling_log_probs(exit_raises, tmp_path, monkeypatch):
+    """The sampler's log-probs carried through Megatron's placement (backends/megatron.py) to
+    ``rollout/logprob_diff``: the HF engine asked for them, as vLLM's are (same weights, so they agree
+    with Megatron's to float32 rounding)."""
+    from cppo_megatron.trainer import distribution
+    from cppo_megatron.trainer.logger import read_metrics
+
+    monkeypatch.setattr(distribution._Rollout, "want_logprobs", property(lambda self: True))
+    assert main([RECIPE, *ONE_RANK, f"out_dir={tmp_path}"]) == 0
+    (step,) = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("kind") == "step"]
+    assert 0 < step["rollout/logprob_diff"] <= step["rollout/logprob_diff_max"] < 1e-5  # 6e-8 and 2.4e-7 here
