@@ -171,13 +171,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _teardown(trainer) -> None:
+    """After a run that ended (a failed one leaves through ``os._exit``, so there is always a trainer)."""
     import torch.distributed as dist
 
     from ..megatron import destroy_parallel
 
     destroy_parallel()
-    if trainer is not None:
-        trainer.close()
+    trainer.close()
     if dist.is_initialized():  # vLLM's shutdown may already have taken the default group down
         dist.destroy_process_group()
 

