@@ -22,7 +22,8 @@ import torch
 
 from cppo_megatron.config import CPPOConfig, SelectiveConfig
 from cppo_megatron.core.selective import prompt_uniforms
-from cppo_megatron.integrations.openrlhf import audit, hook, selective
+from cppo_megatron.integrations.openrlhf import hook, selective
+from cppo_megatron.integrations.openrlhf.diagnostics import audit
 
 pytestmark = pytest.mark.openrlhf
 
@@ -80,7 +81,7 @@ def data_file(tmp_path):
 
 
 @pytest.fixture
-def run_fit(orl, make_args, make_maker, data_file, tmp_path, monkeypatch):
+def run_fit(orl, make_args, make_maker, data_file, tmp_path, monkeypatch, audit_on):
     """``run_fit(name, cfg, *flags, seed=0)``: OpenRLHF's ``PPOTrainer.fit`` over the data set with
     the hook (and selective rollout) installed; returns the audit records of the run and the trainer."""
     import openrlhf.trainer.ppo_trainer as pt
@@ -99,7 +100,7 @@ def run_fit(orl, make_args, make_maker, data_file, tmp_path, monkeypatch):
                          "--ckpt.path", str(ckpt or tmp_path / f"{name}_ckpt"), "--ckpt.save_steps", "1", *flags)
         args.eval.steps = float("inf")  # as PPOTrainer.__init__ does for -1
         audit_dir = tmp_path / f"{name}_audit"
-        monkeypatch.setenv(audit.ENV, str(audit_dir))
+        audit_on(audit_dir)
         hook.install(cfg)
         installed.append(True)
         strategy = types.SimpleNamespace(
