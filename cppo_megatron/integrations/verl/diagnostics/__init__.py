@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from ... import diagnostics as switched
 
-__all__ = ["AUDIT_ENV", "CLOCK_ENV", "KEYS_ENV", "SWITCHES", "install", "requested"]
+__all__ = ["AUDIT_ENV", "CHANGED", "CLOCK_ENV", "KEYS_ENV", "SWITCHES", "install", "requested"]
 
 AUDIT_ENV = "CPPO_VERL_AUDIT"
 KEYS_ENV = "CPPO_VERL_KEYS"
 CLOCK_ENV = "CPPO_VERL_CLOCK"
+CHANGED = "veRL changed (pinned 0.9.1)"  # the end of a "<seam> is gone" refusal (integrations/wrap.wrap_methods)
 # switch -> the modules whose ``install()`` it turns on, in installation order
 SWITCHES: dict[str, tuple[str, ...]] = {
     AUDIT_ENV: ("audit", "audit_vllm"),
