@@ -38,7 +38,7 @@ from verl.workers.rollout.replica import TokenOutput
 from ...core.early_stop import FINISHED, RUNNING, STOPPED, PrefixPredictor, decide_at_boundary, explore_group
 from . import observers
 from .early_stop_store import VALIDATING, fetch_state
-from .runconfig import cppo_config_from
+from .runconfig import cppo_config_once
 
 __all__ = ["AGENT_NAME", "VALIDATING", "EarlyStopAgentLoop", "GroupCoordinator", "SegmentedServer", "predictor_for"]
 
@@ -239,7 +239,8 @@ class EarlyStopAgentLoop(SingleTurnAgentLoop):
     """veRL's single-turn agent loop, generating through a ``SegmentedServer`` of its prompt's group."""
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any):
-        cfg = cppo_config_from(self.config) if hasattr(self, "config") else None
+        # veRL instantiates a loop per request over its worker's one config: parsed once per config
+        cfg = cppo_config_once(self.config) if hasattr(self, "config") else None
         if cfg is None or not cfg.early_stop.enabled or VALIDATING.get():
             return await super().run(sampling_params, **kwargs)
         step = int(kwargs.get("global_steps", -1))
