@@ -520,8 +520,7 @@ def install_from_env(maker_class: Any = None) -> bool:
     if cfg is None:
         return False
     install(cfg, maker_class)
-    if diagnostics.requested():
-        diagnostics.install()
+    diagnostics.install()  # what CPPO_OPENRLHF_AUDIT asks for; nothing is imported without it
     return True
 
 

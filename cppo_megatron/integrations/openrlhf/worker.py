@@ -16,7 +16,6 @@ def setup() -> None:
     from . import cpu, diagnostics, hook, metrics
 
     cpu.install()
-    if diagnostics.requested():
-        diagnostics.install()
+    diagnostics.install()  # what CPPO_OPENRLHF_AUDIT asks for; nothing is imported without it
     metrics.install()
     hook.setup_ray_worker()
