@@ -24,8 +24,6 @@ import json, sys
 from cppo_megatron.integrations import importhook
 from cppo_megatron.integrations.openrlhf import hook, observers, worker
 
-if sys.argv[1] == "worker":
-    worker.setup()  # every Ray worker of a run the launcher starts
 
 
 class RemoteExperienceMaker:  # a stand-in for OpenRLHF's class, which the patched source hooks
@@ -36,9 +34,15 @@ class RemoteExperienceMaker:  # a stand-in for OpenRLHF's class, which the patch
         return experiences
 
 
-installed = hook.install_from_env(RemoteExperienceMaker)  # the patched source's call
+if sys.argv[1] == "worker":
+    # every Ray worker of a run the launcher starts; a model actor never imports the experience
+    # maker, yet its audit records the rows it trains on
+    worker.setup()
+    hooked = None
+else:
+    hooked = hook.install_from_env(RemoteExperienceMaker) and hook.is_installed(RemoteExperienceMaker)
 print(json.dumps({
-    "hooked": installed and hook.is_installed(RemoteExperienceMaker),
+    "hooked": hooked,
     "callbacks": sorted({fn.__module__.rsplit(".", 1)[1] + "." + fn.__qualname__
                          for fns in importhook._AFTER.values() for fn in fns}),
     "diagnostics": sorted(m.rsplit(".", 1)[1] for m in sys.modules
@@ -63,20 +67,22 @@ def probe(tmp_path, entry: str, **switches: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+NONE = {"diagnostics": [], "observers": {"prune": [], "record": []}}
+
+
 def test_a_default_process_imports_and_installs_no_diagnostic(tmp_path):
-    assert probe(tmp_path, "worker") == {"hooked": True, "callbacks": GPU_PATH, "diagnostics": [],
-                                         "observers": {"prune": [], "record": []}}
+    assert probe(tmp_path, "worker") == {"hooked": None, "callbacks": GPU_PATH, **NONE}
+    assert probe(tmp_path, "patched") == {"hooked": True, "callbacks": ["filtering.install_generator"], **NONE}
 
 
 def test_the_audit_switch_installs_the_audit_in_a_worker(tmp_path):
     got = probe(tmp_path, "worker", CPPO_OPENRLHF_AUDIT="audit")
-    assert got == {"hooked": True, **AUDITED, "callbacks": sorted(AUDITED["callbacks"] + ["hook._install_on_import"])}
+    assert got == {"hooked": None, **AUDITED, "callbacks": sorted(AUDITED["callbacks"] + ["hook._install_on_import"])}
 
 
 def test_the_patched_source_installs_the_audit_with_the_hook(tmp_path):
     # no worker setup hook: the hook's install_from_env installs what the switch asks
     assert probe(tmp_path, "patched", CPPO_OPENRLHF_AUDIT="audit") == {"hooked": True, **AUDITED}
-    assert probe(tmp_path, "patched")["diagnostics"] == []
 
 
 def test_requested_names_the_switch_when_set(monkeypatch):
@@ -93,9 +99,9 @@ GROUP_IDS = torch.tensor([g for g, (_, r) in enumerate(GROUPS) for _ in r])
 REWARDS = torch.tensor([float(x) for _, r in GROUPS for x in r])
 
 
-def _prune(make_args, make_maker, make_rollout):
+def _prune(make_args, make_maker, make_rollout, train_batch: int = 1):
     args = make_args("--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "4",
-                     "--rollout.micro_batch_size", "1", "--train.batch_size", "1")
+                     "--rollout.micro_batch_size", "1", "--train.batch_size", str(train_batch))
     samples = make_rollout(GROUPS)
     cfg = CPPOConfig(pruning_rate=0.5, eps=1e-9)
     survivors = hook.prune_rollout_samples(make_maker(args), samples, cfg)
@@ -124,11 +130,15 @@ def test_the_audit_records_the_decision_and_tags_the_rows(make_args, make_maker,
     from cppo_megatron.integrations.openrlhf.diagnostics import audit
 
     audit_on(tmp_path)
-    samples, survivors, kept = _prune(make_args, make_maker, make_rollout)
+    # train.batch_size 3: OpenRLHF needs a multiple of 3, so the core's 8 are topped up to 9 (the next
+    # in the core's order, row 4: a seeded tie in p1); selected stays the core's choice
+    samples, survivors, kept = _prune(make_args, make_maker, make_rollout, train_batch=3)
+    passed_on = [int(s.info["uid"]) for s in survivors]
+    assert passed_on == [0, 2, 4, 5, 6, 9, 10, 13, 14] and kept == [0, 2, 5, 6, 9, 10, 13, 14]
     (rec,) = audit.read(tmp_path, "prune")
     assert {k: rec[k] for k in ("step", "rows", "group_ids", "selected", "survivors", "account", "ledgers",
                                 "selective")} == {
-        "step": 0, "rows": list(range(16)), "group_ids": GROUP_IDS.tolist(), "selected": kept, "survivors": kept,
-        "account": None, "ledgers": [], "selective": None}
+        "step": 0, "rows": list(range(16)), "group_ids": GROUP_IDS.tolist(), "selected": kept,
+        "survivors": passed_on, "account": None, "ledgers": [], "selective": None}
     assert rec["prompts"] == [p for p, r in GROUPS for _ in r] and rec["rewards"] == REWARDS.tolist()
-    assert [float(s.info["cppo_row"]) for s in survivors] == [float(i) for i in kept]
+    assert [float(s.info["cppo_row"]) for s in survivors] == [float(i) for i in passed_on]

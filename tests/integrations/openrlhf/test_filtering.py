@@ -124,6 +124,7 @@ def test_dapo_then_cppo_through_the_hook_accounts_for_every_completion(generator
     assert m["cppo/filter_completions_generated"] == 7 * G == 3 * G + m["cppo/num_kept"] + m["cppo/num_pruned"]
     (pr,) = audit.read(tmp_path, "prune")
     (fr,) = audit.read(tmp_path, "filter")
+    assert sorted(f.name.split("-")[0] for f in tmp_path.glob("*.jsonl")) == ["generator", "trainer"]
     assert pr["ledgers"] == [fr["serial"]] and pr["account"]["drawn"] == fr["drawn"] == 7
     assert pr["account"] == {**pr["account"], "filtered": 3, "passed": 4, "kept": 8, "pruned": 8,
                                   "generated": 28, "short": False}
