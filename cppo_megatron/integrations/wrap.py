@@ -108,17 +108,18 @@ def wrap(owner: Any, name: str, make: Callable[[Any], Any], *, tag: str) -> bool
 
 
 def wrap_methods(module: Any, target: tuple[str, str], makers: dict[str, Callable[[Any], Any]], *, tag: str,
-                 changed: str) -> None:
+                 changed: str, who: str = "cppo") -> None:
     """``wrap`` each method ``makers`` names on the class ``target[1]`` of the host's imported ``module``
     (``target[0]``, its dotted name) with its maker. A class or method no longer there, defined on the
     class itself, is a RuntimeError naming it and ``changed`` (which host version the seam was pinned
-    at), before anything is wrapped past it."""
+    at), before anything is wrapped past it; ``who`` begins the message (``"cppo audit"``: which
+    part of ours relied on it)."""
     if not makers:
         raise ValueError(f"wrap_methods[{tag}]: no methods to wrap on {target[0]}.{target[1]}; name at least one")
     cls = getattr(module, target[1], None)
     for name, make in makers.items():
         if cls is None or name not in cls.__dict__:
-            raise RuntimeError(f"cppo: {target[0]}.{target[1]}.{name} is gone; {changed}")
+            raise RuntimeError(f"{who}: {target[0]}.{target[1]}.{name} is gone; {changed}")
         wrap(cls, name, make, tag=tag)
 
 

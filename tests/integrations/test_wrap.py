@@ -165,3 +165,6 @@ def test_wrap_methods_wraps_each_named_method_or_names_the_one_gone():
         w.wrap_methods(host, ("host", "C"), {"m": tagged, "nope": tagged}, tag="v", changed="x")
     with pytest.raises(ValueError, match="no methods to wrap on host.C; name at least one"):
         w.wrap_methods(host, ("host", "C"), {}, tag="w", changed="x")
+    # who relied on it begins the message (a diagnostic's own words)
+    with pytest.raises(RuntimeError, match=r"^cppo audit: host.D.m is gone; host changed$"):
+        w.wrap_methods(host, ("host", "D"), {"m": tagged}, tag="u", changed="host changed", who="cppo audit")

@@ -77,7 +77,8 @@ def test_openrlhf_process_group_in_a_module_that_bound_it_early():
 
 
 def test_openrlhf_recorders_install_once_over_the_host_methods(monkeypatch, tmp_path):
-    from cppo_megatron.integrations.openrlhf import audit, metrics
+    from cppo_megatron.integrations.openrlhf import metrics
+    from cppo_megatron.integrations.openrlhf.diagnostics import audit
 
     class TensorboardLogger:
         def log_train(self, global_step, logs_dict):

@@ -5,7 +5,13 @@
 - ``train``: ``python -m cppo_megatron.integrations.openrlhf.train`` runs ``train_ppo_ray`` with the hook.
 - ``recipe``: YAML recipes (``recipes/openrlhf``) -> launcher arguments (``cppo-megatron openrlhf``).
 - ``patching``: the same hook as a source patch (``cppo-megatron patch openrlhf``).
-- ``pinned``: the pinned version, the drift guard over the hooked source, OpenRLHF's parser.
+- ``pinned``: the pinned version, the drift guard over the hooked source, OpenRLHF's parser
+  (the launcher checks every flag against it; ``cppo-megatron patch openrlhf`` reports drift).
+
+Layout: the GPU path at the top (``hook``, ``train``, ``worker``, ``preflight``, ``recipe``,
+``reward``, ``metrics``, ``checkpoint``, ``patching``, ``pinned``, ``observers``) with its features
+beside it (``filtering``: DAPO's filter; ``selective``: GRESO); ``diagnostics/`` for verification
+(the audit, imported only under ``CPPO_OPENRLHF_AUDIT``); ``cpu/`` for the CPU mode.
 
 Nothing here imports OpenRLHF until a function needs it. docs/integrations/openrlhf.md.
 """

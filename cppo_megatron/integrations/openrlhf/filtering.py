@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from ..wrap import unwrap, wrap
+from . import observers
 
 __all__ = [
     "FILTER_ATTR", "GENERATOR_MODULE", "FilterLedger", "FilteredGroup", "StepAccount", "account_step",
@@ -322,10 +323,8 @@ def _wrap_generate(original):
                               filter_range=_range(self.args))
         for exp in accepted:
             setattr(exp, FILTER_ATTR, ledger)
-        from . import audit
-
-        if audit.enabled():
-            audit.record("filter", "generator", **ledger.to_record())
+        if observers.recording():
+            observers.record("filter", role="generator", **ledger.to_record())
         logger.info("dynamic filtering: %d prompts drawn, %d groups filtered, %d passed", ledger.drawn,
                     ledger.num_filtered, ledger.num_passed)
         return accepted, consumed, exhausted

@@ -53,7 +53,7 @@ from ...core import (
 from ...core.signal import signal_metrics
 from ..importhook import after_import, remove
 from ..wrap import is_wrapped, unwrap, wrap
-from . import audit, filtering, selective
+from . import diagnostics, filtering, observers, selective
 from . import early_stop as early_stopping
 from .checkpoint import resumed_step
 
@@ -245,8 +245,8 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
     if infos is not None:  # early_stop/*: every completion kept, pruned after generation or stopped, counted
         es_metrics, es_record = early_stopping.end_step(args, step, rollout_samples, rewards, group_ids, infos, kept)
         metrics.update(es_metrics)
-        if audit.enabled():
-            audit.record("early_stop", "trainer", **es_record)
+        if observers.recording():
+            observers.record("early_stop", role="trainer", **es_record)
     order_out, balance_metrics = _balanced_order(kept, rollout_samples, args, cfg)
     metrics.update(balance_metrics)
     if recorded is not None:
@@ -259,11 +259,11 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
         multiple, int(metrics["cppo/num_groups"]), int(metrics["cppo/groups_fully_pruned"]),
     )  # fmt: skip
     maker._cppo_last_metrics = metrics
-    if audit.enabled():
-        audit.record_prune(rollout_samples, rewards, group_ids, result.selection.kept, order_out.tolist(), step,
-                           account=None if account is None else account.to_record(),
-                           ledgers=[led.serial for led in filtering.ledgers_of(rollout_samples)],
-                           selective=None if recorded is None else recorded[1])
+    # whatever diagnostics subscribed (observers.on_prune; none by default)
+    observers.prune_decided(observers.PruneDecision(
+        step, rollout_samples, rewards, group_ids, result, order_out.tolist(), account=account,
+        ledgers=[led.serial for led in filtering.ledgers_of(rollout_samples)],
+        selective=None if recorded is None else recorded[1]))
     for sample in rollout_samples:  # accounted: the ledger need not travel on to the model actors
         sample.__dict__.pop(filtering.FILTER_ATTR, None)
     return survivors
@@ -524,11 +524,14 @@ def config_from_env() -> CPPOConfig | None:
 
 
 def install_from_env(maker_class: Any = None) -> bool:
-    """Install when ``$CPPO_OPENRLHF_CONFIG`` is set (used by the source patch); True if installed."""
+    """Install when ``$CPPO_OPENRLHF_CONFIG`` is set (the source patch's call, and each Ray worker's
+    on importing the experience maker); True if installed. The diagnostics whose switch is set
+    (``CPPO_OPENRLHF_AUDIT``) are installed with it: the patched source has no worker setup hook."""
     cfg = config_from_env()
     if cfg is None:
         return False
     install(cfg, maker_class)
+    diagnostics.install()  # what CPPO_OPENRLHF_AUDIT asks for; nothing is imported without it
     return True
 
 

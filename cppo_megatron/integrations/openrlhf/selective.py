@@ -71,7 +71,7 @@ from ...core import FilledBatch, check_int
 from ...core.selective_run import SelectiveRun
 from ..importhook import after_import, remove
 from ..wrap import unwrap, wrap
-from . import audit
+from . import observers
 from .checkpoint import resumed_step
 
 __all__ = [
@@ -457,8 +457,8 @@ def _wrap_generate(original):
                                                     dynamic_filtering, **generate_kwargs)
         group_size = int(generate_kwargs.get("n_samples_per_prompt", self.args.rollout.n_samples_per_prompt))
         _match_groups(draw, experiences, group_size)
-        if audit.enabled():
-            audit.record("selective", "generator", **draw.to_record())
+        if observers.recording():
+            observers.record("selective", role="generator", **draw.to_record())
         skipped = len(draw.skipped)
         logger.info("selective rollout, step %d: %d prompts drawn, %d skipped, %d generated", draw.step,
                     len(draw.drawn), skipped, len(draw.kept))

@@ -186,7 +186,7 @@ def allocate(cfg: CPPOConfig, forwarded: list[str], args: Any) -> tuple[list[str
 def ray_runtime_env(cfg: CPPOConfig | None) -> dict:
     """The Ray job environment that carries the hook (and, when on, the CPU mode, audit and
     metrics settings) into every worker."""
-    from . import audit, cpu, metrics
+    from . import cpu, diagnostics, metrics
     from .worker import HOOK
 
     env = {k: os.environ.get(k, v) for k, v in OPENRLHF_RAY_ENV_DEFAULTS.items()}
@@ -198,7 +198,7 @@ def ray_runtime_env(cfg: CPPOConfig | None) -> dict:
         names = [*cpu.worker_env(), *PATH_VARS.values(), "TORCH_EXTENSIONS_DIR", "PATH", metrics.EVAL_BEFORE_ENV,
                  vllm_shm.REGISTRY_ENV]
         env.update({k: os.environ[k] for k in names if k in os.environ})
-    for name in (audit.ENV, metrics.ENV):
+    for name in (*diagnostics.SWITCHES, metrics.ENV):
         if os.environ.get(name):
             env[name] = os.environ[name]
     return {"env_vars": env, "worker_process_setup_hook": HOOK}
@@ -210,10 +210,10 @@ def launch(forwarded: list[str], cfg: CPPOConfig | None, num_gpus: int | None = 
     OpenRLHF's __main__ block. ``num_gpus``: logical GPUs for a CPU run. A dead Ray worker ends
     the run with a line naming it (``integrations/watchdog.py``) and ``resume_hint()``."""
     from .. import watchdog
-    from . import audit, cpu, metrics
+    from . import cpu, diagnostics, metrics
     from .worker import setup
 
-    ours = cfg is not None or cpu.enabled() or audit.enabled() or bool(os.environ.get(metrics.ENV))
+    ours = cfg is not None or cpu.enabled() or bool(diagnostics.requested()) or bool(os.environ.get(metrics.ENV))
     if ours:
         runtime_env = ray_runtime_env(cfg)
         if cfg is not None:

@@ -37,7 +37,7 @@ from ..early_stop_group import GroupCoordinator as SharedCoordinator
 from ..early_stop_group import Segment, generate_in_segments, stream_of
 from . import observers
 from .early_stop_store import VALIDATING, fetch_state
-from .runconfig import cppo_config_from
+from .runconfig import cppo_config_once
 
 __all__ = ["AGENT_NAME", "VALIDATING", "EarlyStopAgentLoop", "GroupCoordinator", "SegmentedServer", "predictor_for"]
 
@@ -117,7 +117,8 @@ class EarlyStopAgentLoop(SingleTurnAgentLoop):
     """veRL's single-turn agent loop, generating through a ``SegmentedServer`` of its prompt's group."""
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any):
-        cfg = cppo_config_from(self.config) if hasattr(self, "config") else None
+        # veRL instantiates a loop per request over its worker's one config: parsed once per config
+        cfg = cppo_config_once(self.config) if hasattr(self, "config") else None
         if cfg is None or not cfg.early_stop.enabled or VALIDATING.get():
             return await super().run(sampling_params, **kwargs)
         step = int(kwargs.get("global_steps", -1))

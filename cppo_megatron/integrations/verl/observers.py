@@ -1,5 +1,6 @@
-"""Who watches the GPU path: the pruning seam's decision and the features' records, handed to
-whatever diagnostics subscribed (none unless asked for: ``diagnostics/__init__.py``).
+"""Who watches veRL's GPU path: the pruning seam's decision and the features' records, handed to
+whatever diagnostics subscribed (none unless asked for: ``diagnostics/__init__.py``). The hub is
+the host-neutral ``integrations/observers.py``; what is veRL's is the decision and its records.
 
 The GPU path never imports a diagnostic. It decides (``hook.py``, through the core), hands the
 decision to its own observers (metrics, the ``cppo`` estimator's statistics, selective
@@ -18,11 +19,12 @@ The audit (``diagnostics/audit.py``) subscribes to both in audit mode (``CPPO_VE
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from ..observers import Observers
 
 __all__ = ["PruneDecision", "on_prune", "on_record", "prune_decided", "record", "recording", "remove",
            "subscribed"]
@@ -57,53 +59,11 @@ class PruneDecision:
     equal_groups: list[str] = field(default_factory=list)
 
 
-_PRUNE: list[Callable[[PruneDecision], None]] = []
-_RECORD: list[Callable[..., None]] = []
-
-
-def on_prune(fn: Callable[[PruneDecision], None]) -> None:
-    """Subscribe ``fn`` to the seam's decision (idempotent)."""
-    if not callable(fn):
-        raise TypeError(f"observers.on_prune: {fn!r} is not callable; pass a function of one PruneDecision")
-    if fn not in _PRUNE:
-        _PRUNE.append(fn)
-
-
-def on_record(fn: Callable[..., None]) -> None:
-    """Subscribe ``fn(kind, role=..., **fields)`` to the features' named records (idempotent)."""
-    if not callable(fn):
-        raise TypeError(f"observers.on_record: {fn!r} is not callable; pass a function (kind, role=..., **fields)")
-    if fn not in _RECORD:
-        _RECORD.append(fn)
-
-
-def remove(fn: Callable[..., None]) -> None:
-    """Unsubscribe ``fn`` from both (tests); nothing when it was not subscribed."""
-    for subscribers in (_PRUNE, _RECORD):
-        if fn in subscribers:
-            subscribers.remove(fn)
-
-
-def subscribed() -> dict[str, list[str]]:
-    """Who listens, by qualified name: ``{"prune": [...], "record": [...]}`` (what a test checks)."""
-    def name(fn: Callable[..., Any]) -> str:
-        return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-
-    return {"prune": [name(f) for f in _PRUNE], "record": [name(f) for f in _RECORD]}
-
-
-def prune_decided(decision: PruneDecision) -> None:
-    """Hand the seam's decision to every subscriber, in subscription order."""
-    for fn in list(_PRUNE):
-        fn(decision)
-
-
-def recording() -> bool:
-    """Whether anyone listens to named records (build a record only then)."""
-    return bool(_RECORD)
-
-
-def record(kind: str, role: str = "trainer", **fields: Any) -> None:
-    """Hand one named record to every subscriber (nothing when none listens)."""
-    for fn in list(_RECORD):
-        fn(kind, role=role, **fields)
+_HUB: Observers[PruneDecision] = Observers()  # veRL's own subscribers (integrations/observers.py)
+on_prune = _HUB.on_prune
+on_record = _HUB.on_record
+remove = _HUB.remove
+subscribed = _HUB.subscribed
+prune_decided = _HUB.prune_decided
+recording = _HUB.recording
+record = _HUB.record

@@ -30,6 +30,7 @@ __all__ = [
     "AGENT_NAME",
     "apply_allocation",
     "apply_early_stop",
+    "cppo_config_once",
     "apply_selective",
     "check_early_stop",
     "check_selective",
@@ -76,6 +77,35 @@ def cppo_config_from(config: Any) -> CPPOConfig:
         section, key = new.split(".")
         values.setdefault(section, {})[key] = values.pop(old)
     return CPPOConfig.from_dict(cast("dict[str, Any]", values))  # an unknown key is an error naming it
+
+
+# id(config) -> (a weak reference to it, its CPPOConfig): parsed once per config object
+_PARSED: dict[int, tuple[weakref.ref, CPPOConfig]] = {}
+
+
+def cppo_config_once(config: Any) -> CPPOConfig:
+    """``cppo_config_from(config)``, parsed on the first call for this config object and kept while
+    it lives. veRL builds a new agent loop for every rollout request, all over their worker's one
+    trainer config, so the early-stopping loop reads its settings here (one parse per worker and
+    run, not per request). By identity, not by value: a DictConfig hashes by printing itself. A
+    config that takes no weak reference (a plain dict) is parsed on every call."""
+    held = _PARSED.get(id(config))
+    if held is not None and held[0]() is config:
+        return held[1]
+    cfg = cppo_config_from(config)
+    try:
+        ref = weakref.ref(config, _forget)
+    except TypeError:  # a dict, a list: no weak reference, no cache
+        return cfg
+    _PARSED[id(config)] = (ref, cfg)
+    return cfg
+
+
+def _forget(ref: weakref.ref) -> None:
+    # the config died: drop its entry (and only its own, should the id be in use again)
+    for key, (held, _) in list(_PARSED.items()):
+        if held is ref:
+            del _PARSED[key]
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ def test_buffered_generation_with_checkpoints_is_warned_about(make_args):
 
 
 def test_the_audit_names_a_loaded_checkpoint_by_its_tag():
-    from cppo_megatron.integrations.openrlhf.audit import _tag_of
+    from cppo_megatron.integrations.openrlhf.diagnostics.audit import _tag_of
 
     # load_ckpt returns DeepSpeed's load_path, the model-states file (deepspeed engine.py:4369-4379)
     assert _tag_of("/r/ckpt/checkpoints/_actor/global_step1/mp_rank_00_model_states.pt") == "global_step1"

@@ -432,10 +432,10 @@ def test_uninstall_leaves_modules_not_imported_alone(monkeypatch):
     assert not early_stop.enabled()
 
 
-def test_the_audit_record_names_every_stopped_row_and_vllms_counts(orl, make_args, make_maker, monkeypatch, tmp_path):
+def test_the_audit_record_names_every_stopped_row_and_vllms_counts(orl, make_args, make_maker, audit_on, tmp_path):
     from cppo_megatron.integrations.records import read
 
-    monkeypatch.setenv("CPPO_OPENRLHF_AUDIT", str(tmp_path))
+    audit_on(tmp_path)
     _maker_run(orl, make_args, make_maker, _responses(STOPPED, REWARDS, LENGTHS), cfg_of())
     (rec,) = read(tmp_path, "early_stop")
     (prune,) = read(tmp_path, "prune")

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from cppo_megatron import CPPOConfig
-from cppo_megatron.integrations.openrlhf import audit, filtering, hook
+from cppo_megatron.integrations.openrlhf import filtering, hook
+from cppo_megatron.integrations.openrlhf.diagnostics import audit
 
 pytestmark = pytest.mark.openrlhf
 
@@ -105,11 +106,11 @@ def test_evaluation_and_unfiltered_runs_pass_through(generator):
 
 
 def test_dapo_then_cppo_through_the_hook_accounts_for_every_completion(generator, orl, make_maker, tmp_path,
-                                                                       monkeypatch):
+                                                                       audit_on):
     """The hook after OpenRLHF's filter: survivors only from nonzero-variance groups, the kept
     count the recipe asks (k per group x the allocated groups), drawn = filtered + passed and
     generated = filtered x G + kept + pruned, in the metrics and the audit records."""
-    monkeypatch.setenv(audit.ENV, str(tmp_path))
+    audit_on(tmp_path)
     gen, args = generator(4, "--train.batch_size", "8", "--rollout.micro_batch_size", "1",
                           "--algo.kl.init_coef", "0")
     samples, _, consumed, _ = gen.generate_samples(max_len=64)
@@ -123,6 +124,7 @@ def test_dapo_then_cppo_through_the_hook_accounts_for_every_completion(generator
     assert m["cppo/filter_completions_generated"] == 7 * G == 3 * G + m["cppo/num_kept"] + m["cppo/num_pruned"]
     (pr,) = audit.read(tmp_path, "prune")
     (fr,) = audit.read(tmp_path, "filter")
+    assert sorted(f.name.split("-")[0] for f in tmp_path.glob("*.jsonl")) == ["generator", "trainer"]
     assert pr["ledgers"] == [fr["serial"]] and pr["account"]["drawn"] == fr["drawn"] == 7
     assert pr["account"] == {**pr["account"], "filtered": 3, "passed": 4, "kept": 8, "pruned": 8,
                                   "generated": 28, "short": False}
@@ -169,10 +171,10 @@ def test_a_ledger_that_does_not_add_up_is_refused(make_rollout):
         filtering.account_step([ledger], num_samples=4, kept=2, target=1)
 
 
-def test_groups_that_pass_with_equal_rewards_are_counted_not_refused(generator, make_maker, tmp_path, monkeypatch):
+def test_groups_that_pass_with_equal_rewards_are_counted_not_refused(generator, make_maker, tmp_path, audit_on):
     """OpenRLHF filters on scores: "q" (scores vary, rewards all 0.5) and "h" (mean 0.5 inside (0, 1)) pass
     with no reward signal. The step runs; the account, the metric and the audit record count them."""
-    monkeypatch.setenv(audit.ENV, str(tmp_path))
+    audit_on(tmp_path)
     gen, args = generator(4, "--train.batch_size", "8", "--rollout.micro_batch_size", "1", "--algo.kl.init_coef",
                           "0", order=["a", "q", "z0", "h", "b"])
     samples, _, consumed, _ = gen.generate_samples(max_len=64)

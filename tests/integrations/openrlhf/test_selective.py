@@ -22,7 +22,9 @@ import torch
 
 from cppo_megatron.config import CPPOConfig, SelectiveConfig
 from cppo_megatron.core.selective import prompt_uniforms
-from cppo_megatron.integrations.openrlhf import audit, hook, selective
+from cppo_megatron.integrations.openrlhf import hook, selective
+from cppo_megatron.integrations.openrlhf.diagnostics import audit
+from cppo_megatron.integrations.records import complete_lines
 
 pytestmark = pytest.mark.openrlhf
 
@@ -80,7 +82,7 @@ def data_file(tmp_path):
 
 
 @pytest.fixture
-def run_fit(orl, make_args, make_maker, data_file, tmp_path, monkeypatch):
+def run_fit(orl, make_args, make_maker, data_file, tmp_path, monkeypatch, audit_on):
     """``run_fit(name, cfg, *flags, seed=0)``: OpenRLHF's ``PPOTrainer.fit`` over the data set with
     the hook (and selective rollout) installed; returns the audit records of the run and the trainer."""
     import openrlhf.trainer.ppo_trainer as pt
@@ -99,7 +101,7 @@ def run_fit(orl, make_args, make_maker, data_file, tmp_path, monkeypatch):
                          "--ckpt.path", str(ckpt or tmp_path / f"{name}_ckpt"), "--ckpt.save_steps", "1", *flags)
         args.eval.steps = float("inf")  # as PPOTrainer.__init__ does for -1
         audit_dir = tmp_path / f"{name}_audit"
-        monkeypatch.setenv(audit.ENV, str(audit_dir))
+        audit_on(audit_dir)
         hook.install(cfg)
         installed.append(True)
         strategy = types.SimpleNamespace(
@@ -193,12 +195,16 @@ def _oracle(records, cfg):
             streak[row] = (code, old[1] + 1 if code and old[0] == code else int(code > 0))
 
 
-def test_the_loop_skips_what_the_core_decides_per_data_row(run_fit):
+def test_the_loop_skips_what_the_core_decides_per_data_row(run_fit, tmp_path):
     """OpenRLHF's loop, 3 episodes: each step draws from the dataloader until it has 3 kept prompts
     (or the epoch ends), the skips are the core's decisions for each row's history, every group is
     filed under its data row (its prompt is that row's question), and each episode draws every row once."""
     out = run_fit("a", CFG)
     records = out["audit"]
+    # the samples generator's draws go to its own file, the hook's prune records to the trainer's
+    roles = {f.name.split("-")[0]: {json.loads(line)["kind"] for line in complete_lines(f)}
+             for f in (tmp_path / "a_audit").glob("*.jsonl")}
+    assert roles == {"generator": {"selective"}, "trainer": {"prune"}}
     draws = _draws(records)
     assert [(d["drawn"], d["skipped"]) for d in draws] == PINNED
     assert [d["step"] for d in draws] == list(range(7))

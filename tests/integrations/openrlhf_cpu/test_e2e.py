@@ -101,7 +101,8 @@ def run_openrlhf(workdir: Path, name: str, *extra: str, attempt: str = "", when=
                         when=when(audit_dir, run_dir) if when else None)
     if expect_ok:
         assert out.returncode == 0, out.log[-8000:]
-    from cppo_megatron.integrations.openrlhf import audit, metrics
+    from cppo_megatron.integrations.openrlhf import metrics
+    from cppo_megatron.integrations.openrlhf.diagnostics import audit
 
     path = run_dir / "metrics.jsonl"
     return {"audit": audit.read(audit_dir) if audit_dir.is_dir() else [],
@@ -238,7 +239,7 @@ def strike_during(step: int, victim: str = "driver", rank: int = 0):
     from .. import interrupt
 
     def when(audit_dir, run_dir):
-        from cppo_megatron.integrations.openrlhf import audit
+        from cppo_megatron.integrations.openrlhf.diagnostics import audit
 
         latest = run_dir / "ckpt" / "checkpoints" / "_actor" / "latest"
 

@@ -6,6 +6,7 @@ tokens read from vLLM's own counters) is test_early_stop_e2e.py."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 import torch
@@ -296,3 +297,58 @@ def test_a_member_that_fails_releases_its_group():
 
     ok, failed = asyncio.run(go())
     assert isinstance(failed, RuntimeError) and len(ok.token_ids) == 12  # the survivor ran on, not waiting
+
+
+def test_the_agent_loop_parses_its_config_once_for_all_requests(monkeypatch):
+    """veRL builds one ``EarlyStopAgentLoop`` per rollout request (``agent_loop.py:683``), all over
+    the worker's one trainer config: 3 prompts x G = 4 requests, each its own loop, parse the
+    ``cppo`` group once; another config object is parsed once more; a plain dict every time."""
+    from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+    from cppo_megatron.integrations.verl import runconfig
+
+    parses: list = []
+    real = runconfig.cppo_config_from
+    monkeypatch.setattr(runconfig, "cppo_config_from", lambda c: parses.append(id(c)) or real(c))
+    monkeypatch.setattr(early_stop_store, "_LOCAL", {})  # no predictor yet: every member runs to its end
+
+    async def single_turn(self, sampling_params, **kwargs):  # veRL's run: one request through its client
+        return await self.server_manager.generate(kwargs["rid"], prompt_ids=[1], sampling_params=sampling_params)
+
+    monkeypatch.setattr(SingleTurnAgentLoop, "run", single_turn)
+    G = 4
+
+    def loop(config, script):
+        agent = early_stop_loop.EarlyStopAgentLoop.__new__(early_stop_loop.EarlyStopAgentLoop)
+        agent.config, agent.server_manager = config, script
+        agent.rollout_config = config.actor_rollout_ref.rollout
+        agent.response_length, agent.prompt_length = 12, 4
+        agent.tokenizer = type("Tok", (), {"eos_token_id": EOS})()
+        return agent
+
+    def step(config, uids):
+        script = Script({f"{u}-{j}": [5] * 6 + [EOS] for u in uids for j in range(G)})
+
+        async def go():
+            return await asyncio.gather(*[loop(config, script).run({}, global_steps=3, uid=u, rid=f"{u}-{j}")
+                                          for u in uids for j in range(G)])
+
+        return asyncio.run(go())
+
+    config = _verl_config(**{"cppo.early_stop.segment_tokens": 3})
+    outs = step(config, ["a", "b", "c"])
+    assert len(outs) == 12 and all(o.token_ids == [5] * 6 + [EOS] for o in outs)
+    assert all(not o.extra_fields[early_stop_loop.INFO_KEY]["stopped"] for o in outs)  # segmented, not stopped
+    assert parses == [id(config)]  # 12 requests, one parse
+    step(config, ["d"])  # the next step's requests: still that one parse
+    assert parses == [id(config)]
+    other = _verl_config(**{"cppo.early_stop.segment_tokens": 3})
+    step(other, ["e"])
+    assert parses == [id(config), id(other)]
+    plain = {"cppo": {"pruning_rate": 0.75}}  # no weak reference: parsed per call, nothing kept
+    assert runconfig.cppo_config_once(plain) == runconfig.cppo_config_once(plain) == CPPOConfig(pruning_rate=0.75)
+    assert parses[2:] == [id(plain), id(plain)] and id(plain) not in runconfig._PARSED
+    other_id = id(other)
+    del other  # a config that dies takes its entry with it (a DictConfig's parent links: a cycle)
+    gc.collect()
+    assert id(config) in runconfig._PARSED and other_id not in runconfig._PARSED

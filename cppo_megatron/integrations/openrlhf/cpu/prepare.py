@@ -135,10 +135,10 @@ def prepare(section: Any, *, build: bool = True) -> CpuRun:
         if not isinstance(s["max_steps"], int) or s["max_steps"] < 1:
             raise ValueError(f"recipe: cpu.max_steps must be an integer >= 1, got {s['max_steps']!r}")
         env[MAX_STEPS_ENV] = str(s["max_steps"])
-    from .. import audit
+    from ..diagnostics import AUDIT_ENV
 
-    if os.environ.get(audit.ENV):
-        env[audit.ENV] = str(Path(os.environ[audit.ENV]).resolve())
+    if os.environ.get(AUDIT_ENV):
+        env[AUDIT_ENV] = str(Path(os.environ[AUDIT_ENV]).resolve())
     # where vLLM's processes record the shared memory they make; the launcher removes it at the end
     registry = Path(os.environ.get(vllm_shm.REGISTRY_ENV) or run_dir / SHM_REGISTRY)
     env[vllm_shm.REGISTRY_ENV] = str(registry.resolve())

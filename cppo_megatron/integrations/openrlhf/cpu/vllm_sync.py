@@ -26,12 +26,14 @@ when the run's CPU mode is on and no CUDA device exists.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
 
 from ...importhook import after_import
 from ...wrap import wrap
+from ..diagnostics import AUDIT_ENV
 
 __all__ = ["WORKER_WRAP_MODULE", "install", "register"]
 
@@ -56,9 +58,10 @@ def _update_weight_cpu(self, name, dtype, shape, empty_cache=False):
         weights = dict(pending)
         pending.clear()
         self.reload_weights(weights_iterator=list(weights.items()))
-        from .. import audit
+        if os.environ.get(AUDIT_ENV):  # the audit (diagnostics/) is imported only in audit mode
+            from ..diagnostics import audit
 
-        audit.record_engine_sync(self, weights)
+            audit.record_engine_sync(self, weights)
 
 
 def _cpu_update_weight(current):

@@ -18,14 +18,14 @@ Ray process; with veRL's own entry point export them yourself, e.g. through
 
 from __future__ import annotations
 
-import importlib
-import os
+from ... import diagnostics as switched
 
-__all__ = ["AUDIT_ENV", "CLOCK_ENV", "KEYS_ENV", "SWITCHES", "install", "requested"]
+__all__ = ["AUDIT_ENV", "CHANGED", "CLOCK_ENV", "KEYS_ENV", "SWITCHES", "install", "requested"]
 
 AUDIT_ENV = "CPPO_VERL_AUDIT"
 KEYS_ENV = "CPPO_VERL_KEYS"
 CLOCK_ENV = "CPPO_VERL_CLOCK"
+CHANGED = "veRL changed (pinned 0.9.1)"  # the end of a "<seam> is gone" refusal (integrations/wrap.wrap_methods)
 # switch -> the modules whose ``install()`` it turns on, in installation order
 SWITCHES: dict[str, tuple[str, ...]] = {
     AUDIT_ENV: ("audit", "audit_vllm"),
@@ -36,16 +36,10 @@ SWITCHES: dict[str, tuple[str, ...]] = {
 
 def requested() -> list[str]:
     """The switches set (non-empty) in this process's environment, in ``SWITCHES`` order."""
-    return [env for env in SWITCHES if os.environ.get(env)]
+    return switched.requested(SWITCHES)
 
 
 def install() -> list[str]:
     """Install the diagnostics whose switch is set (idempotent); returns the modules installed,
     e.g. ``["audit", "audit_vllm"]`` under ``CPPO_VERL_AUDIT``, ``[]`` with no switch set."""
-    installed = []
-    for env in requested():
-        for name in SWITCHES[env]:
-            module = importlib.import_module(f"{__name__}.{name}")
-            if module.install():
-                installed.append(name)
-    return installed
+    return switched.install(__name__, SWITCHES)

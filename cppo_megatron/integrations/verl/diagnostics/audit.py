@@ -52,10 +52,10 @@ import torch
 from ...importhook import after_import
 from ...records import append as _append
 from ...records import optimizer_fingerprint, read
-from ...wrap import wrap
+from ...wrap import wrap, wrap_methods
 from .. import observers
 from ..dapo import REPLAY_BUFFER, REWARD_METRIC, metric_values, recorders
-from . import AUDIT_ENV
+from . import AUDIT_ENV, CHANGED
 
 __all__ = ["ENV", "enabled", "install", "observe", "prune_record", "read", "record"]
 
@@ -236,14 +236,9 @@ _WRAPPERS = {
 
 
 def _patch(module) -> None:
-    for (mod_name, cls_name), wrappers in _WRAPPERS.items():
-        if module.__name__ != mod_name:
-            continue
-        cls = getattr(module, cls_name)
-        for meth, make in wrappers.items():
-            if meth not in cls.__dict__:
-                raise RuntimeError(f"cppo audit: {cls_name}.{meth} is gone; veRL changed (pinned 0.9.1)")
-            wrap(cls, meth, make, tag=WRAP_TAG)
+    for target, wrappers in _WRAPPERS.items():
+        if module.__name__ == target[0]:
+            wrap_methods(module, target, wrappers, tag=WRAP_TAG, changed=CHANGED, who="cppo audit")
 
 
 MEGATRON_ENGINE = ("verl.workers.engine.megatron.transformer_impl", "MegatronEngine")

@@ -39,7 +39,8 @@ import torch
 
 from ...importhook import after_import
 from ...records import tensor_hash
-from ...wrap import wrap
+from ...wrap import wrap_methods
+from . import CHANGED
 from .audit import enabled, record
 
 __all__ = ["ADAPTER", "EXTENSION", "install", "served_difference", "served_parameter", "sharded_difference"]
@@ -276,16 +277,11 @@ def _tp_rank() -> int:
 
 
 def _patch(module) -> None:
-    for (mod_name, cls_name), methods in ((ADAPTER, {"update_weights": _adapter_update}),
-                                          (EXTENSION, {"_update_weights": _extension_update_weights,
-                                                       "update_weights_from_ipc": _extension_update_from_ipc})):
-        if module.__name__ != mod_name:
-            continue
-        cls = getattr(module, cls_name, None)
-        for meth, make in methods.items():
-            if cls is None or meth not in cls.__dict__:
-                raise RuntimeError(f"cppo audit: {mod_name}.{cls_name}.{meth} is gone; veRL changed (pinned 0.9.1)")
-            wrap(cls, meth, make, tag=WRAP_TAG)
+    for target, makers in ((ADAPTER, {"update_weights": _adapter_update}),
+                           (EXTENSION, {"_update_weights": _extension_update_weights,
+                                        "update_weights_from_ipc": _extension_update_from_ipc})):
+        if module.__name__ == target[0]:
+            wrap_methods(module, target, makers, tag=WRAP_TAG, changed=CHANGED, who="cppo audit")
 
 
 def install() -> bool:

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from ...importhook import after_import
-from ...wrap import wrap
-from . import CLOCK_ENV
+from ...wrap import wrap_methods
+from . import CHANGED, CLOCK_ENV
 
 __all__ = ["ENV", "ClockSettings", "Snapshots", "install", "policy_at_marks", "read_run", "settings", "stop_now",
            "write_settings"]
@@ -268,17 +268,12 @@ def _v1_step_begin(original):
 
 
 def _patch(module) -> None:
-    cls = getattr(module, LEGACY[1])
-    if "_get_gen_batch" not in cls.__dict__:
-        raise RuntimeError("cppo clock: RayPPOTrainer._get_gen_batch is gone; veRL changed (pinned 0.9.1)")
-    wrap(cls, "_get_gen_batch", _legacy_gen_batch, tag=WRAP_TAG)
+    wrap_methods(module, LEGACY, {"_get_gen_batch": _legacy_gen_batch}, tag=WRAP_TAG, changed=CHANGED,
+                 who="cppo clock")
 
 
 def _patch_v1(module) -> None:
-    cls = getattr(module, V1[1])
-    if "on_step_begin" not in cls.__dict__:
-        raise RuntimeError("cppo clock: V1 PPOTrainer.on_step_begin is gone; veRL changed (pinned 0.9.1)")
-    wrap(cls, "on_step_begin", _v1_step_begin, tag=WRAP_TAG)
+    wrap_methods(module, V1, {"on_step_begin": _v1_step_begin}, tag=WRAP_TAG, changed=CHANGED, who="cppo clock")
 
 
 def install() -> bool:

@@ -46,15 +46,16 @@ from typing import Any
 
 import torch
 
-from ..importhook import after_import
-from ..records import append as _append
-from ..records import optimizer_fingerprint, read, tensor_hash
-from ..wrap import wrap
-from .checkpoint import resumed_step
+from ...importhook import after_import
+from ...records import append as _append
+from ...records import optimizer_fingerprint, read, tensor_hash
+from ...wrap import wrap
+from .. import observers
+from ..checkpoint import resumed_step
+from . import AUDIT_ENV as ENV
 
-__all__ = ["ENV", "ROW_KEY", "enabled", "install", "read", "record", "tensor_hash"]
+__all__ = ["ENV", "ROW_KEY", "enabled", "install", "observe", "prune_record", "read", "record", "tensor_hash"]
 
-ENV = "CPPO_OPENRLHF_AUDIT"
 ROW_KEY = "cppo_row"
 ACTOR_MODULE = "openrlhf.trainer.ray.ppo_actor"
 STRATEGY_MODULE = "openrlhf.utils.deepspeed.deepspeed"
@@ -85,20 +86,21 @@ def _fingerprint(model) -> float:
     return float(sum(p.detach().float().abs().sum().item() for p in model.parameters()))
 
 
-# ------------------------------------------------------------------------------ trainer side (hook)
-def record_prune(samples: list, rewards: torch.Tensor, group_ids: torch.Tensor, selected: torch.Tensor,
-                 survivors: list[int], step: int, account: dict | None = None,
-                 ledgers: list[str] | None = None, selective: dict | None = None) -> None:
-    """Called by the hook for every rollout batch it prunes (audit mode only). With DAPO's filter,
-    ``account`` is the step's ``filtering.StepAccount`` record and ``ledgers`` the serials of the
-    ``filter`` records whose passed groups this rollout is. With selective rollout, ``selective`` is
-    the step's account (prompts drawn / skipped / generated, each group's prompt index and outcome,
-    the serials of its ``selective`` records)."""
-    for i, sample in enumerate(samples):
+# ------------------------------------------------------------------------------ trainer side (the seam)
+def prune_record(d: observers.PruneDecision) -> None:
+    """The ``prune`` record of one step (an observer of the seam's decision, ``observers.on_prune``).
+    Each sample gets its row id (its index in the rollout) in ``info["cppo_row"]``, which the
+    survivors carry on to the actors' ``train`` records. With DAPO's filter, ``account`` is the
+    step's ``filtering.StepAccount`` record and ``ledgers`` the serials of the ``filter`` records
+    whose passed groups this rollout is. With selective rollout, ``selective`` is the step's
+    account (prompts drawn / skipped / generated, each group's prompt index and outcome, the
+    serials of its ``selective`` records)."""
+    for i, sample in enumerate(d.samples):
         sample.info[ROW_KEY] = torch.tensor([float(i)])
-    record("prune", "trainer", step=step, rows=list(range(len(samples))), prompts=[s.prompts[0] for s in samples],
-           rewards=rewards.tolist(), group_ids=group_ids.tolist(), selected=selected.tolist(), survivors=survivors,
-           account=account, ledgers=ledgers or [], selective=selective)
+    record("prune", "trainer", step=d.step, rows=list(range(len(d.samples))), prompts=[s.prompts[0] for s in d.samples],
+           rewards=d.rewards.tolist(), group_ids=d.group_ids.tolist(), selected=d.result.selection.kept.tolist(),
+           survivors=d.survivors, account=None if d.account is None else d.account.to_record(), ledgers=d.ledgers,
+           selective=d.selective)
 
 
 # ------------------------------------------------------------------------------ actor side
@@ -236,10 +238,19 @@ def _patch_strategy(module) -> None:
         wrap(cls, name, functools.partial(_wrap_ckpt, op), tag=WRAP_TAG)
 
 
+def observe() -> None:
+    """Subscribe the audit to the GPU path's observers: the seam's decision and the features'
+    named records (idempotent)."""
+    observers.on_prune(prune_record)
+    observers.on_record(record)
+
+
 def install() -> bool:
-    """Install the actor-side recorders when ``CPPO_OPENRLHF_AUDIT`` is set; returns whether."""
+    """Subscribe to the seam and install the actor-side recorders when ``CPPO_OPENRLHF_AUDIT`` is
+    set; returns whether."""
     if not enabled():
         return False
+    observe()
     after_import(ACTOR_MODULE, _patch_actor)
     after_import(STRATEGY_MODULE, _patch_strategy)
     return True
