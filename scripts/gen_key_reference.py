@@ -43,6 +43,8 @@ HOSTS: dict[str, str] = {
     "cppo.early_stop.": "trainer, veRL (V1 sync loop); not OpenRLHF",
     "cppo.early_stop.features": "trainer, veRL (`logprob` only; runconfig.check_early_stop); not OpenRLHF",
     "cppo.early_stop.timeout_s": "veRL",
+    # runconfig.check_compatible, openrlhf/hook.check_settings, trainer/config.py (backend=hf)
+    "cppo.two_wave.": "trainer, `backend: hf` (veRL and OpenRLHF refuse it)",
     # the SelectiveConfig help
     "cppo.selective.": "trainer, veRL (V1 sync loop), OpenRLHF (synchronous loop)",
 }
