@@ -178,6 +178,13 @@ def check_settings(values: Mapping[str, Any], estimator: str) -> list[str]:
             "vLLM requests whole, with no segment boundary where a predictor could stop a completion "
             "(docs/early_stopping.md); remove it, or run early stopping in the embedded trainer or veRL"
         )
+    two_wave = values.get("two_wave") or {}
+    if isinstance(two_wave, Mapping) and two_wave.get("enabled"):
+        raise ValueError(
+            "cppo.two_wave.enabled=true is not built for OpenRLHF: the integration sends each prompt's G "
+            "requests whole, before any reward; remove it, or run two waves in the embedded trainer "
+            "(cppo-megatron train, backend=hf)"
+        )
     implied = SUPPORTED_ESTIMATORS.get(estimator)
     if "adv_norm" in values and implied is not None and values["adv_norm"] != implied:
         other = next(e for e, n in SUPPORTED_ESTIMATORS.items() if n == values["adv_norm"]) \

@@ -187,6 +187,10 @@ def test_launch_runs_openrlhfs_own_main_with_the_forwarded_arguments(monkeypatch
      "error: cppo.early_stop.enabled=true is not built for OpenRLHF yet: the integration sends each prompt's "
      "vLLM requests whole, with no segment boundary where a predictor could stop a completion "
      "(docs/early_stopping.md); remove it, or run early stopping in the embedded trainer or veRL"),
+    (["--cppo.two_wave.enabled", "true"],
+     "error: cppo.two_wave.enabled=true is not built for OpenRLHF: the integration sends each prompt's G "
+     "requests whole, before any reward; remove it, or run two waves in the embedded trainer "
+     "(cppo-megatron train, backend=hf)"),
     (["--cppo.adv_norm", "none"],
      "error: cppo.adv_norm=none conflicts with --algo.advantage.estimator group_norm, whose advantage "
      "normalisation (std) the hook follows; remove cppo.adv_norm or use --algo.advantage.estimator dr_grpo"),
