@@ -552,7 +552,7 @@ class Trainer:
         if self.two_wave is not None:
             if TWO_WAVE_STATE_KEY in state:
                 self.two_wave.load_state_dict(state[TWO_WAVE_STATE_KEY])
-            elif self.is_main:
+            else:  # backend=hf only: this is the main rank
                 log(f"--resume: checkpoint {path.name} has no two-wave state (written without cppo.two_wave): "
                     "the two_wave/total_* metrics count from this step")
         if self.policy is not None:  # hf: now; megatron: once prepare() built the shards

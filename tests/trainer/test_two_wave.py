@@ -135,6 +135,18 @@ def test_grpo_with_two_waves_trains_every_completion_of_the_finished_groups(tmp_
     assert cap["rec"]["cppo/num_pruned"] == 0.0
 
 
+def test_keep_mass_fill_rounds_select_among_the_finished_groups_only(tmp_path):
+    """keep_mass with allocation: fill rounds draw prompts until the survivors fill the capacity; every
+    survivor is a row of a finished group, and the accounting still closes."""
+    t, _ = _trainer(tmp_path, "cppo.pruning_rate=null", "cppo.keep_mass=0.9")
+    cap = _step(t)
+    rec, batch = cap["rec"], cap["batch"]
+    finish = _expected_finish(t, batch)
+    assert set((cap["kept"] // 4).tolist()) <= {g for g in range(len(finish)) if finish[g]}
+    assert rec["cppo/num_kept"] + rec["cppo/num_pruned"] + rec["two_wave/completions_unfinished"] == \
+        rec["two_wave/completions_generated"] == rec["alloc/completions_generated"]
+
+
 def test_dynamic_sampling_refills_the_unfinished_groups(tmp_path):
     t, _ = _trainer(tmp_path, "cppo.dynamic_sampling=true", "cppo.max_refill_rounds=3")
     cap = _step(t)
@@ -206,3 +218,75 @@ def test_two_waves_refuse_what_they_cannot_account_for(tmp_path):
     with pytest.raises(ValueError, match="first_wave=2 of G=4, this run with 2 of 8"):
         TwoWaves(CPPOConfig(two_wave={"enabled": True, "first_wave": 2}), group_size=8).load_state_dict(
             tw.state_dict())
+
+
+def test_a_step_where_no_group_finishes_names_the_keys(tmp_path, monkeypatch):
+    """Every first wave agrees: the second wave generates nothing, and the step stops with a message
+    naming what to change (as a step the DAPO filter empties does)."""
+    import tests.trainer.test_two_wave as me
+
+    monkeypatch.setattr(me, "varied", lambda question: False)
+    t, planted = _trainer(tmp_path)
+    with pytest.raises(RuntimeError, match=r"every group's first wave had equal rewards .* raise "
+                                           r"cppo.two_wave.first_wave, lower cppo.two_wave.min_spread, or enable "
+                                           r"cppo.dynamic_sampling"):
+        _step(t)
+    assert len(planted.scored) == 8 * 2  # the first waves alone: 8 prompts x k = 2
+
+
+class _StubRollout:
+    """Our own boundary, ``LocalRollout.generate`` / ``seed``, answering by value: completion j of a
+    call is [call, j], its reward from ``rewards`` in call order, with sampler log-probs (vLLM's)."""
+
+    def __init__(self, rewards):
+        self.rewards, self.calls = list(rewards), []
+
+    def seed(self, step, round_, wave=0):
+        return 100 * step + 10 * round_ + wave
+
+    def generate(self, problems, seed, timer, monitor=None, n=None):
+        self.calls.append((len(problems), n, seed))
+        c = len(self.calls)
+        rows = len(problems) * n
+        rewards = [self.rewards.pop(0) for _ in range(rows)]
+        return {"prompts": [[c, j // n] for j in range(rows)], "completions": [[c, j] for j in range(rows)],
+                "rewards": rewards, "correct": rewards, "formatted": [1.0] * rows, "truncated": [False] * rows,
+                "logprobs": [torch.full((2,), float(c)) for _ in range(rows)], "seconds": 0.5, "stopped": None}
+
+
+def test_waves_are_merged_into_the_group_layout_by_value():
+    """G = 4, k = 2, three prompts; first waves [1, 0] (finish), [1, 1] (not), [0, 1] (finish)."""
+    from cppo_megatron.config import CPPOConfig
+    from cppo_megatron.trainer.two_wave import TwoWaves
+
+    tw = TwoWaves(CPPOConfig(pruning_rate=0.0, two_wave={"enabled": True}), group_size=4)  # no audit file
+    tw.begin_step(3)
+    stub = _StubRollout([1.0, 0.0, 1.0, 1.0, 0.0, 1.0] + [0.0, 0.0, 1.0, 1.0])
+    out = tw.generate(stub, ["a", "b", "c"], step=3, round_=1, timer=None)
+    assert stub.calls == [(3, 2, 310), (2, 2, 311)]  # wave 2: its own seed, the 2 varied prompts only
+    assert out["completions"] == [[1, 0], [1, 1], [2, 0], [2, 1], [1, 2], [1, 3], [], [], [1, 4], [1, 5],
+                                  [2, 2], [2, 3]]
+    assert out["rewards"] == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    assert out["absent"] == [False] * 6 + [True, True] + [False] * 4
+    assert out["prompts"][6] == out["prompts"][4] == [1, 1]  # an absent row keeps its group's prompt
+    assert [lp.tolist() for lp in out["logprobs"]][:3] == [[1.0, 1.0], [1.0, 1.0], [2.0, 2.0]]
+    assert out["logprobs"][6].numel() == 0 and out["seconds"] == 1.0
+    lengths = torch.tensor([2] * 6 + [0, 0] + [2] * 4)
+    batch = types.SimpleNamespace(num_rows=12, completion_lengths=lengths, absent=torch.tensor(out["absent"]),
+                                  prompt_ids=torch.tensor([7, 8, 9]))
+    m = tw.end_step(batch, torch.tensor([0, 1, 2, 3, 8, 9, 10, 11]))
+    assert (m["two_wave/groups_finished"], m["two_wave/completions_generated"], m["two_wave/tokens_generated"]) == \
+        (2.0, 10.0, 20.0)
+
+
+def test_vllm_seeds_each_wave_from_the_run_seed_step_and_round():
+    """Wave 1 keeps the seed a one-wave round had (mix_seed(seed, step, round)); wave 2 its own; HF: the
+    checkpointed global RNG (None)."""
+    from cppo_megatron.rollout import mix_seed
+    from cppo_megatron.trainer.distribution import LocalRollout
+
+    stub = types.SimpleNamespace(r=types.SimpleNamespace(seed=5, rollout=types.SimpleNamespace(engine="vllm")))
+    assert LocalRollout.seed(stub, 2, 1) == mix_seed(5, 2, 1) == LocalRollout.seed(stub, 2, 1, wave=0)
+    assert LocalRollout.seed(stub, 2, 1, wave=1) == mix_seed(5, 2, 1, 1) != mix_seed(5, 2, 1)
+    stub.r.rollout.engine = "hf"
+    assert LocalRollout.seed(stub, 2, 1, wave=1) is None
