@@ -396,20 +396,7 @@ def run(args: argparse.Namespace) -> Report:
     if bar is not None:
         bar.close()
     trainer.main_logger.close()
-
-    rows = []
-    for point, acc in per_point.items():
-        for label in labels:
-            recs = acc[label]
-            if not recs:
-                continue
-            row = {"rl_step": point, "kept_set": label, "batches": len(recs)}
-            for key in ("kept_ratio", "cosine", "rel_error", "norm_ratio", "tokens_share"):
-                m, sd = _mean_sd([r[key] for r in recs])
-                row[key] = m
-                row[f"{key}_sd"] = sd
-            row["ms_per_prompt"] = 1e3 * _mean_sd([r["s_per_prompt"] for r in recs])[0]
-            rows.append(row)
+    rows = _summary_rows(per_point, labels)
     if not rows:
         raise ValueError("every batch had zero reward variance (no gradient): warm the model up first")
     G = recipe.rollout.group_size
@@ -435,6 +422,24 @@ def run(args: argparse.Namespace) -> Report:
         extras={"skipped_batches": skipped},
         plot=lambda fig: _plot(fig, rows, points),
     )
+
+
+def _summary_rows(per_point: dict[int, dict[str, list[dict]]], labels: list[str]) -> list[dict]:
+    """One row per (training point, kept set) that has batches: mean and sd of each figure."""
+    rows = []
+    for point, acc in per_point.items():
+        for label in labels:
+            recs = acc[label]
+            if not recs:
+                continue
+            row = {"rl_step": point, "kept_set": label, "batches": len(recs)}
+            for key in ("kept_ratio", "cosine", "rel_error", "norm_ratio", "tokens_share"):
+                m, sd = _mean_sd([r[key] for r in recs])
+                row[key] = m
+                row[f"{key}_sd"] = sd
+            row["ms_per_prompt"] = 1e3 * _mean_sd([r["s_per_prompt"] for r in recs])[0]
+            rows.append(row)
+    return rows
 
 
 def _fit_predictor(trainer, sampler, args):
