@@ -43,6 +43,8 @@ HOSTS: dict[str, str] = {
     "cppo.early_stop.": "trainer, veRL (V1 sync loop), OpenRLHF (synchronous loop)",
     "cppo.early_stop.features": "trainer, veRL and OpenRLHF (`logprob` only; their check_early_stop / check_args)",
     "cppo.early_stop.timeout_s": "veRL, OpenRLHF",
+    # runconfig.check_compatible, openrlhf/hook.check_settings, trainer/config.py (backend=hf)
+    "cppo.two_wave.": "trainer, `backend: hf` (veRL and OpenRLHF refuse it)",
     # the SelectiveConfig help
     "cppo.selective.": "trainer, veRL (V1 sync loop), OpenRLHF (synchronous loop)",
 }

@@ -22,11 +22,19 @@ predictor is fitted at each point on ``--es-train-batches`` batches sampled befo
 ones (as the trainer fits it on earlier steps). ``tokens_share``: tokens generated over the full
 batch's (1 without early stopping); ``predictor_auc``: its AUC over the measured batches' prefixes.
 
+With ``--two-wave K`` (cppo.two_wave, docs/early_stopping.md "Two waves"): the kept set of two waves
+with a first wave of K, as the trainer would have formed it on these completions (each group's
+first K completions stand for its first wave; ``core.two_wave_advantages``): a group whose first K
+agree is left out, the others keep all G (``P=0``: GRPO + two waves) or CPPO's survivors at each
+rate of --rates. ``tokens_share``: the first waves' tokens plus the finished groups' second waves,
+over the full batch's.
+
 Mean +- sd over batches per (training point, kept set). Batches without any learning
 signal (every group of equal rewards: g = 0) are skipped and counted.
 
   cppo-megatron bench gradient recipes/tiny_cpu.yaml --points 0,20,60 --batches 4
   cppo-megatron bench gradient recipes/worked_cpu.yaml --early-stop --rates 0.875
+  cppo-megatron bench gradient recipes/tiny_cpu.yaml --two-wave 4 --rates 0.875 --points 0
 """
 
 from __future__ import annotations
@@ -42,7 +50,8 @@ import torch
 from ..recipes import arg_type as recipe_arg
 from .report import Report
 
-__all__ = ["KeptSet", "compare", "configure", "early_stop_sets", "kept_sets", "policy_gradient", "run"]
+__all__ = ["KeptSet", "compare", "configure", "early_stop_sets", "kept_sets", "policy_gradient", "run",
+           "two_wave_sets"]
 
 DEFAULT_RATES = "0.5,0.75,0.875,0.9375"
 DEFAULT_KEEP_MASS = "0.5,0.8,0.9,0.95"
@@ -52,7 +61,7 @@ DEFAULT_KEEP_MASS = "0.5,0.8,0.9,0.95"
 class KeptSet:
     """One selection rule to compare: a label and the ``CPPOConfig`` fields it sets; ``early_stop``:
     the estimator of an early-stopping set (``"impute"`` / ``"finished"``), ``oracle``: its predictor
-    knows the outcome (an upper bound)."""
+    knows the outcome (an upper bound); ``two_wave``: the first wave's size k of a two-wave set."""
 
     label: str
     metric: str
@@ -60,6 +69,7 @@ class KeptSet:
     keep_mass: float | None = None
     early_stop: str | None = None
     oracle: bool = False
+    two_wave: int | None = None
 
 
 def early_stop_sets(rate: float) -> list[KeptSet]:
@@ -68,6 +78,13 @@ def early_stop_sets(rate: float) -> list[KeptSet]:
             KeptSet(f"early_stop finished P={rate:g}", "smallest", pruning_rate=rate, early_stop="finished"),
             KeptSet(f"early_stop oracle P={rate:g} (upper bound)", "smallest", pruning_rate=rate,
                     early_stop="impute", oracle=True)]
+
+
+def two_wave_sets(first_waves: list[int], rates: list[float]) -> list[KeptSet]:
+    """The two-wave kept sets: for each first wave k, GRPO + two waves (P = 0) and CPPO + two waves at
+    each rate of ``rates``."""
+    return [KeptSet(f"two_wave k={k} P={p:g}", "smallest", pruning_rate=p, two_wave=k)
+            for k in first_waves for p in [0.0, *rates]]
 
 
 def kept_sets(rates: list[float], keep_mass: list[float]) -> list[KeptSet]:
@@ -152,6 +169,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--early-stop", action="store_true",
                         help="also the kept sets of CPPO + early stopping (cppo.early_stop: each estimator, and an "
                              "oracle upper bound) at each pruning rate of --rates")
+    parser.add_argument("--two-wave", default=None, metavar="K[,K...]",
+                        help="also the kept sets of two waves (cppo.two_wave) with a first wave of K completions "
+                             "per prompt: GRPO + two waves (P=0) and CPPO + two waves at each rate of --rates")
     parser.add_argument("--es-train-batches", type=int, default=2,
                         help="with --early-stop: batches sampled at each point, before the measured ones, to fit "
                              "the predictor on (default 2)")
@@ -167,6 +187,14 @@ def _floats(name: str, text: str, lo: float, hi: float, lo_open: bool = False, h
         raise ValueError(f"{name} must be numbers in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}, "
                          f"got {text!r}")
     return vals
+
+
+def _first_waves(text: str, G: int) -> list[int]:
+    """``--two-wave``'s first-wave sizes: comma-separated integers in [2, G)."""
+    vals = _floats("--two-wave", text, 2, G, hi_open=True)
+    if any(v != int(v) for v in vals):
+        raise ValueError(f"--two-wave must be integers in [2, {G}) (completions per prompt), got {text!r}")
+    return [int(v) for v in vals]
 
 
 def _sample_batch(trainer, sampler, prompts: int):
@@ -228,31 +256,57 @@ def measure_batch(trainer, prompts_rep, completions, rewards, sets: list[KeptSet
                       keep_mass=ks.keep_mass)
         t0 = time.perf_counter()
         share, extra = 1.0, {}
-        if ks.early_stop is not None:
-            if early is None:
-                continue
-            res, share, extra = _early_stop_set(trainer, ks, cfg, rewards, gids, completions, early, step)
+        weights = None
+        if ks.two_wave is not None:
+            kept_rows, kept_adv, share, extra = _two_wave_set(ks, cfg, rewards, completions, G, step)
         else:
-            res = prune(rewards, gids, cfg, step=step)
-        sel = res.selection
-        kept = sel.kept.tolist()
+            if ks.early_stop is not None:
+                if early is None:
+                    continue
+                res, share, extra = _early_stop_set(trainer, ks, cfg, rewards, gids, completions, early, step)
+            else:
+                res = prune(rewards, gids, cfg, step=step)
+            kept_rows, kept_adv = res.selection.kept, res.kept_advantages
+            weights = res.selection.weights if res.selection.weighted else None
+        kept = kept_rows.tolist()
         if not kept:
             g = torch.zeros_like(g_full)
         else:
             kb = KeptBatch([prompts_rep[i] for i in kept], [completions[i] for i in kept])
-            if sel.weighted:  # HT: weights and the full batch's denominators
-                g = policy_gradient(trainer.model, kb, res.kept_advantages, r.train, weights=sel.weights,
+            if weights is not None:  # HT: weights and the full batch's denominators
+                g = policy_gradient(trainer.model, kb, kept_adv, r.train, weights=weights,
                                     num_tokens=full_tokens, num_seqs=float(rewards.numel()), **common)
             else:
-                g = policy_gradient(trainer.model, kb, res.kept_advantages, r.train, **common)
+                g = policy_gradient(trainer.model, kb, kept_adv, r.train, **common)
         row = compare(g, g_full)
-        row["kept_ratio"] = sel.num_kept / rewards.numel()
+        row["kept_ratio"] = len(kept) / rewards.numel()
         row["s_per_prompt"] = (time.perf_counter() - t0) / n_prompts
         row["tokens_share"] = share
         row.update(extra)
         out[ks.label] = row
     out["full"]["tokens_share"] = 1.0
     return out
+
+
+def _two_wave_set(ks: KeptSet, cfg, rewards, completions, G: int, step: int):
+    """(kept rows [K] int64 in batch order, their advantages [K], tokens share, extra metrics) of a
+    two-wave kept set on a batch generated in full: the finished groups (``core.two_wave_advantages``
+    on the first ``ks.two_wave`` columns), then CPPO's selection among their rows at ``cfg``'s rate."""
+    from ..core import prune
+    from ..core.two_wave import two_wave_advantages
+
+    assert ks.two_wave is not None  # only two-wave sets come here
+    k = ks.two_wave
+    adv, finish = two_wave_advantages(rewards.reshape(-1, G), k, cfg)
+    lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64).reshape(-1, G)
+    made = float(lengths[:, :k].sum() + lengths[finish, k:].sum())
+    share = made / max(float(lengths.sum()), 1.0)
+    rows = (finish.nonzero().squeeze(1)[:, None] * G + torch.arange(G)).reshape(-1)
+    extra = {"finished_share": float(finish.float().mean())}
+    if rows.numel() == 0:  # no group finished: nothing trains
+        return rows, adv[:0], share, extra
+    res = prune(rewards[rows], torch.arange(rows.numel()) // G, cfg, step=step)
+    return rows[res.selection.kept], res.kept_advantages, share, extra
 
 
 def _early_stop_set(trainer, ks: KeptSet, cfg, rewards, gids, completions, early: dict, step: int):
@@ -304,6 +358,7 @@ def run(args: argparse.Namespace) -> Report:
     if recipe.backend != "hf":
         raise ValueError(f"bench gradient measures gradients of the HF policy in one process; got backend="
                          f"{recipe.backend}: run it with backend=hf (the kept sets are the same on both backends)")
+    first_waves = _first_waves(args.two_wave, recipe.rollout.group_size) if getattr(args, "two_wave", None) else []
     out = Path(args.out)
     t_start = time.perf_counter()
     warm = warm_start(recipe, out, args.warmup_checkpoint)
@@ -312,7 +367,7 @@ def run(args: argparse.Namespace) -> Report:
         "log.plots": False, "log.checkpoint_every": 0, "train.steps": 10**9, "train.max_time_s": 0.0})
     trainer = Trainer(run_recipe)
     trainer.prepare(initial_eval=False)
-    sets = kept_sets(rates, masses)
+    sets = kept_sets(rates, masses) + two_wave_sets(first_waves, rates)
     if args.early_stop:
         sets += [ks for rate in rates for ks in early_stop_sets(rate)]
     labels = ["full"] + [s.label for s in sets]
@@ -341,20 +396,7 @@ def run(args: argparse.Namespace) -> Report:
     if bar is not None:
         bar.close()
     trainer.main_logger.close()
-
-    rows = []
-    for point, acc in per_point.items():
-        for label in labels:
-            recs = acc[label]
-            if not recs:
-                continue
-            row = {"rl_step": point, "kept_set": label, "batches": len(recs)}
-            for key in ("kept_ratio", "cosine", "rel_error", "norm_ratio", "tokens_share"):
-                m, sd = _mean_sd([r[key] for r in recs])
-                row[key] = m
-                row[f"{key}_sd"] = sd
-            row["ms_per_prompt"] = 1e3 * _mean_sd([r["s_per_prompt"] for r in recs])[0]
-            rows.append(row)
+    rows = _summary_rows(per_point, labels)
     if not rows:
         raise ValueError("every batch had zero reward variance (no gradient): warm the model up first")
     G = recipe.rollout.group_size
@@ -380,6 +422,24 @@ def run(args: argparse.Namespace) -> Report:
         extras={"skipped_batches": skipped},
         plot=lambda fig: _plot(fig, rows, points),
     )
+
+
+def _summary_rows(per_point: dict[int, dict[str, list[dict]]], labels: list[str]) -> list[dict]:
+    """One row per (training point, kept set) that has batches: mean and sd of each figure."""
+    rows = []
+    for point, acc in per_point.items():
+        for label in labels:
+            recs = acc[label]
+            if not recs:
+                continue
+            row = {"rl_step": point, "kept_set": label, "batches": len(recs)}
+            for key in ("kept_ratio", "cosine", "rel_error", "norm_ratio", "tokens_share"):
+                m, sd = _mean_sd([r[key] for r in recs])
+                row[key] = m
+                row[f"{key}_sd"] = sd
+            row["ms_per_prompt"] = 1e3 * _mean_sd([r["s_per_prompt"] for r in recs])[0]
+            rows.append(row)
+    return rows
 
 
 def _fit_predictor(trainer, sampler, args):
@@ -419,7 +479,7 @@ def _bar(total: int, enabled: bool):
 
 def _plot(fig, rows: list[dict], points: list[int]) -> None:
     colors = {"smallest": "tab:blue", "largest": "tab:red", "random": "tab:gray", "importance": "tab:green",
-              "keep_mass": "tab:purple", "importance+keep_mass": "tab:olive"}
+              "keep_mass": "tab:purple", "importance+keep_mass": "tab:olive", "two_wave": "tab:orange"}
     styles = ["-", "--", ":", "-."]
     axes = [fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)]
     for key, ax, ylabel in ((("cosine", axes[0], "cosine to the full-batch gradient")),

@@ -65,7 +65,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation", default=None,
                         help="comma-separated of " + ",".join(GENERATION) + " (default all): what each arm generates; "
                              "selective = cppo.selective.enabled (GRESO: skip prompts whose recent groups all had "
-                             "equal rewards), dapo = cppo.dynamic_sampling (drop zero-variance groups, refill); "
+                             "equal rewards), dapo = cppo.dynamic_sampling (drop zero-variance groups, refill), "
+                             "early_stop = cppo.early_stop (P > 0 only), two_wave = cppo.two_wave (k completions "
+                             "per prompt first, the rest only where they varied; at P=0 GRPO + two waves); "
                              "crossed with every rate, metric and allocation; with a veRL recipe every arm then runs "
                              "veRL's V1 loop (the one that filters and that selective rollout hooks)")
     parser.add_argument("--exclude", default=None,

@@ -32,6 +32,8 @@ GENERATION = {
     "selective": ({"cppo.selective.enabled": True}, " + selective rollout"),  # GRESO: skip before generation
     "dapo": ({"cppo.dynamic_sampling": True}, " + DAPO filter"),  # drop zero-variance groups, refill
     "early_stop": ({"cppo.early_stop.enabled": True}, " + early stopping"),  # stop completions inside the engine
+    # k per prompt first, the rest only where they varied; at P = 0 it is GRPO + two waves (the baseline arm)
+    "two_wave": ({"cppo.two_wave.enabled": True}, " + two waves"),
 }
 # generation modes that need pruning (P > 0): their GRPO arm would be the plain one
 NEEDS_PRUNING = ("early_stop",)

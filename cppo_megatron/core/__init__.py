@@ -17,6 +17,8 @@ library; ``tests/core/test_layering.py`` keeps it so).
 - ``early_stop`` (settings: ``settings.EarlyStopConfig``): early stopping inside the rollout engine:
   prefix features, the online predictor and its history, the stop rule, the estimator for
   groups with stopped completions, accounting and predictor quality
+- ``two_wave`` (settings: ``settings.TwoWaveConfig``): adaptive group size in two waves: which
+  groups get their second wave, where each wave's rows sit, accounting, the estimator
 """
 
 from ._checks import check_int  # public: the int check adapters share with the core
@@ -74,7 +76,17 @@ from .selective import (
     target_shares,
 )
 from .selective_run import SelectiveRun
-from .settings import DEFAULT_PRUNING_RATE, METRICS, SCOPES, CPPOConfig, EarlyStopConfig, SelectiveConfig, keep_count
+from .settings import (
+    DEFAULT_PRUNING_RATE,
+    METRICS,
+    SCOPES,
+    CPPOConfig,
+    EarlyStopConfig,
+    SelectiveConfig,
+    TwoWaveConfig,
+    keep_count,
+)
+from .two_wave import TwoWaveAccounting, finish_groups, two_wave_accounting, two_wave_advantages, wave_rows
 
 __all__ = [
     "ADV_NORMS",
@@ -83,6 +95,8 @@ __all__ = [
     "CPPOConfig",
     "DEFAULT_PRUNING_RATE",
     "EarlyStopConfig",
+    "TwoWaveAccounting",
+    "TwoWaveConfig",
     "ExplorationRates",
     "FilledBatch",
     "GroupOutcomes",
@@ -137,4 +151,8 @@ __all__ = [
     "target_shares",
     "sequence_workload",
     "token_logprobs",
+    "finish_groups",
+    "two_wave_accounting",
+    "two_wave_advantages",
+    "wave_rows",
 ]

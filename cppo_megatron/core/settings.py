@@ -48,6 +48,7 @@ __all__ = [
     "RENAMED",
     "SCOPES",
     "SELECTIVE_PARAMETERS",
+    "TwoWaveConfig",
     "SelectiveConfig",
     "build_sections",
     "check_config",
@@ -104,6 +105,7 @@ CHECKS = {
     "> 0": lambda v: v > 0,
     ">= 0": lambda v: v >= 0,
     ">= 1": lambda v: v >= 1,
+    ">= 2": lambda v: v >= 2,
     "(0, 1]": lambda v: 0 < v <= 1,
     "[0, 1]": lambda v: 0 <= v <= 1,
     "[0, 1)": lambda v: 0 <= v < 1,
@@ -418,6 +420,58 @@ class EarlyStopConfig:
 
 @document_fields
 @dataclass
+class TwoWaveConfig:
+    """Adaptive group size in two waves (a cheap baseline beside early stopping; beyond CPPO): the
+    ``cppo.two_wave`` section. Each drawn prompt first gets ``first_wave`` = k completions; only the
+    groups whose k rewards differ (spread > ``min_spread``) get the other G - k, in the same step. A
+    group whose first wave agreed stays at k completions: its advantages would all be 0, so it is not
+    trained on and is counted as unfinished (with its k completions, generated and dropped).
+    ``core.two_wave`` holds the rule and the accounting; docs/early_stopping.md ("Two waves") states
+    the estimator and its bias. P = 0 with two waves is the GRPO baseline arm.
+
+        cfg = CPPOConfig(pruning_rate=0.0, two_wave={"enabled": True, "first_wave": 4})
+        cfg.two_wave.first_wave_for(group_size=16)   # -> 4
+    """
+
+    enabled: bool = setting(False, """generate each group in two waves: k completions per prompt, then the other
+        G - k only for the groups whose first wave shows reward variance (the embedded trainer, backend=hf).""")
+    first_wave: int | None = setting(None, """k, completions per prompt in the first wave, 2 <= k < G; null: G / 4
+        (at least 2: 16 -> 4). A group of k equal rewards is left unfinished.""", check=">= 2",
+        fix="one completion never shows reward variance, so no group would be finished")
+    min_spread: float = setting(0.0, """a group is finished when the spread (max - min) of its first-wave rewards
+        is larger than this; 0: any difference. With correct + format rewards, 0.5 ignores groups that differ
+        in format alone.""", check=">= 0")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, where: str = "CPPOConfig.two_wave") -> TwoWaveConfig:
+        """Check every key (``check_fields``); ValueError naming ``where.key``."""
+        check_fields(self, where)
+        return self
+
+    def check_with(self, *, early_stop: bool, selective: bool) -> None:
+        """The rules that span the CPPO settings (``CPPOConfig.validate`` calls it)."""
+        if not self.enabled:
+            return
+        for name, on in (("early_stop.enabled", early_stop), ("selective.enabled", selective)):
+            if on:
+                raise ValueError(f"cppo.two_wave does not combine with cppo.{name}: each decides from a group's "
+                                 "rewards which completions to generate; turn one of them off")
+
+    def first_wave_for(self, group_size: int) -> int:
+        """k for groups of ``group_size`` completions: ``first_wave`` (default G / 4, at least 2); a
+        ValueError naming the key when k >= G (the second wave would generate nothing)."""
+        check_int("group_size", group_size, minimum=1)
+        k = max(2, group_size // 4) if self.first_wave is None else self.first_wave
+        if k >= group_size:
+            raise ValueError(f"cppo.two_wave.first_wave={k} must be smaller than rollout.group_size={group_size}: "
+                             f"the second wave generates G - k completions; use 2 <= k < {group_size}")
+        return k
+
+
+@document_fields
+@dataclass
 class CPPOConfig:
     """Completion pruning (CPPO) settings.
 
@@ -482,6 +536,9 @@ class CPPOConfig:
     early_stop: EarlyStopConfig = setting(None, """early stopping inside the rollout engine (beyond CPPO): stop,
         while they generate, the completions CPPO would prune (cppo.early_stop.enabled; docs/early_stopping.md).""",
         default_factory=EarlyStopConfig)
+    two_wave: TwoWaveConfig = setting(None, """adaptive group size in two waves (a baseline beside early stopping):
+        k completions per prompt first, the rest only where they show reward variance (cppo.two_wave.enabled;
+        docs/early_stopping.md, "Two waves").""", default_factory=TwoWaveConfig)
 
     def __post_init__(self) -> None:
         build_sections(self, "cppo")  # CPPOConfig(**cfg.to_dict()), CPPOConfig(selective={"enabled": True})
@@ -509,6 +566,7 @@ class CPPOConfig:
             raise ValueError(f"{where}: workload_linear and workload_quadratic are both 0")
         self.early_stop.check_with(is_grpo=self.is_grpo, scope=self.scope, keep_mass=self.keep_mass,
                                    dynamic_sampling=self.dynamic_sampling, selective=self.selective.enabled)
+        self.two_wave.check_with(early_stop=self.early_stop.enabled, selective=self.selective.enabled)
         return self
 
     # ------------------------------------------------------------------ derived values
@@ -595,6 +653,8 @@ class CPPOConfig:
             + (" selective.enabled=True" if self.selective.enabled else "")
             + (f" early_stop(segment={self.early_stop.segment_tokens}, estimator={self.early_stop.estimator})"
                if self.early_stop.enabled else "")
+            + (f" two_wave(first_wave={self.two_wave.first_wave}, min_spread={self.two_wave.min_spread:g})"
+               if self.two_wave.enabled else "")
         )
 
 

@@ -326,6 +326,10 @@ def validate_recipe(recipe: Recipe) -> Recipe:
         raise RecipeError(f"cppo.early_stop.enabled needs backend=hf (one process), got backend={recipe.backend}: the "
                           "Megatron backend does not stop completions yet; set backend=hf or "
                           "cppo.early_stop.enabled=false")
+    if recipe.cppo.two_wave.enabled and recipe.backend != "hf":
+        raise RecipeError(f"cppo.two_wave.enabled needs backend=hf (one process), got backend={recipe.backend}: the "
+                          "Megatron backend does not generate in two waves yet; set backend=hf or "
+                          "cppo.two_wave.enabled=false")
     if recipe.backend == "megatron" and recipe.model.source == "config":
         tp, pp = recipe.megatron.tp, recipe.megatron.pp
         if recipe.model.num_kv_heads % tp:
@@ -336,6 +340,8 @@ def validate_recipe(recipe: Recipe) -> Recipe:
         recipe.cppo.validate()
         if recipe.cppo.keep_mass is None:  # keep_mass decides k per group at run time
             recipe.cppo.keep_for_group(recipe.rollout.group_size)  # k > G is an error now, not mid-run
+        if recipe.cppo.two_wave.enabled:
+            recipe.cppo.two_wave.first_wave_for(recipe.rollout.group_size)  # k >= G: now, not mid-run
     except ValueError as exc:
         raise RecipeError(f"recipe key cppo: {exc}") from exc
     return recipe

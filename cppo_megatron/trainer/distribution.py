@@ -42,15 +42,17 @@ class _Rollout:
         """Ask the engine for its sampling log-probs (vLLM: checked against the trainer's)."""
         return self.r.rollout.engine != "hf"
 
-    def params(self, seed: int | None) -> SamplingParams:
+    def params(self, seed: int | None, n: int | None = None) -> SamplingParams:
+        """Sampling parameters: ``n`` completions per prompt (default G)."""
         ro = self.r.rollout
-        return SamplingParams(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p,
+        return SamplingParams(n=ro.group_size if n is None else n, temperature=ro.temperature, top_p=ro.top_p,
                               max_new_tokens=ro.max_new_tokens, logprobs=self.want_logprobs, seed=seed)
 
-    def generate(self, problems: list, seed: int | None, timer: PhaseTimer, monitor=None) -> dict:
-        """This rank's rows for ``problems``: prompts, completions, rewards (timed). ``monitor``: the
-        round's early-stopping ``StopMonitor``; the completions it stopped are not scored."""
-        G = self.r.rollout.group_size
+    def generate(self, problems: list, seed: int | None, timer: PhaseTimer, monitor=None, n: int | None = None) -> dict:
+        """This rank's rows for ``problems``: prompts, completions, rewards (timed), ``n`` per prompt
+        (default G; ``cppo.two_wave`` asks for each wave's). ``monitor``: the round's early-stopping
+        ``StopMonitor``; the completions it stopped are not scored."""
+        G = self.r.rollout.group_size if n is None else n
         empty: dict[str, Any] = dict(prompts=[], completions=[], rewards=[], correct=[], formatted=[], truncated=[],
                      logprobs=[] if self.want_logprobs else None, seconds=0.0, stopped=None)
         if not problems:
@@ -59,7 +61,7 @@ class _Rollout:
             t0 = time.perf_counter()
             template = self.r.task.prompt_template
             p_ids = [self.tok.prompt_ids(template.format(question=p.question)) for p in problems]
-            out = self.engine.generate(p_ids, self.params(seed), **({} if monitor is None else {"monitor": monitor}))
+            out = self.engine.generate(p_ids, self.params(seed, n), **({} if monitor is None else {"monitor": monitor}))
             seconds = time.perf_counter() - t0
         stopped = [r == "stopped" for r in out.finish_reasons]
         with timer.phase("reward"):
@@ -77,19 +79,26 @@ class LocalRollout(_Rollout):
 
     rank, world, dp_rank, dp, is_main = 0, 1, 0, 1, True
 
-    def __init__(self, engine, task, tok, recipe, early_stop=None) -> None:
+    def __init__(self, engine, task, tok, recipe, early_stop=None, two_wave=None) -> None:
         super().__init__(engine, task, tok, recipe)
         self.eval_engine = engine
         self.early_stop = early_stop  # trainer.early_stop.EarlyStopping (cppo.early_stop), or None
+        self.two_wave = two_wave  # trainer.two_wave.TwoWaves (cppo.two_wave), or None
 
-    def seed(self, step: int, round_: int) -> int | None:
-        # vLLM: a seed per (run seed, step, round), so a resumed run samples what the
+    def seed(self, step: int, round_: int, wave: int = 0) -> int | None:
+        # vLLM: a seed per (run seed, step, round[, second wave]), so a resumed run samples what the
         # uninterrupted one did with no engine state; HF: the checkpointed global RNG
-        return None if self.r.rollout.engine == "hf" else mix_seed(self.r.seed, step, round_)
+        if self.r.rollout.engine == "hf":
+            return None
+        return mix_seed(self.r.seed, step, round_) if wave == 0 else mix_seed(self.r.seed, step, round_, wave)
 
     def round(self, ids: list[int], *, step: int, round_: int, timer: PhaseTimer) -> RoundRows:
-        monitor = None if self.early_stop is None else self.early_stop.monitor(round_, len(ids))
-        rows = self.generate([self.task.train[i] for i in ids], self.seed(step, round_), timer, monitor)
+        problems = [self.task.train[i] for i in ids]
+        if self.two_wave is not None:
+            rows = self.two_wave.generate(self, problems, step=step, round_=round_, timer=timer)
+        else:
+            monitor = None if self.early_stop is None else self.early_stop.monitor(round_, len(ids))
+            rows = self.generate(problems, self.seed(step, round_), timer, monitor)
         return _round_rows(rows, [rows], [0], local_start=0)
 
     def sync(self, weights: dict) -> None:
@@ -252,6 +261,7 @@ def _round_rows(mine: dict, everyone: list, owners: list, *, local_start: int) -
         local_start=local_start, prompts=mine["prompts"], completions=mine["completions"],
         logprobs=mine["logprobs"], seconds=mine["seconds"],
         stopped=None if mine.get("stopped") is None else cat("stopped"),
+        absent=None if mine.get("absent") is None else cat("absent"),
     )
 
 

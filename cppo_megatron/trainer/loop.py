@@ -60,6 +60,8 @@ from .selective import STATE_KEY as SELECTIVE_STATE_KEY
 from .selective import SelectiveRollout
 from .sft import sft_warmup
 from .step import PhaseTimer, collect_groups, select_survivors
+from .two_wave import STATE_KEY as TWO_WAVE_STATE_KEY
+from .two_wave import TwoWaves
 
 __all__ = ["INTERRUPTED_MARKER", "REPEAT_WINDOW_S", "Trainer", "load_weights"]
 
@@ -147,12 +149,15 @@ class Trainer:
 
     def _setup_rollout(self) -> None:
         """The rollout (its engine; which rank is the main one), and (``cppo.early_stop.enabled``)
-        the early stopping it runs (trainer/early_stop.py)."""
+        the early stopping it runs (trainer/early_stop.py) or (``cppo.two_wave.enabled``) its two
+        waves (trainer/two_wave.py)."""
         r = self.r
         self.early_stop = EarlyStopping(r.cppo, group_size=r.rollout.group_size,
                                         max_new_tokens=r.rollout.max_new_tokens,
                                         audit_path=self.out / "early_stop.jsonl") \
             if r.cppo.early_stop.enabled else None
+        self.two_wave = TwoWaves(r.cppo, group_size=r.rollout.group_size, audit_path=self.out / "two_wave.jsonl") \
+            if r.cppo.two_wave.enabled else None
         self.rollout = self._build_rollout()
         self.engine = self.rollout.engine
         self.is_main = self.rollout.is_main
@@ -207,10 +212,13 @@ class Trainer:
         r = self.r
         if not self.distributed:
             return LocalRollout(build_engine(r.rollout.engine, **self._engine_kwargs()), self.task, self.tok, r,
-                                early_stop=self.early_stop)
+                                early_stop=self.early_stop, two_wave=self.two_wave)
         if self.early_stop is not None:
             raise ValueError("cppo.early_stop runs with backend=hf (one process); backend=megatron does not support "
                              "it yet: set cppo.early_stop.enabled=false or backend=hf")
+        if self.two_wave is not None:
+            raise ValueError("cppo.two_wave runs with backend=hf (one process); backend=megatron does not support "
+                             "it yet: set cppo.two_wave.enabled=false or backend=hf")
         from ..rollout import HFEngine
 
         # the HF copy holds the current policy (final.pt, warm-up) and generates when engine=hf
@@ -406,6 +414,8 @@ class Trainer:
             draw = self._selective_draw
         if self.early_stop is not None:
             self.early_stop.begin_step(self.step)
+        if self.two_wave is not None:
+            self.two_wave.begin_step(self.step)
         batch = collect_groups(self.rollout, self.planner, self.sampler, group_size=r.rollout.group_size,
                                dynamic_sampling=r.cppo.dynamic_sampling, step=self.step, timer=timer,
                                cppo_cfg=r.cppo, draw=draw)
@@ -437,6 +447,8 @@ class Trainer:
         rec = step_record(r, self.rollout, self.planner, self.sampler, batch, surv, rows, old, ref, upd,
                           timer.seconds, t_step)
         rec.update(selective)
+        if self.two_wave is not None:
+            rec.update(self.two_wave.end_step(batch, surv.kept))
         if self.early_stop is not None:  # last: it refits the predictor on this step's rewards
             rec.update(self.early_stop.end_step(batch, surv.kept))
         return rec
@@ -493,6 +505,8 @@ class Trainer:
                 state[SELECTIVE_STATE_KEY] = self.selective.state_dict()
             if self.early_stop is not None:
                 state[EARLY_STOP_STATE_KEY] = self.early_stop.state_dict()
+            if self.two_wave is not None:
+                state[TWO_WAVE_STATE_KEY] = self.two_wave.state_dict()
         # the slow group: writing a large shard may take longer than a collective may wait
         barrier = lambda: self.rollout.barrier(slow=True)  # noqa: E731
         if self._fs_peers is None:  # which ranks write into the same directory (local disks per node)
@@ -535,6 +549,12 @@ class Trainer:
                 log(f"--resume: checkpoint {path.name} has no early-stopping state (written without "
                     "cppo.early_stop): the predictor starts untrained and stops nothing until it has "
                     f"{self.r.cppo.early_stop.min_examples} finished completions of each outcome")
+        if self.two_wave is not None:
+            if TWO_WAVE_STATE_KEY in state:
+                self.two_wave.load_state_dict(state[TWO_WAVE_STATE_KEY])
+            else:  # backend=hf only: this is the main rank
+                log(f"--resume: checkpoint {path.name} has no two-wave state (written without cppo.two_wave): "
+                    "the two_wave/total_* metrics count from this step")
         if self.policy is not None:  # hf: now; megatron: once prepare() built the shards
             self.policy.load_state_dict(policy)
             set_rng_state(policy["rng"])

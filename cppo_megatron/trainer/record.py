@@ -44,7 +44,8 @@ def step_record(recipe, rollout, planner, sampler, batch, surv, rows, old, ref, 
     rec: dict = {f"time/{k}": v for k, v in seconds.items()}
     rec["time/step"] = time.perf_counter() - t_step
     # over the completions that finished (all of them unless cppo.early_stop stopped some: a stopped
-    # completion has no reward; early_stop/reward_mean_estimate imputes them)
+    # completion has no reward; early_stop/reward_mean_estimate imputes them; cppo.two_wave's absent
+    # rows were never generated)
     fin = batch.finished
     rec["reward/mean"] = float(batch.rewards[fin].double().mean())  # float64: a float32 sum drifts at 1e-9
     rec["reward/correct_rate"] = float(batch.correct[fin].double().mean())
@@ -56,7 +57,8 @@ def step_record(recipe, rollout, planner, sampler, batch, surv, rows, old, ref, 
     rec.update(rows.placement)
     imb = rows.placement["cppo/exchange_imbalance"]
     rec["cppo/exchange_mean_load"] = rows.placement["cppo/exchange_max_load"] / imb if imb > 0 else 0.0
-    rec.update(rollout_metrics(batch.completion_lengths, batch.truncated,
+    gen = batch.generated  # cppo.two_wave: an unfinished group's absent rows were never generated
+    rec.update(rollout_metrics(batch.completion_lengths[gen], batch.truncated[gen],
                                max(x["generate_seconds"] for x in ranks)))
     rec.update(diff)
     # signal/*: every group generated this step (dropped and pruned ones too), as in the hosts; the

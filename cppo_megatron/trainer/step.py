@@ -49,6 +49,7 @@ class RoundRows:
     logprobs: list | None = None  # [len(completion)] float32 sampler log-probs per local row
     seconds: float = 0.0  # this rank's generation time
     stopped: list | None = None  # stopped early by cppo.early_stop (every row of the round); None: off
+    absent: list | None = None  # never generated: cppo.two_wave's unfinished groups' last G - k rows; None: off
 
 
 @dataclass(frozen=True)
@@ -59,13 +60,16 @@ class RolloutBatch:
     ``rewards`` / ``correct`` / ``formatted`` [N] float32, ``prompt_lengths`` /
     ``completion_lengths`` [N] int64, ``truncated`` [N] bool, ``owner`` [N] int64 (the
     data-parallel rank holding the row), ``valid_groups`` [V] int64 ascending (groups that
-    go to selection), ``dropped_prompts`` (zero-variance groups dynamic sampling removed),
+    go to selection), ``dropped_prompts`` (zero-variance groups dynamic sampling removed, and
+    the groups ``cppo.two_wave`` left unfinished),
     ``prompt_ids`` [P] int64 the dataset index of every generated group (P = N / G, draw
     order, dropped groups included).
     Local: ``local_rows`` [n] int64 ascending global row of each row this rank holds, with
     its ``prompts`` / ``completions`` token ids and ``sampler_logprobs`` (vLLM only).
     ``stopped`` [N] bool: completions stopped early (``cppo.early_stop``; their reward is
     never computed: 0 in ``rewards`` / ``correct`` / ``formatted``, never read).
+    ``absent`` [N] bool: rows never generated (``cppo.two_wave``: the last G - k rows of a group
+    whose first wave agreed; length 0, reward 0, never read; the group is not valid).
     """
 
     group_size: int
@@ -86,15 +90,29 @@ class RolloutBatch:
     rounds: int
     seconds: float
     stopped: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    absent: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
 
     def __post_init__(self) -> None:
-        if self.stopped.numel() == 0 and self.num_rows:
-            object.__setattr__(self, "stopped", torch.zeros(self.num_rows, dtype=torch.bool))
+        for name in ("stopped", "absent"):
+            if getattr(self, name).numel() == 0 and self.num_rows:
+                object.__setattr__(self, name, torch.zeros(self.num_rows, dtype=torch.bool))
 
     @property
     def finished(self) -> torch.Tensor:
-        """[N] bool: completions that ran to their end (not stopped early): the only ones rewarded."""
-        return ~self.stopped
+        """[N] bool: completions generated that ran to their end (not stopped early, not absent):
+        the only ones rewarded."""
+        return ~self.stopped & ~self.absent
+
+    @property
+    def generated(self) -> torch.Tensor:
+        """[N] bool: rows the engine generated (every row but the absent ones)."""
+        return ~self.absent
+
+    @property
+    def dropped_completions(self) -> int:
+        """Completions generated in groups that go to no selection (dynamic sampling's drops,
+        ``cppo.two_wave``'s unfinished groups)."""
+        return int(self.generated.sum()) - int(self.valid_rows.numel())
 
     @property
     def num_rows(self) -> int:
@@ -197,10 +215,13 @@ def collect_groups(rollout: Any, planner: AllocationPlanner, sampler: PromptSamp
         part = rollout.round(ids, step=step, round_=rounds, timer=timer)
         if len(part.rewards) != len(ids) * G:
             raise RuntimeError(f"rollout round {rounds}: {len(part.rewards)} rewards for {len(ids)} prompts x G={G}")
-        planner.record_round(len(ids), len(ids) * G)
+        absent = part.absent or [False] * len(part.rewards)
+        planner.record_round(len(ids), len(ids) * G - sum(absent))
         for g in range(len(ids)):
             group = part.rewards[g * G : (g + 1) * G]
-            if dynamic_sampling and max(group) == min(group):
+            if any(absent[g * G : (g + 1) * G]):  # cppo.two_wave left it at its first wave: no signal
+                dropped += 1
+            elif dynamic_sampling and max(group) == min(group):
                 dropped += 1
             else:
                 valid.append(drawn + g)
@@ -223,6 +244,7 @@ def _assemble(parts: list[RoundRows], G: int, valid: list[int], dropped: int, ro
 
     local: list[int] = []
     stopped: list[bool] = []
+    absent: list[bool] = []
     prompts: list = []
     completions: list = []
     logprobs: list | None = [] if parts and parts[0].logprobs is not None else None
@@ -235,6 +257,7 @@ def _assemble(parts: list[RoundRows], G: int, valid: list[int], dropped: int, ro
             assert p.logprobs is not None  # one engine: every round carries sampler log-probs, or none does
             logprobs.extend(p.logprobs)
         stopped.extend(p.stopped if p.stopped is not None else [False] * len(p.rewards))
+        absent.extend(p.absent if p.absent is not None else [False] * len(p.rewards))
         offset += len(p.rewards)
     return RolloutBatch(
         group_size=G,
@@ -255,6 +278,7 @@ def _assemble(parts: list[RoundRows], G: int, valid: list[int], dropped: int, ro
         rounds=rounds,
         seconds=sum(p.seconds for p in parts),
         stopped=torch.tensor(stopped, dtype=torch.bool),
+        absent=torch.tensor(absent, dtype=torch.bool),
     )
 
 
@@ -290,6 +314,10 @@ def select_survivors(batch: RolloutBatch, cfg: Any, planner: AllocationPlanner, 
     estimator); the survivors are chosen among the finished rows, the stopped ones count as pruned."""
     rows = batch.valid_rows
     if rows.numel() == 0:
+        if bool(batch.absent.any()):
+            raise RuntimeError("every group's first wave had equal rewards (cppo.two_wave left them unfinished): "
+                               "raise cppo.two_wave.first_wave, lower cppo.two_wave.min_spread, or enable "
+                               "cppo.dynamic_sampling to draw replacements")
         raise RuntimeError("every group was dropped for zero reward variance; raise cppo.max_refill_rounds or "
                            "disable cppo.dynamic_sampling")
     if cfg.early_stop.enabled:
@@ -300,7 +328,7 @@ def select_survivors(batch: RolloutBatch, cfg: Any, planner: AllocationPlanner, 
     else:
         res = prune(batch.rewards[rows], batch.group_ids[rows], cfg, step=step)
     alloc = planner.end_step(res.selection, dropped_prompts=batch.dropped_prompts,
-                             dropped_completions=batch.dropped_prompts * batch.group_size)
+                             dropped_completions=batch.dropped_completions)
     advantages = torch.zeros(batch.num_rows, dtype=torch.float32)
     advantages[rows] = res.advantages.to(torch.float32)
     kept = rows[res.selection.kept]

@@ -97,6 +97,41 @@ def test_gradient_bench_compares_early_stopping(tmp_path):
     assert by["full"]["tokens_share"] == 1.0 and by["smallest P=0.75"]["tokens_share"] == 1.0
 
 
+def test_two_wave_set_keeps_the_finished_groups_and_counts_their_tokens():
+    """Planted rewards, G = 4, k = 2: group 0's first two agree (left out although its last two differ),
+    group 1's differ (finished: all 4 at P = 0, CPPO's 2 largest |A| at P = 0.5), group 2 has none."""
+    from cppo_megatron.bench.gradient import _two_wave_set, two_wave_sets
+    from cppo_megatron.config import CPPOConfig
+
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    completions = [[1] * n for n in (2, 2, 9, 9, 3, 3, 3, 3, 1, 1, 9, 9)]
+    (grpo, cppo) = two_wave_sets([2], [0.5])
+    assert (grpo.label, grpo.pruning_rate, cppo.label) == ("two_wave k=2 P=0", 0.0, "two_wave k=2 P=0.5")
+    rows, adv, share, extra = _two_wave_set(grpo, CPPOConfig(pruning_rate=0.0), rewards, completions, 4, step=0)
+    assert rows.tolist() == [4, 5, 6, 7] and adv.tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-5)
+    # tokens: every group's first wave (2+2, 3+3, 1+1) and group 1's second (3+3), of all 54
+    assert share == pytest.approx(18 / 54) and extra == {"finished_share": pytest.approx(1 / 3)}
+    rows, adv, _, _ = _two_wave_set(cppo, CPPOConfig(pruning_rate=0.5), rewards, completions, 4, step=0)
+    assert rows.tolist()[0] == 4 and rows.numel() == 2 and adv[0] == pytest.approx(1.5, abs=1e-5)
+    none, adv, share, extra = _two_wave_set(grpo, CPPOConfig(pruning_rate=0.0), torch.zeros(12), completions, 4, 0)
+    assert none.numel() == 0 and adv.numel() == 0 and extra["finished_share"] == 0.0
+
+
+def test_gradient_bench_compares_two_waves(tmp_path):
+    """--two-wave K adds GRPO + two waves (P = 0) and CPPO + two waves at each rate, beside CPPO and
+    random; a first wave outside [2, G) or not an integer exits 2."""
+    out = tmp_path / "g"
+    assert main(["bench", "gradient", "recipes/tiny_cpu.yaml", *TOY, "--points", "0", "--batches", "2",
+                 "--prompts", "4", "--rates", "0.75", "--keep-mass", "0.9", "--two-wave", "2", "--out", str(out)]) == 0
+    by = {r["kept_set"]: r for r in json.loads((out / "gradient.json").read_text())["rows"]}
+    grpo, cppo = by["two_wave k=2 P=0"], by["two_wave k=2 P=0.75"]
+    assert 0 < grpo["tokens_share"] <= 1.0 and grpo["tokens_share"] == cppo["tokens_share"]
+    assert cppo["kept_ratio"] == pytest.approx(grpo["kept_ratio"] / 4)  # k = 2 of each finished group of 8
+    assert -1.0 <= grpo["cosine"] <= 1.0 and "random P=0.75" in by
+    for bad in ("8", "1", "2.5"):
+        assert main(["bench", "gradient", "recipes/tiny_cpu.yaml", *TOY, "--two-wave", bad, "--out", str(out)]) == 2
+
+
 def test_predictor_bench_scores_each_feature_set_on_held_out_steps(tmp_path):
     out = tmp_path / "pr"
     es = ["rollout.max_new_tokens=8", "cppo.early_stop.segment_tokens=2", "cppo.early_stop.success_threshold=0.05",

@@ -192,8 +192,18 @@ def test_study_crosses_generation_modes_and_reports_tokens_and_time_to_target(tm
 
 def test_unknown_generation_mode_is_an_error():
     with pytest.raises(ValueError, match=r"--generation: unknown \['greso'\]; choose from \['all', 'selective', 'dapo', "
-                                         r"'early_stop'\]"):
+                                         r"'early_stop', 'two_wave'\]"):
         study_table.grid(_args(study, ["r.yaml", "--generation", "all,greso"]))
+
+
+def test_the_two_wave_arm_runs_at_p0_as_the_grpo_baseline_and_beside_cppo():
+    """Two waves need no pruning (NEEDS_PRUNING leaves it out): at P = 0 it is GRPO + two waves."""
+    runs = study_table.grid(_args(study, ["r.yaml", "--rates", "0,0.875", "--metrics", "smallest", "--generation",
+                                          "all,two_wave,early_stop", "--seeds", "1", "--no-control"]))
+    assert [study_table.arm_name(r) for r in runs] == [
+        "p0_grpo_alloc", "p0_grpo_alloc_two_wave", "p0.875_smallest_alloc", "p0.875_smallest_alloc_two_wave",
+        "p0.875_smallest_alloc_early_stop"]
+    assert study_table.GENERATION["two_wave"][0] == {"cppo.two_wave.enabled": True}
 
 
 def _summary_row(p, metric, mean, sd, seeds):

@@ -151,7 +151,7 @@ def test_every_field_is_checked_from_its_metadata_alone():
         with pytest.raises(ValueError) as err:
             check_fields(Section(**kwargs), "x")
         assert str(err.value) == message
-    assert set(CHECKS) == {"> 0", ">= 0", ">= 1", "(0, 1]", "[0, 1]", "[0, 1)"}
+    assert set(CHECKS) == {"> 0", ">= 0", ">= 1", ">= 2", "(0, 1]", "[0, 1]", "[0, 1)"}
 
 
 def test_the_key_helpers_nest_flatten_and_refuse_by_name():

@@ -38,6 +38,14 @@ def test_twins_differ_only_in_the_pruning_rate(cppo, grpo):
     assert a["cppo.pruning_rate"] == 0.875 and b["cppo.pruning_rate"] == 0.0
 
 
+def test_the_two_wave_recipe_is_the_grpo_twin_with_two_waves():
+    """worked_cpu_two_wave.yaml: worked_cpu_grpo.yaml (P = 0) with cppo.two_wave on, k = G / 4."""
+    a, b = (_flat(recipe_to_dict(load_recipe(recipe_path(n)))) for n in ("worked_cpu_two_wave", "worked_cpu_grpo"))
+    diff = {k for k in a if a[k] != b[k]}
+    assert diff == {"cppo.two_wave.enabled", "cppo.two_wave.first_wave", "out_dir"}
+    assert a["cppo.two_wave.first_wave"] == 4 == a["rollout.group_size"] // 4 and a["cppo.pruning_rate"] == 0.0
+
+
 @pytest.mark.parametrize("name", [n for pair in TWINS for n in pair])
 def test_positions_cover_prompt_and_every_new_token(name):
     r = load_recipe(recipe_path(name))

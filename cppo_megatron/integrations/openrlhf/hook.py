@@ -172,6 +172,13 @@ def check_settings(values: Mapping[str, Any], estimator: str) -> list[str]:
             "cppo.equal_size=false cannot be honoured under OpenRLHF: each actor gets an equal consecutive "
             "chunk of the survivors, so they are always balanced into equal-size parts; remove it"
         )
+    two_wave = values.get("two_wave") or {}
+    if isinstance(two_wave, Mapping) and two_wave.get("enabled"):
+        raise ValueError(
+            "cppo.two_wave.enabled=true is not built for OpenRLHF: the integration sends each prompt's G "
+            "requests whole, before any reward; remove it, or run two waves in the embedded trainer "
+            "(cppo-megatron train, backend=hf)"
+        )
     implied = SUPPORTED_ESTIMATORS.get(estimator)
     if "adv_norm" in values and implied is not None and values["adv_norm"] != implied:
         other = next(e for e, n in SUPPORTED_ESTIMATORS.items() if n == values["adv_norm"]) \

@@ -264,6 +264,12 @@ def check_compatible(config: Any) -> None:
         )
     check_selective(config)
     check_early_stop(config)
+    if cfg.two_wave.enabled:
+        raise ValueError(
+            "cppo.two_wave.enabled=true is not built for veRL: veRL generates every group whole before the "
+            "plugin's seam; set cppo.two_wave.enabled=false, or run two waves in the embedded trainer "
+            "(cppo-megatron train, backend=hf)"
+        )
     node = config.get("cppo", None)
     if node is not None and node.get("equal_size", None) is False:
         raise ValueError(

@@ -186,6 +186,10 @@ def test_launch_runs_openrlhfs_own_main_with_the_forwarded_arguments(monkeypatch
     (["--cppo.early_stop.enabled", "true", "--train.async_enable"],
      "error: cppo.early_stop.enabled=true with --train.async_enable: the asynchronous trainer generates ahead of "
      "the step whose predictor must decide; remove the flag"),
+    (["--cppo.two_wave.enabled", "true"],
+     "error: cppo.two_wave.enabled=true is not built for OpenRLHF: the integration sends each prompt's G "
+     "requests whole, before any reward; remove it, or run two waves in the embedded trainer "
+     "(cppo-megatron train, backend=hf)"),
     (["--cppo.adv_norm", "none"],
      "error: cppo.adv_norm=none conflicts with --algo.advantage.estimator group_norm, whose advantage "
      "normalisation (std) the hook follows; remove cppo.adv_norm or use --algo.advantage.estimator dr_grpo"),

@@ -268,6 +268,12 @@ def test_settings_veRL_cannot_honour_are_refused(config):
     with pytest.raises(ValueError, match=r"^cppo.equal_size=false cannot be honoured under veRL: .* set "
                                          r"cppo.equal_size=true$"):
         prepare(config)
+    with open_dict(config):
+        config.cppo.equal_size = True
+        config.cppo.two_wave = {"enabled": True}
+    with pytest.raises(ValueError, match=r"^cppo.two_wave.enabled=true is not built for veRL: .* set "
+                                         r"cppo.two_wave.enabled=false"):
+        prepare(config)
     assert config.data.train_batch_size == 4  # refused before anything changed
 
 
