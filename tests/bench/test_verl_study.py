@@ -85,6 +85,11 @@ def test_generation_counts_read_the_rollout_servers_counters_and_the_skipped_pro
     assert got == {"completions": 160, "tokens": 700, "skipped": 3.0, "prompts": 13.0, "tokens_per_step": 350.0}
     assert verl_study.generation_counts(syncs, metrics, 3, 16)["prompts"] == 224 / 16 + 4
     assert verl_study.generation_counts([{"step": 1, "elapsed": 1.0}], metrics, 1, 16) is None  # old logs
+    # early stopping: each 16-token segment is a request; the completions are what the steps started
+    es = {1: {"early_stop/started": 32.0}, 2: {"early_stop/started": 32.0}, 3: {}}
+    got = verl_study.generation_counts(syncs, es, 2, 16)
+    assert got == {"completions": 64, "tokens": 700, "skipped": 0.0, "prompts": 4.0, "tokens_per_step": 350.0}
+    assert verl_study.generation_counts(syncs, es, 3, 16)["completions"] == 224  # a step without: the server's
     with pytest.raises(ValueError, match="group_size must be >= 1"):
         verl_study.generation_counts(syncs, metrics, 1, 0)
 
