@@ -258,9 +258,9 @@ def generation_counts(sync_rows: list[dict], metrics: dict[int, dict], step: int
     last = max(rows, key=lambda r: (int(r["step"]), float(r["elapsed"])))
     completions, tokens = int(last["requests"]), int(last["tokens"])
     started = [metrics.get(s, {}).get("early_stop/started") for s in range(1, step + 1)]
-    if step and all(v is not None for v in started):
+    if step and None not in started:
         # early stopping sends each segment as its own request: count the completions it started
-        completions = int(sum(float(v) for v in started))
+        completions = int(sum(float(v or 0.0) for v in started))
     skipped = float(sum(metrics.get(s, {}).get("selective/prompts_skipped", 0.0) for s in range(1, step + 1)))
     return {"completions": completions, "tokens": tokens, "skipped": skipped,
             "prompts": completions / group_size + skipped, "tokens_per_step": tokens / step if step else 0.0}
