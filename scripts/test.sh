@@ -56,10 +56,13 @@ if [[ "${VERL_VLLM_TESTS:-1}" == "1" ]]; then
   bash scripts/setup_verl_vllm.sh
 fi
 export PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-# each pytest leaves with its own status once its summary is out, skipping the interpreter's
-# finalization, where in-process Ray/ZeroMQ teardown once crashed a passed run (tests/conftest.py);
-# pytest-cov has saved and combined its data by then (it does so when the test loop ends)
+# a pytest that started Ray or ZeroMQ in its own process leaves with its status once its summary is
+# out, skipping the interpreter's finalization, where such teardown once crashed a passed run
+# (tests/conftest.py); pytest-cov has saved and combined its data by then. Only the two modules in
+# INPROC start them, and they run in a pytest of their own: every other pytest finalizes, and a crash
+# at its exit fails CI (docs/testing.md, "Two CI failures, looked for")
 export CPPO_PYTEST_HARD_EXIT=1
+INPROC=(tests/integrations/verl/test_v1_hook.py tests/integrations/verl/test_cpu_checkpoint_engine.py)
 # a crash in native code (a pytest, or a process it starts) prints every thread's Python stack
 # (docs/testing.md, "Two CI failures, looked for")
 export PYTHONFAULTHANDLER=1
@@ -132,19 +135,21 @@ if [[ $# -eq 0 ]]; then
   start_bg "veRL end-to-end runs (${E2E[*]})" \
     .venv/bin/python -m pytest -q -p no:cacheprovider $DURATIONS --basetemp="$bg_dir/e2e-tmp" "${E2E[@]}"
   start_bg ".venv-bridge and .venv-vllm" envs_stream
-  set -- "${E2E[@]/#/--ignore=}"
+  set -- "${E2E[@]/#/--ignore=}" "${INPROC[@]/#/--ignore=}"
   rc=0
   {
     # lint and type check: the whole package (rules and paths in pyproject.toml); mypy's cache
     # lives outside the clone (a second run checks only what changed)
     rm -f .coverage .coverage.*
     if [[ "${COVERAGE:-1}" == "1" ]]; then
-      cov=(--cov --cov-report=) floor=(.venv/bin/python scripts/coverage_floor.py)
+      cov=(--cov --cov-report=) append=(--cov --cov-append --cov-report=) floor=(.venv/bin/python scripts/coverage_floor.py)
     else
-      cov=() floor=(true)
+      cov=() append=() floor=(true)
     fi
     .venv/bin/python -m ruff check && .venv/bin/python -m mypy --cache-dir "$CACHE/mypy" &&
-      .venv/bin/python -m pytest -q $DURATIONS "${cov[@]}" "$@" && "${floor[@]}" && seams_block
+      .venv/bin/python -m pytest -q $DURATIONS "${cov[@]}" "$@" &&
+      .venv/bin/python -m pytest -q -p no:cacheprovider $DURATIONS "${append[@]}" "${INPROC[@]}" &&
+      "${floor[@]}" && seams_block
   } || rc=$?
   echo "(the foreground stream ended ${SECONDS} s after setup began)"
   finish_bg || rc=$?

@@ -13,8 +13,10 @@ modules that start them in the pytest process, tests/integrations/verl/test_cpu_
 (ZeroMQ) 30 times and test_v1_hook.py (Ray, TransferQueue) with it 11 times, all exited 0
 (docs/testing.md, "Two CI failures, looked for"). So the workaround
 is kept only where its suspect is present: after each test, ``natives_started`` notes whether Ray
-is initialised or a ZeroMQ context exists in this process. A crash during the session is still a
-failure: the exit happens only after the last report, and pytest-cov has saved and combined its
+is initialised or a ZeroMQ context exists in this process, and ``note_natives`` which test it was
+first live after; the hard exit prints that (``hard_exit_line``). scripts/test.sh runs the only two
+modules that start them in a pytest of their own, so every other pytest of CI finalizes.
+A crash during the session is still a failure: the exit happens only after the last report, and pytest-cov has saved and combined its
 data by then (it does so when the test loop ends).
 """
 
@@ -28,7 +30,7 @@ from typing import Any
 import pytest
 
 _STATUS = pytest.StashKey[int]()
-_NATIVES: set[str] = set()  # what natives_started saw in this process during any test
+_NATIVES: dict[str, str] = {}  # each runtime natives_started saw here -> the first test after which it was live
 
 
 def natives_started(modules: Mapping[str, Any], thread_names: Iterable[str]) -> set[str]:
@@ -46,7 +48,19 @@ def natives_started(modules: Mapping[str, Any], thread_names: Iterable[str]) -> 
     return found
 
 
-def hard_exit(flag: str | None, natives: set[str]) -> bool:
+def note_natives(seen: dict[str, str], found: set[str], nodeid: str) -> None:
+    """Record in ``seen`` the test after which each runtime of ``found`` was first live (the first wins)."""
+    for name in sorted(found):
+        seen.setdefault(name, nodeid)
+
+
+def hard_exit_line(seen: dict[str, str]) -> str:
+    """The line a hard-exiting pytest prints: which runtime made it skip finalization, first live after which test."""
+    return "CPPO_PYTEST_HARD_EXIT: finalization skipped; " + "; ".join(
+        f"{name} first live after {nodeid}" for name, nodeid in sorted(seen.items()))
+
+
+def hard_exit(flag: str | None, natives: set[str] | dict[str, str]) -> bool:
     """Whether the session ends with ``os._exit``: the flag is "1" and a suspect runtime was started."""
     return flag == "1" and bool(natives)
 
@@ -73,7 +87,8 @@ def pytest_runtest_call(item: pytest.Item):
         return (yield)
     finally:
         if "ray" in sys.modules or "zmq" in sys.modules:
-            _NATIVES.update(natives_started(sys.modules, _thread_names() if "zmq" in sys.modules else []))
+            found = natives_started(sys.modules, _thread_names() if "zmq" in sys.modules else [])
+            note_natives(_NATIVES, found, item.nodeid)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
@@ -95,6 +110,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     if not hard_exit(os.environ.get("CPPO_PYTEST_HARD_EXIT"), _NATIVES) or _STATUS not in config.stash:
         return
+    print(hard_exit_line(_NATIVES), file=sys.stderr)
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         if stream is not None:
             stream.flush()

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from tests.conftest import hard_exit, natives_started
+from tests.conftest import hard_exit, hard_exit_line, natives_started, note_natives
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,6 +42,17 @@ def test_hard_exit_needs_the_flag_and_a_suspect_runtime():
     assert hard_exit("1", {"ray"}) and hard_exit("1", {"zmq"})
     assert not hard_exit("1", set())  # a pytest that never started them finalizes as usual
     assert not hard_exit(None, {"ray"}) and not hard_exit("0", {"ray", "zmq"})
+    assert hard_exit("1", {"zmq": "t.py::a"}) and not hard_exit("1", {})
+
+
+def test_the_first_test_after_which_a_runtime_is_live_is_kept_and_named():
+    seen: dict[str, str] = {}
+    note_natives(seen, set(), "t.py::a")
+    note_natives(seen, {"zmq"}, "t.py::b")
+    note_natives(seen, {"zmq", "ray"}, "t.py::c")  # zmq is still live: b keeps it
+    assert seen == {"zmq": "t.py::b", "ray": "t.py::c"}
+    assert hard_exit_line(seen) == ("CPPO_PYTEST_HARD_EXIT: finalization skipped; "
+                                    "ray first live after t.py::c; zmq first live after t.py::b")
 
 
 TEST = '''
@@ -66,5 +77,7 @@ def test_the_hook_exits_hard_only_after_ray_or_zmq_and_keeps_pytests_status(tmp_
         (tmp_path / "test_x.py").write_text(TEST.format(mode=mode))
         out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-s", "test_x.py"],
                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-        seen[mode] = (out.returncode, "FINALIZED" in out.stdout)
-    assert seen == {"zmq": (0, False), "plain": (0, True), "fail": (1, True)}
+        seen[mode] = (out.returncode, "FINALIZED" in out.stdout, "finalization skipped" in out.stderr)
+        if mode == "zmq":
+            assert "zmq first live after test_x.py::test_one" in out.stderr
+    assert seen == {"zmq": (0, False, True), "plain": (0, True, False), "fail": (1, True, False)}
