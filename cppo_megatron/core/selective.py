@@ -834,8 +834,13 @@ class FilledBatch:
     def __post_init__(self) -> None:
         if self.forced is None:
             object.__setattr__(self, "forced", torch.zeros(self.decision.num_candidates, dtype=torch.bool))
-        elif self.forced.shape != self.decision.skip.shape or bool((self.forced & ~self.decision.skip).any()):
-            raise ValueError("FilledBatch.forced must be a [d] bool mask of skipped candidates, aligned with decision")
+        elif self.forced.dtype != torch.bool or self.forced.shape != self.decision.skip.shape:
+            raise ValueError(f"FilledBatch.forced must be a [d] = [{self.decision.num_candidates}] bool mask aligned "
+                             f"with decision, got {self.forced.dtype} of shape {tuple(self.forced.shape)}")
+        elif bool((self.forced & ~self.decision.skip).any()):
+            i = int((self.forced & ~self.decision.skip).nonzero()[0, 0])
+            raise ValueError(f"FilledBatch.forced[{i}] is True but the rule kept candidate {i} (prompt id "
+                             f"{int(self.decision.prompt_ids[i])}): only skipped candidates can be forced")
 
     @property
     def forced_mask(self) -> torch.Tensor:

@@ -253,7 +253,9 @@ def flatten_keys(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def field_help(cls: type) -> dict[str, str]:
-    """field name -> help text of a dataclass built with ``setting``."""
+    """field name -> help text of a dataclass (or of an instance's class) built with ``setting``."""
+    if not dataclasses.is_dataclass(cls):
+        raise ValueError(f"field_help needs a dataclass type (e.g. CPPOConfig), got {cls!r}")
     return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
 
 

@@ -262,7 +262,9 @@ class MegatronActor:
         # `step` tensor (distrib_optimizer.py:817-826), which torch's AdamW then increments once per
         # parameter: Adam's bias correction after a resume would count #params steps per step
         for param_state in opt.optimizer.state.values():
-            if isinstance(param_state.get("step"), torch.Tensor):
+            # no branch: a state without a `step` tensor exists only with Apex / Transformer Engine (CUDA), whose
+            # FusedAdam keeps it in the param group (distrib_optimizer.py:818 sets it only without HAVE_APEX_OR_TE)
+            if isinstance(param_state.get("step"), torch.Tensor):  # pragma: no branch
                 param_state["step"] = param_state["step"].clone()
         by_name = dict(unwrap_model(self.model).named_parameters())
         with torch.no_grad():

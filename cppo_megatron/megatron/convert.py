@@ -99,6 +99,19 @@ def _split_key(name: str):
     return None, name
 
 
+_TOP_LEVEL = ("embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight")
+
+
+def _check_mapped(params: dict, lmap: dict) -> None:
+    """Refuse a model with a parameter this converter has no HF counterpart for, before anything
+    is copied or gathered (a model other than ``build_gpt_model``'s Qwen2 / Llama)."""
+    for name in params:
+        layer, suffix = _split_key(name)
+        if (name not in _TOP_LEVEL) if layer is None else (suffix not in lmap):
+            raise ValueError(f"no HF counterpart known for megatron parameter {name!r}: this converter maps the "
+                             "Qwen2 / Llama GPTModel that build_gpt_model builds")
+
+
 def _tp():
     from megatron.core import parallel_state as ps
 
@@ -118,6 +131,7 @@ def load_hf_weights(model, hf_state_dict: dict, hf_config: Any) -> None:
     params = _params(model)
     te_fused = any(k.endswith("layer_norm_weight") for k in params)
     lmap = _layer_map(te_fused)
+    _check_mapped(params, lmap)
     tied = bool(hf_get(hf_config, "tie_word_embeddings", False))
     sd = {k: v for k, v in hf_state_dict.items()}
 
@@ -142,13 +156,9 @@ def load_hf_weights(model, hf_state_dict: dict, hf_config: Any) -> None:
             elif name == "output_layer.weight":
                 src = "model.embed_tokens.weight" if tied else "lm_head.weight"
                 val = vocab_shard(hf(src), p.shape[0])
-            elif name == "decoder.final_layernorm.weight":
+            else:  # decoder.final_layernorm.weight (_check_mapped)
                 val = hf("model.norm.weight")
-            else:
-                raise ValueError(f"no HF counterpart known for megatron parameter {name!r}")
         else:
-            if suffix not in lmap:
-                raise ValueError(f"no HF counterpart known for megatron parameter {name!r}")
             kind, src = lmap[suffix]
             pre = f"model.layers.{_global_layer(model, layer)}."
             if kind == "copy":
@@ -209,6 +219,7 @@ def export_hf_weights(model, hf_config: Any, *, dst_ranks: Iterable[int] | None 
     params = _params(model)
     te_fused = any(k.endswith("layer_norm_weight") for k in params)
     lmap = _layer_map(te_fused)
+    _check_mapped(params, lmap)
     out: dict = {}
     for name, p in params.items():
         if not keep_any:
@@ -221,7 +232,7 @@ def export_hf_weights(model, hf_config: Any, *, dst_ranks: Iterable[int] | None 
                     continue  # the same tensor as the embedding (first stage exports it)
                 full = torch.cat(_gather_tp(t, 0), dim=0)[:vocab]
                 out["model.embed_tokens.weight" if name.startswith("embedding") else "lm_head.weight"] = full
-            elif name == "decoder.final_layernorm.weight":
+            else:  # decoder.final_layernorm.weight (_check_mapped)
                 out["model.norm.weight"] = t.clone()
             continue
         kind, dst = lmap[suffix]

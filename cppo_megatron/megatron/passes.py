@@ -128,8 +128,6 @@ def _masked_vocab_logprobs(model, logits: torch.Tensor, targets: torch.Tensor, t
     if vocab is not None and lo + part > vocab:
         pad = torch.arange(lo, lo + part, device=x.device) >= vocab
         x = x.masked_fill(pad, float("-inf"))
-    else:
-        x = x.clone() if x is logits else x
     return -vocab_parallel_cross_entropy(x, targets)
 
 
@@ -449,9 +447,8 @@ def policy_update(
         grad_norm = float(optimizer.get_grad_norm())
         if clip_grad > 0 and grad_norm > clip_grad:
             coef = clip_grad / (grad_norm + 1e-6)
-            for p in optimizer.get_parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+            for p in optimizer.get_parameters():  # each has a grad: prepare_grads set it from DDP's main_grad
+                p.grad.mul_(coef)
         optimizer.step_with_ready_grads()
     metrics["grad_norm"] = grad_norm
     return metrics

@@ -178,3 +178,10 @@ def test_large_n_initial_partition_is_the_documented_lpt(equal_size):
     # LPT's guarantee, which a contiguous split of this input misses by far
     assert part.max_load <= w.sum() / k + w.max()
     assert naive_partition(w, k).max_load > 1.5 * part.max_load
+
+
+def test_no_sequences_pack_into_no_micro_batches_but_the_budget_is_still_checked():
+    assert pack_micro_batches(torch.zeros(0, dtype=torch.int64), 8) == []
+    assert pack_micro_batches([], 8, min_batches=3) == []  # nothing to fill the stages with
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1, got 0"):
+        pack_micro_batches([], 0)

@@ -182,3 +182,29 @@ def test_the_key_helpers_nest_flatten_and_refuse_by_name():
         CPPOConfig.from_omegaconf("pruning_rate=0.5")
     with pytest.raises(ValueError, match="workload_linear and workload_quadratic are both 0"):
         CPPOConfig(workload_linear=0.0, workload_quadratic=0.0)
+
+
+def test_the_rate_of_a_group_size_is_one_minus_k_over_g():
+    assert CPPOConfig(pruning_rate=0.5).rate_for_group(5) == pytest.approx(1 - 2 / 5)  # k = floor(2.5) = 2
+    assert CPPOConfig(keep_per_group=2).rate_for_group(6) == pytest.approx(1 - 2 / 6)
+    with pytest.raises(ValueError, match="keep_mass=0.9 has no fixed k per group"):
+        CPPOConfig(keep_mass=0.9).rate_for_group(6)
+
+
+def test_describe_names_keep_mass_when_it_decides_the_counts():
+    assert CPPOConfig(keep_mass=0.9).describe().startswith("CPPO keep_mass=0.9 metric=")
+    assert CPPOConfig(keep_per_group=3).describe().startswith("CPPO keep_per_group=3 metric=")
+
+
+def test_field_help_gives_each_fields_help_and_refuses_a_non_dataclass():
+    from cppo_megatron.core.settings import EarlyStopConfig, field_help
+
+    helps = field_help(CPPOConfig)
+    assert list(helps)[:2] == ["pruning_rate", "keep_per_group"]
+    assert helps["adv_norm"].startswith("std gives A = (r - mean) / (std + eps)")
+    assert field_help(EarlyStopConfig)["segment_tokens"].startswith("tokens generated between two decisions")
+    with pytest.raises(ValueError, match="field_help needs a dataclass type .* got 'CPPOConfig'"):
+        field_help("CPPOConfig")
+    assert field_help(CPPOConfig()) == helps  # an instance reads its class's fields
+    with pytest.raises(ValueError, match="got 3"):
+        field_help(3)

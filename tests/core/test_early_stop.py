@@ -17,6 +17,7 @@ from cppo_megatron.core.early_stop import (
     calibration,
     decide_stops,
     early_stop_prune,
+    replay_early_stop,
     estimate_full_lengths,
     explore_groups,
     feature_names,
@@ -445,3 +446,56 @@ def test_the_stop_learner_adds_up_totals_and_round_trips_in_its_hosts_words():
 
     with pytest.raises(ValueError, match="^host: 'ready' is not in my file$"):
         Host(_cfg(), group_size=8, max_new_tokens=32).load_state_dict({"predictor": {}, "history": {}})
+
+
+def test_dr_grpo_advantages_are_not_divided_by_the_std():
+    r = torch.tensor([1.0, 0, 0, 0, 1, 0])
+    stop = torch.tensor([0, 0, 1, 1, 0, 0], dtype=torch.bool)
+    cfg = CPPOConfig(pruning_rate=0.5, adv_norm="none", early_stop={"enabled": True, "estimator": "finished"})
+    res = early_stop_prune(r, stop, torch.zeros(6, dtype=torch.long), cfg)
+    # finished rewards 1, 0, 1, 0: mean 0.5, A = r - 0.5 (std sqrt(1/3) would give +-0.866)
+    assert res.advantages.tolist() == pytest.approx([0.5, -0.5, 0.0, 0.0, 0.5, -0.5])
+    assert res.selection.num_kept == 3  # k = floor(6 * 0.5) of the full group, among the 4 finished
+
+
+def test_a_group_stopped_whole_under_impute_keeps_nothing_and_loses_nothing():
+    q = torch.tensor([0.2, 0.4, 0.6, 0.8])
+    mu, sq = imputed_moments(q, (0.0, 1.0))
+    res = early_stop_prune(torch.zeros(4), torch.ones(4, dtype=torch.bool), torch.zeros(4, dtype=torch.long), _cfg(),
+                           expected=mu, expected_sq=sq)
+    assert res.stats.mean.tolist() == pytest.approx([0.5])  # the imputed expectations alone
+    assert res.advantages.tolist() == [0.0] * 4
+    assert res.selection.kept.tolist() == [] and res.selection.pruned.tolist() == [0, 1, 2, 3]
+    assert res.selection.kept_per_group.tolist() == [0]
+    assert res.stopped.tolist() == [0, 1, 2, 3] and res.pruned_after.tolist() == []
+
+
+def test_the_predictor_stops_at_max_iter_with_the_newton_steps_it_took():
+    x = torch.tensor([[0.0], [1.0], [2.0], [3.0], [1.5]], dtype=torch.float64)
+    y = torch.tensor([0.0, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64)
+    one = PrefixPredictor(l2=1.0, max_iter=1).fit(x, y, y)
+    # one Newton step from w = (log(n1 / n0), 0) on the standardised column
+    z = torch.cat([torch.ones(5, 1, dtype=torch.float64), (x - x.mean(0)) / x.std(0, unbiased=False)], 1)
+    w = torch.tensor([math.log(2 / 3), 0.0], dtype=torch.float64)
+    p = torch.sigmoid(z @ w)
+    pen = torch.tensor([1e-8, 1.0], dtype=torch.float64)
+    hess = (z * (p * (1 - p)).unsqueeze(1)).T @ z + torch.diag(pen)
+    w1 = w - torch.linalg.solve(hess, z.T @ (p - y) + pen * w)
+    assert one.weights.tolist() == pytest.approx(w1.tolist(), abs=1e-12)
+    converged = PrefixPredictor(l2=1.0).fit(x, y, y)
+    assert float((converged.weights - one.weights).abs().max()) > 1e-3  # one step is not the optimum
+    assert one.version == 1 and one.examples == (3, 2)
+
+
+def test_replay_stops_at_the_first_boundary_where_nothing_runs():
+    # boundaries every 3 tokens up to 12: at 3 rows 1-3 still run; at 6 all have ended, so the
+    # replay ends there (no features for boundaries 6 and 9)
+    lengths = torch.tensor([2, 5, 4, 4])
+    lp = torch.log(torch.full((4, 12), 0.5))
+    rep = replay_early_stop(None, lp, lengths, torch.ones(4, dtype=torch.bool), torch.tensor([0, 0, 1, 1]),
+                            cfg=EarlyStopConfig(enabled=True, segment_tokens=3), group_size=2, keep=1,
+                            max_new_tokens=12)
+    x, rows = rep.examples
+    assert rows.tolist() == [0, 1, 2, 3] and x.shape[0] == 4
+    assert rep.stopped.tolist() == [False] * 4 and rep.stopped_at.tolist() == [-1] * 4
+    assert bool(rep.q_last.isnan().all())

@@ -125,3 +125,16 @@ def test_weighted_kept_loss_is_unbiased_for_the_full_batch_loss(mode):
     est_t = torch.tensor(est, dtype=torch.float64)
     se = float(est_t.std()) / len(est) ** 0.5
     assert abs(float(est_t.mean()) - full) <= 3 * se, (float(est_t.mean()), full, se)
+
+
+def test_clipped_surrogate_takes_an_advantage_per_token():
+    # ratios [[1.5, 0.5], [1.0, 1.1]], a different advantage on every token
+    logp = torch.log(torch.tensor([[1.5, 0.5], [1.0, 1.1]]))
+    adv = torch.tensor([[1.0, -1.0], [2.0, 0.5]])
+    loss, clipped = clipped_surrogate(logp, torch.zeros(2, 2), adv, clip_low=0.2)
+    # (0,0): A 1, r 1.5 -> clip 1.2: -1.2; (0,1): A -1, r 0.5 -> clip 0.8: 0.8; row 1 inside the range: -A r
+    assert loss.tolist()[0] == pytest.approx([-1.2, 0.8])
+    assert loss.tolist()[1] == pytest.approx([-2.0, -0.55])
+    assert clipped.tolist() == [[True, True], [False, False]]
+    with pytest.raises(ValueError, match=r"advantages \(2, 3\) must be \[N\] or \(2, 2\)"):
+        clipped_surrogate(logp, torch.zeros(2, 2), torch.zeros(2, 3))

@@ -542,3 +542,15 @@ def test_core_exports_the_selective_api():
                  "group_outcomes", "step_metrics", "count_rounds", "adapt_from_config", "estimate_tokens_saved",
                  "OutcomeCounts", "RoundCounts"):
         assert getattr(core, name) is getattr(__import__("cppo_megatron.core.selective", fromlist=[name]), name)
+
+
+def test_a_filled_batch_refuses_a_forced_mask_that_is_not_one_of_its_skips():
+    fb = TWO_ROUNDS[0]  # candidates 10, 20 skipped; 30, 40, 11 kept by the rule
+    forced = FilledBatch(decision=fb.decision, wanted=4, exhausted=False, forced=b([0, 1, 0, 0, 0]))
+    assert forced.kept.tolist() == [20, 30, 40, 11]  # the forced skip is generated, in draw order
+    _raises(lambda: FilledBatch(decision=fb.decision, wanted=3, exhausted=False, forced=b([0, 0, 1, 0, 0])),
+            r"FilledBatch.forced\[2\] is True but the rule kept candidate 2 \(prompt id 30\): only skipped")
+    _raises(lambda: FilledBatch(decision=fb.decision, wanted=3, exhausted=False, forced=b([1, 0])),
+            r"forced must be a \[d\] = \[5\] bool mask aligned with decision, got torch.bool of shape \(2,\)")
+    _raises(lambda: FilledBatch(decision=fb.decision, wanted=3, exhausted=False, forced=t([1, 0, 0, 0, 0])),
+            r"got torch.int64 of shape \(5,\)")

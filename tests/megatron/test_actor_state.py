@@ -12,20 +12,8 @@ import torch
 from ._common import VOCAB, hf_model
 
 import cppo_megatron.megatron as cm  # noqa: E402
-from cppo_megatron.distributed import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.in_process_dist]
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """This process as the only rank of a gloo group (what run_local gives each worker)."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    cm.destroy_parallel()
-    dist.destroy_process_group()
 
 
 def _batch():
@@ -97,3 +85,36 @@ def test_a_shard_of_another_layout_or_dtype_is_refused(one_rank):
     with pytest.raises(ValueError, match="^checkpoint shard was written with dtype='bfloat16', this run has "
                                          "dtype='float32': resume with the same setting$"):
         actor.load_state_dict({**state, "dtype": "bfloat16"})
+
+
+def test_a_step_balances_on_the_workloads_it_is_given(one_rank):
+    """``lengths`` replaces the token counts as the balancer's workload: with a * len (a = 1) the
+    rank's load is the sum of the given lengths of the survivors."""
+    from cppo_megatron.core.settings import CPPOConfig
+
+    actor = _actor()
+    seqs, masks, _ = _batch()  # 6, 9, 7 and 8 tokens
+    cfg = CPPOConfig(pruning_rate=0.5, workload_linear=1.0, workload_quadratic=0.0)
+    # one group: mean 0.475, |A| largest for rows 0 and 3, the k = 2 kept
+    rewards, groups = torch.tensor([1.0, 0.5, 0.4, 0.0]), torch.zeros(4, dtype=torch.int64)
+    res = actor.step(seqs, masks, rewards, groups, cfg, lengths=torch.tensor([10, 20, 30, 40]))
+    assert res.exchange.global_index.tolist() == [0, 3]
+    assert res.metrics["cppo/exchange_max_load"] == 50.0  # 10 + 40, not the token counts 6 + 8
+    assert res.metrics["cppo/exchange_kept_sequences"] == 2.0
+    default = actor.step(seqs, masks, rewards, groups, cfg)
+    assert default.metrics["cppo/exchange_max_load"] == 14.0
+
+
+def test_the_distributed_optimizer_state_needs_one_megatron_distributed_optimizer(one_rank):
+    """megatron-core chains one optimizer per parameter kind (0.16: optimizer/__init__.py:689 adds the
+    expert parameters' after the dense ones'); a shard of the first alone would lose the others'
+    state, so a second chained optimizer is refused by type."""
+    actor = _actor(distributed_optimizer=True)
+    chain = actor.optimizer.chained_optimizers
+    assert [type(o).__name__ for o in chain] == ["DistributedOptimizer"]
+    chain.append(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+    with pytest.raises(TypeError, match=r"^expected one megatron DistributedOptimizer, got "
+                                        r"\['DistributedOptimizer', 'SGD'\]$"):
+        actor.state_dict()
+    chain.pop()
+    assert actor.state_dict()["optimizer"] is None  # one again: no step yet, nothing beyond the weights

@@ -93,3 +93,27 @@ def test_micro_batches_bound_the_padded_size():
         assert len(batches) >= pp
     with pytest.raises(ValueError, match="sequence 0 has 9 tokens"):
         _micro_batches([torch.zeros(9)], 8, 1)
+
+
+def test_with_cuda_present_nothing_is_refused(monkeypatch):
+    """check_cpu_supported refuses only on CPU: with a CUDA device sequence parallelism is megatron-core's."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cm.check_cpu_supported(sequence_parallel=True, use_distributed_optimizer=True) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(cm.CPUModeError, match="sequence_parallel=True"):
+        cm.check_cpu_supported(sequence_parallel=True)
+
+
+def test_transformer_engine_is_used_only_when_it_imports_and_cuda_is_present(monkeypatch):
+    import sys
+    import types
+
+    from cppo_megatron.megatron.model import te_available
+
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)  # not installed: the import fails
+    assert te_available() is False
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert te_available() is False  # installed, but no CUDA device to run it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert te_available() is True
