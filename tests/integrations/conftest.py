@@ -27,5 +27,5 @@ def audit_on(host_audit, monkeypatch):
         audit.observe()
 
     yield on
-    observers.remove(audit.prune_record)
-    observers.remove(audit.record)
+    observers.HUB.remove(audit.prune_record)
+    observers.HUB.remove(audit.record)
