@@ -480,17 +480,12 @@ def compose(recipe: str, overrides: list[str]):
         return hydra_compose(config_name=name, overrides=rest)
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..integrations.verl.cpu.phases import Phases, choose_threads
-    from ..integrations.verl.cpu.prepare import GROUP, ensure_inputs, start_model_info
+def study_config(a: argparse.Namespace, recipe: str):
+    """The recipe composed for the study, and the overrides that compose it: a CPU-mode recipe,
+    its rollout switched to ``STUDY_ROLLOUT`` (whose server keeps the policy at each wall-clock
+    mark) unless the user named another one, which is refused."""
+    from ..integrations.verl.cpu.prepare import GROUP
 
-    a = _verl_args(args)
-    if a.seeds < 1 or a.budget <= 0 or a.evals < 1:
-        raise ValueError(f"--seeds, --budget, --evals must be positive, got {a.seeds}, {a.budget}, {a.evals}")
-    runs = interleave(grid(a))  # a wrong --exclude/--generation fails here, before the start model is built
-    gens = [g.strip() for g in (getattr(a, "generation", None) or "all").split(",")]
-    use_v1 = any(g != "all" for g in gens)  # selective rollout and veRL's filter exist in V1 only
-    recipe = str(Path(a.recipe).resolve())
     overrides = list(a.overrides)
     config = compose(recipe, overrides)
     if str(config.trainer.get("device", "")) != "cpu" or config.get(GROUP) is None:
@@ -506,6 +501,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"study verl: generating with the `{STUDY_ROLLOUT}` rollout instead of the recipe's "
               f"`{was}`: its server keeps the policy in force at each wall-clock mark, which "
               "the held-out evaluation grades; vLLM's server does not", flush=True)
+    return config, overrides
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..integrations.verl.cpu.phases import Phases, choose_threads
+    from ..integrations.verl.cpu.prepare import GROUP, ensure_inputs
+
+    a = _verl_args(args)
+    if a.seeds < 1 or a.budget <= 0 or a.evals < 1:
+        raise ValueError(f"--seeds, --budget, --evals must be positive, got {a.seeds}, {a.budget}, {a.evals}")
+    runs = interleave(grid(a))  # a wrong --exclude/--generation fails here, before the start model is built
+    gens = [g.strip() for g in (getattr(a, "generation", None) or "all").split(",")]
+    use_v1 = any(g != "all" for g in gens)  # selective rollout and veRL's filter exist in V1 only
+    recipe = str(Path(a.recipe).resolve())
+    config, overrides = study_config(a, recipe)
     group = config[GROUP]
     model_dir, data_dir = (Path(str(group[k])).expanduser().resolve() for k in ("model_dir", "data_dir"))
     out = Path(a.out)
@@ -520,8 +530,30 @@ def run(args: argparse.Namespace) -> int:
     marks = [round(a.budget * (i + 1) / a.evals, 3) for i in range(a.evals)]
     print(f"study verl: {len(runs)} runs x {a.budget:g} s of wall time from {model_dir} (held-out accuracy "
           f"{start['accuracy']:.3f} on {start['problems']} problems); evaluations at {marks} s", flush=True)
-    rows: list[dict] = []
     t0 = time.perf_counter()
+    rows = run_arms(a, runs, recipe, overrides, out=out, model_dir=model_dir, data_dir=data_dir, marks=marks,
+                    evaluator=evaluator, start=start, group_size=int(config.actor_rollout_ref.rollout.n),
+                    use_v1=use_v1, t0=t0)
+    title = (f"study in veRL on {Path(a.recipe).name}: {a.budget:g} s of wall time per run, {a.seeds} seed(s), "
+             f"{'V1' if use_v1 else 'legacy'} loop, {config.actor_rollout_ref.actor.strategy} engine")
+    params = {"recipe": a.recipe, "overrides": overrides, "rates": a.rates, "metrics": a.metrics,
+              "allocation": a.allocation, "generation": ",".join(gens), "exclude": getattr(a, "exclude", None),
+              "seeds": a.seeds, "budget": a.budget, "evals": a.evals, "eval_problems": a.eval_problems}
+    report_study(a, rows, start, marks, title=title, params=params, model_dir=model_dir, out=out, t0=t0)
+    return 0
+
+
+def run_arms(a: argparse.Namespace, runs: list[dict], recipe: str, overrides: list[str], *, out: Path,
+             model_dir: Path, data_dir: Path, marks: list[float], evaluator: Evaluator, start: dict,
+             group_size: int, use_v1: bool, t0: float) -> list[dict]:
+    """Each arm-seed of ``runs`` in order: its veRL run (or, with ``--reuse``, the result a
+    finished one left), then its policies graded at ``marks``; one row per run, ``study.csv``
+    rewritten and a progress line printed after each."""
+    import torch
+
+    from ..integrations.verl.cpu.phases import choose_threads
+
+    rows: list[dict] = []
     for i, spec in enumerate(runs):
         done = out / "runs" / run_id(spec) / "result.json"
         if a.reuse and done.is_file():
@@ -531,22 +563,23 @@ def run(args: argparse.Namespace) -> int:
             result = run_one(recipe, overrides, spec, out, model_dir, data_dir, a.budget, marks,
                              a.run_timeout, use_v1=use_v1)
         torch.set_num_threads(choose_threads())
-        row = evaluate_run(result, out, evaluator, start, int(config.actor_rollout_ref.rollout.n))
+        row = evaluate_run(result, out, evaluator, start, group_size)
         rows.append(row)
         write_csv(out / "study.csv", [{k: v for k, v in r.items() if k != "phases"} for r in rows])
         print(f"[{i + 1}/{len(runs)}] {row['run']}: accuracy {row['accuracy_start']:.3f} -> "
               f"{row['accuracy_final']:.3f} "
               f"at {a.budget:g} s ({row['steps']} steps, load {row['load_mean']:.1f}, "
               f"{time.perf_counter() - t0:.0f} s elapsed)", flush=True)
-    table, _ = summarize(rows)
-    for t in table:
-        t["kind"] = "rl"
-    target = a.target if a.target is not None else default_target(start["accuracy"], table)
-    enrich(table, rows, target)
-    info = start_model_info(model_dir) or {}
-    notes = verdicts(table) + [
+    return rows
+
+
+def study_notes(table: list[dict], rows: list[dict], start: dict, target: float, *, budget: float, evals: int,
+                model_dir: Path, info: dict, elapsed_s: float) -> list[str]:
+    """The lines under the study's table: the verdicts, each arm's time to ``target``, the
+    phase split, the start model, the load during the runs and what the study cost."""
+    return verdicts(table) + [
         f"time to accuracy {target:.2f} (first evaluation point at or above it; points every "
-        f"{a.budget / a.evals:g} s): " + ", ".join(
+        f"{budget / evals:g} s): " + ", ".join(
             f"{t['config']} {t['time to target (s)']:.0f} s ({t['reached']} seeds)"
             if t["time to target (s)"] is not None
             else f"{t['config']} not reached ({t['reached']})" for t in table),
@@ -556,16 +589,27 @@ def run(args: argparse.Namespace) -> int:
         f"load average during the runs (includes the run's own processes): mean "
         f"{statistics.mean(r['load_mean'] for r in rows):.1f}, max {max(r['load_max'] for r in rows):.1f}",
         f"the runs took {sum(r['wall_s'] for r in rows) / 60:.0f} min of wall time in all (each: Ray and worker "
-        f"start-up, the budget, the step in progress at its end); this command {time.perf_counter() - t0:.0f} s",
+        f"start-up, the budget, the step in progress at its end); this command {elapsed_s:.0f} s",
     ]
+
+
+def report_study(a: argparse.Namespace, rows: list[dict], start: dict, marks: list[float], *, title: str,
+                 params: dict, model_dir: Path, out: Path, t0: float) -> None:
+    """The study's table (one row per arm, with its time to the target accuracy), its notes
+    and plot, written to ``out`` as ``study_verl.{json,md,png}`` and printed."""
+    from ..integrations.verl.cpu.prepare import start_model_info
+
+    table, _ = summarize(rows)
+    for t in table:
+        t["kind"] = "rl"
+    target = a.target if a.target is not None else default_target(start["accuracy"], table)
+    enrich(table, rows, target)
+    notes = study_notes(table, rows, start, target, budget=a.budget, evals=a.evals, model_dir=model_dir,
+                        info=start_model_info(model_dir) or {}, elapsed_s=time.perf_counter() - t0)
     report = Report(
         name="study_verl",
-        title=(f"study in veRL on {Path(a.recipe).name}: {a.budget:g} s of wall time per run, {a.seeds} seed(s), "
-               f"{'V1' if use_v1 else 'legacy'} loop, {config.actor_rollout_ref.actor.strategy} engine"),
-        params={"recipe": a.recipe, "overrides": overrides, "rates": a.rates, "metrics": a.metrics,
-                "allocation": a.allocation, "generation": ",".join(gens), "exclude": getattr(a, "exclude", None),
-                "seeds": a.seeds, "budget": a.budget, "evals": a.evals,
-                "eval_problems": a.eval_problems, "target": target, "order": [r["run"] for r in rows]},
+        title=title,
+        params={**params, "target": target, "order": [r["run"] for r in rows]},
         columns=["config", "seeds", "final acc (mean)", "seed spread (sd)", "eval stderr", "time to target (s)",
                  "reached", "steps", "prompts", "trained", "gen tokens/step", "s/step", "gen share", "load (mean)"],
         rows=table,
@@ -575,4 +619,3 @@ def run(args: argparse.Namespace) -> int:
     )
     publish(report, out, plot=not a.no_plot)
     print(f"per-run rows: {out / 'study.csv'}")
-    return 0

@@ -3,7 +3,8 @@ features' named records to whatever diagnostics subscribed (none unless asked fo
 
 The GPU path never imports a diagnostic. It decides (the host's hook, through the core), hands
 the decision to its own observers (metrics, selective rollout's history, ...) and then to the
-ones subscribed to its host's ``Observers``:
+ones subscribed to its host's ``Observers`` (``verl/observers.py``'s and ``openrlhf/observers.py``'s
+``HUB``):
 
 - ``on_prune(fn)``: ``fn(decision)`` once per step with the seam's decision (each host defines
   its own: ``verl/observers.py``, ``openrlhf/observers.py``). It must not change which rows are

@@ -129,6 +129,35 @@ def test_a_wrong_arm_name_fails_before_the_recipe_is_composed_or_a_start_model_b
     assert not (tmp_path / "out").exists()
 
 
+def test_the_study_composes_a_cpu_recipe_on_the_rollout_that_keeps_its_policies(capsys):
+    """``study_config``: the recipe's vLLM rollout is switched to ``hf`` (said in one line); a user's
+    own rollout choice and a GPU recipe are refused. Composing only: nothing is started."""
+    pytest.importorskip("verl")
+
+    def config(recipe: str, *overrides: str):
+        return verl_study.study_config(verl_study._verl_args(parse([recipe, *overrides])), recipe)
+
+    cfg, overrides = config(GRPO_RECIPE, "data.seed=3")
+    assert overrides == ["actor_rollout_ref.rollout.name=hf", "data.seed=3"]
+    assert cfg.actor_rollout_ref.rollout.name == "hf" and cfg.data.seed == 3
+    assert "generating with the `hf` rollout instead of the recipe's `vllm`" in capsys.readouterr().out
+    named = "actor_rollout_ref.rollout.name=hf"  # the user's own choice of `hf`: kept, nothing to switch
+    assert config(GRPO_RECIPE, named)[1] == [named] and not capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"needs actor_rollout_ref.rollout.name=hf: its rollout server keeps"):
+        config(GRPO_RECIPE, "actor_rollout_ref.rollout.name=vllm")
+    with pytest.raises(ValueError, match=r"qwen2.5-1.5b-gsm8k-grpo.yaml: the veRL study runs CPU-mode recipes"):
+        config(str(ROOT / "recipes" / "verl" / "qwen2.5-1.5b-gsm8k-grpo.yaml"))
+
+
+@pytest.mark.parametrize("flag", [["--seeds", "0"], ["--budget", "0"], ["--evals", "0"]])
+def test_a_nonpositive_size_fails_before_anything_is_composed(flag, monkeypatch):
+    def tripwire(*a, **k):
+        raise AssertionError("reached past the size check")
+    monkeypatch.setattr(verl_study, "compose", tripwire)
+    with pytest.raises(ValueError, match=r"--seeds, --budget, --evals must be positive, got"):
+        verl_study.run(parse([GRPO_RECIPE, *flag]))
+
+
 def test_time_to_target_and_the_default_target():
     curve = [[0.0, 0.2, 0.0], [30.0, 0.25, 16.0], [60.0, 0.31, 32.0], [90.0, 0.29, 48.0]]
     assert verl_study.time_to_target(curve, 0.3) == 60.0
@@ -206,6 +235,46 @@ def test_a_run_is_read_at_its_wall_clock_marks(tmp_path):
     assert ph["gen_ms_per_prompt"] == pytest.approx(1e3 * 6.0 / 128)
 
 
+def test_run_arms_runs_each_arm_in_order_or_reuses_the_result_a_finished_run_left(tmp_path, monkeypatch):
+    """``run_arms`` with ``--reuse``: an arm whose ``result.json`` exists is read back, not run;
+    every arm is graded at the marks and written to ``study.csv`` (without the phase split)."""
+    import csv
+    import time
+
+    grpo = {"kind": "rl", "P": 0.0, "metric": "grpo", "allocation": True, "seed": 0, "keep_mass": None}
+    cppo = {**grpo, "P": 0.875, "metric": "smallest"}
+    marks = [10.0, 20.0, 30.0]
+    per_step = {"step": 7.0, "gen": 6.0, "update": 1.0, "prompts": 16.0}
+    finished = fake_run(tmp_path, grpo, [(0, 0.0), (1, 7.0), (2, 15.0)], 30.0, marks, per_step)
+    (tmp_path / "runs" / finished["run"] / "result.json").write_text(json.dumps(finished))
+    calls = []
+
+    def run_one(recipe, user_overrides, spec, out, model_dir, data_dir, budget, marks, timeout_s, use_v1=False):
+        calls.append((study_table.run_id(spec), recipe, user_overrides, budget, timeout_s, use_v1))
+        return fake_run(out, spec, [(0, 0.0), (1, 7.0), (2, 15.0), (3, 22.0)], budget, marks, per_step)
+
+    monkeypatch.setattr(verl_study, "run_one", run_one)
+    ev = StepEvaluator()
+
+    def arms(reuse: bool) -> list[dict]:
+        a = argparse.Namespace(reuse=reuse, budget=30.0, run_timeout=60.0)
+        return verl_study.run_arms(a, [grpo, cppo], "r.yaml", ["x=1"], out=tmp_path, model_dir=tmp_path / "m",
+                                   data_dir=tmp_path / "d", marks=marks, evaluator=ev, start=ev.accuracy(None),
+                                   group_size=16, use_v1=True, t0=time.perf_counter())
+
+    rows = arms(reuse=True)
+    assert calls == [("p0.875_smallest_alloc_s0", "r.yaml", ["x=1"], 30.0, 60.0, True)]
+    assert [(r["run"], r["steps"], r["accuracy_final"]) for r in rows] == [
+        ("p0_grpo_alloc_s0", 2, pytest.approx(0.22)), ("p0.875_smallest_alloc_s0", 3, pytest.approx(0.23))]
+    with open(tmp_path / "study.csv") as f:
+        written = list(csv.DictReader(f))
+    assert [r["run"] for r in written] == ["p0_grpo_alloc_s0", "p0.875_smallest_alloc_s0"]
+    assert "phases" not in written[0] and "curve" in written[0]
+    calls.clear()
+    assert [r["run"] for r in arms(reuse=False)] == ["p0_grpo_alloc_s0", "p0.875_smallest_alloc_s0"]
+    assert [c[0] for c in calls] == ["p0_grpo_alloc_s0", "p0.875_smallest_alloc_s0"]  # nothing reused
+
+
 # ------------------------------------------------------------------------------ the verdict
 def rows_for(arm: dict, accs: list[float]) -> list[dict]:
     out = []
@@ -249,6 +318,39 @@ def test_verdict_trails_and_one_seed():
     assert verl_study.verdicts(table)[0].startswith("CPPO P=0.875 smallest trails GRPO at equal wall time")
     table, _ = study_table.summarize(rows_for(GRPO, [0.5]) + rows_for(ALLOC, [0.7]))
     assert "no winner: 1 seed(s), the seed spread is unknown" in verl_study.verdicts(table)[0]
+
+
+def test_study_notes_under_the_table():
+    """The notes ``report_study`` prints under the table, from a constructed table: the verdicts
+    first, then each arm's time to the target, the start model, the load and the cost."""
+    rows = [{**r, "phases": {}, "wall_s": 90.0, "load_max": 4.0 + i}
+            for i, r in enumerate(rows_for(GRPO, [0.40, 0.42]) + rows_for(ALLOC, [0.50, 0.52]))]
+    table, _ = study_table.summarize(rows)
+    for t in table:
+        t["kind"] = "rl"
+    verl_study.enrich(table, rows, target=0.45)
+    start = {"accuracy": 0.2, "problems": 100}
+    notes = verl_study.study_notes(table, rows, start, 0.45, budget=30.0, evals=2, model_dir=Path("/m"),
+                                   info={"sft_steps": 40}, elapsed_s=125.4)
+    verdict = verl_study.verdicts(table)
+    assert len(verdict) == 1 and notes[:1] == verdict
+    assert notes[1:] == [
+        "time to accuracy 0.45 (first evaluation point at or above it; points every 15 s): "
+        "P=0 grpo not reached (0/2), P=0.875 smallest 30 s (2/2 seeds)",
+        "start model: /m (held-out accuracy 0.200 on 100 problems; warm-up 40 SFT steps)",
+        "load average during the runs (includes the run's own processes): mean 4.0, max 7.0",
+        "the runs took 6 min of wall time in all (each: Ray and worker start-up, the budget, the step in "
+        "progress at its end); this command 125 s",
+    ]
+    # a start model without its warm-up record; the phase split adds a line per arm after the times
+    rows = [{**r, "phases": {"step_s": 4.0, "gen_s": 3.0, "old_log_prob_s": 0.2, "ref_s": 0.2, "update_actor_s": 0.4,
+                             "update_weights_s": 0.1, "other_s": 0.1, "gen_ms_per_prompt": 30.0}} for r in rows]
+    verl_study.enrich(table, rows, target=0.45)
+    notes = verl_study.study_notes(table, rows, start, 0.45, budget=30.0, evals=2, model_dir=Path("/m"),
+                                   info={}, elapsed_s=125.4)
+    assert notes[2:4] == verl_study.why_notes(table)[:2] and len(notes) == 1 + 1 + len(verl_study.why_notes(table)) + 3
+    assert notes[2].startswith("P=0 grpo: 4.0 s/step (median) = gen 3.0 s + old log-prob 0.2")
+    assert "warm-up ? SFT steps" in notes[-3]
 
 
 # ------------------------------------------------------------------------------ the evaluator

@@ -17,13 +17,13 @@ def test_each_host_has_its_own_hub():
     from cppo_megatron.integrations.verl import observers as verl
 
     seen: list = []
-    orl.on_prune(seen.append)
+    orl.HUB.on_prune(seen.append)
     try:
-        verl.prune_decided("verl's decision")  # type: ignore[arg-type]
-        orl.prune_decided("openrlhf's decision")  # type: ignore[arg-type]
-        assert seen == ["openrlhf's decision"] and verl.subscribed()["prune"] == []
+        verl.HUB.prune_decided("verl's decision")  # type: ignore[arg-type]
+        orl.HUB.prune_decided("openrlhf's decision")  # type: ignore[arg-type]
+        assert seen == ["openrlhf's decision"] and verl.HUB.subscribed()["prune"] == []
     finally:
-        orl.remove(seen.append)
+        orl.HUB.remove(seen.append)
 
 
 def test_a_hub_hands_on_in_order_once_per_subscriber():

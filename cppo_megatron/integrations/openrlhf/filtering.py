@@ -323,8 +323,8 @@ def _wrap_generate(original):
                               filter_range=_range(self.args))
         for exp in accepted:
             setattr(exp, FILTER_ATTR, ledger)
-        if observers.recording():
-            observers.record("filter", role="generator", **ledger.to_record())
+        if observers.HUB.recording():
+            observers.HUB.record("filter", role="generator", **ledger.to_record())
         logger.info("dynamic filtering: %d prompts drawn, %d groups filtered, %d passed", ledger.drawn,
                     ledger.num_filtered, ledger.num_passed)
         return accepted, consumed, exhausted

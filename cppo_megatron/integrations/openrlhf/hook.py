@@ -252,8 +252,8 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
     if infos is not None:  # early_stop/*: every completion kept, pruned after generation or stopped, counted
         es_metrics, es_record = early_stopping.end_step(args, step, rollout_samples, rewards, group_ids, infos, kept)
         metrics.update(es_metrics)
-        if observers.recording():
-            observers.record("early_stop", role="trainer", **es_record)
+        if observers.HUB.recording():
+            observers.HUB.record("early_stop", role="trainer", **es_record)
     order_out, balance_metrics = _balanced_order(kept, rollout_samples, args, cfg)
     metrics.update(balance_metrics)
     if recorded is not None:
@@ -266,8 +266,8 @@ def prune_rollout_samples(maker: Any, rollout_samples: list, cfg: CPPOConfig | N
         multiple, int(metrics["cppo/num_groups"]), int(metrics["cppo/groups_fully_pruned"]),
     )  # fmt: skip
     maker._cppo_last_metrics = metrics
-    # whatever diagnostics subscribed (observers.on_prune; none by default)
-    observers.prune_decided(observers.PruneDecision(
+    # whatever diagnostics subscribed (observers.HUB.on_prune; none by default)
+    observers.HUB.prune_decided(observers.PruneDecision(
         step, rollout_samples, rewards, group_ids, result, order_out.tolist(), account=account,
         ledgers=[led.serial for led in filtering.ledgers_of(rollout_samples)],
         selective=None if recorded is None else recorded[1]))

@@ -1,17 +1,18 @@
 """Who watches OpenRLHF's GPU path: the pruning seam's decision and the features' records, handed
-to whatever diagnostics subscribed (none unless asked for: ``diagnostics/__init__.py``). The hub
-is the host-neutral ``integrations/observers.py``; what is OpenRLHF's is the decision and its
+to whatever diagnostics subscribed (none unless asked for: ``diagnostics/__init__.py``). ``HUB``
+is OpenRLHF's own ``Observers`` (``integrations/observers.py``, host-neutral; veRL's is another
+object, so a process loading both keeps them apart); what is OpenRLHF's is the decision and its
 records.
 
 The GPU path never imports a diagnostic. The hook decides (through the core), hands the decision
 to its own observers (metrics, selective rollout's history, DAPO's filter account) and then to
-the ones subscribed here:
+the ones subscribed to ``HUB``:
 
-- ``on_prune(fn)``: ``fn(decision)`` once per step with the seam's ``PruneDecision``, after the
+- ``HUB.on_prune(fn)``: ``fn(decision)`` once per step with the seam's ``PruneDecision``, after the
   survivors are chosen and before they are passed on (an observer may add an ``info`` entry to
   the samples, as the audit's row ids do). It must not change which samples are kept.
-- ``on_record(fn)``: ``fn(kind, role=..., **fields)`` for every named record a feature emits in
-  OpenRLHF's samples generator (``filter``, ``selective``, role ``generator``); ``recording()``
+- ``HUB.on_record(fn)``: ``fn(kind, role=..., **fields)`` for every named record a feature emits in
+  OpenRLHF's samples generator (``filter``, ``selective``, role ``generator``); ``HUB.recording()``
   says whether anyone listens.
 
 The audit (``diagnostics/audit.py``) subscribes to both in audit mode (``CPPO_OPENRLHF_AUDIT``).
@@ -26,8 +27,7 @@ import torch
 
 from ..observers import Observers
 
-__all__ = ["PruneDecision", "on_prune", "on_record", "prune_decided", "record", "recording", "remove",
-           "subscribed"]
+__all__ = ["HUB", "PruneDecision"]
 
 
 @dataclass(frozen=True)
@@ -61,11 +61,5 @@ class PruneDecision:
     selective: dict | None = None
 
 
-_HUB: Observers[PruneDecision] = Observers()  # OpenRLHF's own subscribers (integrations/observers.py)
-on_prune = _HUB.on_prune
-on_record = _HUB.on_record
-remove = _HUB.remove
-subscribed = _HUB.subscribed
-prune_decided = _HUB.prune_decided
-recording = _HUB.recording
-record = _HUB.record
+# OpenRLHF's own subscribers (integrations/observers.py); the other host's hub is another object
+HUB: Observers[PruneDecision] = Observers()

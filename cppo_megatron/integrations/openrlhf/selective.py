@@ -457,8 +457,8 @@ def _wrap_generate(original):
                                                     dynamic_filtering, **generate_kwargs)
         group_size = int(generate_kwargs.get("n_samples_per_prompt", self.args.rollout.n_samples_per_prompt))
         _match_groups(draw, experiences, group_size)
-        if observers.recording():
-            observers.record("selective", role="generator", **draw.to_record())
+        if observers.HUB.recording():
+            observers.HUB.record("selective", role="generator", **draw.to_record())
         skipped = len(draw.skipped)
         logger.info("selective rollout, step %d: %d prompts drawn, %d skipped, %d generated", draw.step,
                     len(draw.drawn), skipped, len(draw.kept))

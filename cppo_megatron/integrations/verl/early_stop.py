@@ -98,8 +98,8 @@ class VerlEarlyStop(GroupStopLearner):
         metrics, record = self.account_step(step, uids, rewards, lengths, infos, kept)
         if self.ready:
             publish(step + 1, self.predictor.state_dict())
-        if observers.recording():
-            observers.record("early_stop", **record, vllm_counters=counters)
+        if observers.HUB.recording():
+            observers.HUB.record("early_stop", **record, vllm_counters=counters)
         return metrics
 
 

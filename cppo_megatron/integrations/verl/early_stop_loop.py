@@ -69,11 +69,11 @@ class GroupCoordinator(SharedCoordinator):
 
 
 def _record_decision(coord: SharedCoordinator, boundary: int, out: Any) -> None:
-    if observers.recording():
-        observers.record("early_stop_boundary", role="agent_loop", step=coord.step, uid=coord.uid, boundary=boundary,
-                         q=coord.q_last.tolist(), status=out.status.tolist(),
-                         stopped=out.stop.nonzero().squeeze(1).tolist(), explore=coord.explore,
-                         version=coord.predictor.version if coord.predictor else 0)
+    if observers.HUB.recording():
+        observers.HUB.record("early_stop_boundary", role="agent_loop", step=coord.step, uid=coord.uid,
+                             boundary=boundary, q=coord.q_last.tolist(), status=out.status.tolist(),
+                             stopped=out.stop.nonzero().squeeze(1).tolist(), explore=coord.explore,
+                             version=coord.predictor.version if coord.predictor else 0)
 
 
 _stream = stream_of  # the tie-break stream of a group (tests recompute a decision with it)

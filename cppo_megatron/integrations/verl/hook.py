@@ -125,7 +125,7 @@ def _hand_on(trainer, run: RunSettings, decision: PruneDecision, lengths: torch.
     rows), selective rollout's history (``cppo.selective``) or early stopping's learner
     (``cppo.early_stop``: ``stop`` = (its state, the rows' stop infos, the stopped mask, vLLM's
     counters)), the ``cppo`` estimator's statistics, then whatever diagnostics subscribed
-    (``observers.on_prune``; none by default)."""
+    (``observers.HUB.on_prune``; none by default)."""
     uids, rewards = decision.uids, decision.rewards
     if stop is not None:  # a stopped row has no reward: signal/* over the finished rows
         es, infos, stopped, counters = stop
@@ -138,7 +138,7 @@ def _hand_on(trainer, run: RunSettings, decision: PruneDecision, lengths: torch.
         if run.selective:  # every finished group of the step is here: file their outcomes
             selective.record(trainer, uids, rewards, lengths, metrics)
     record_groups(records)
-    observers.prune_decided(decision)
+    observers.HUB.prune_decided(decision)
 
 
 # ---------------------------------------------------------------------------------- V1 trainer
@@ -181,7 +181,7 @@ def prune_kv_batch(trainer, batch, metrics: dict):
         es = early_stop.state_of(trainer)
         infos = early_stop.parse_infos(data["extra_fields"], len(uids))
         stopped = torch.tensor([bool(i["stopped"]) for i in infos])
-        counters = early_stop.step_counters(data["extra_fields"]) if observers.recording() else None
+        counters = early_stop.step_counters(data["extra_fields"]) if observers.HUB.recording() else None
         stop = (es, infos, stopped, counters)
         result, records = decide(uids, rewards, run.cfg, step, stopped=stopped, moments=es.moments(infos))
     else:
@@ -281,7 +281,7 @@ def prune_dataproto(trainer, batch, metrics: dict):
     metrics.update(signal.dataproto_signal(batch))
     result, records = decide(uids, rewards, run.cfg, step)
     record_groups(records)
-    observers.prune_decided(PruneDecision(step, "legacy", uids, rewards, result, batch))
+    observers.HUB.prune_decided(PruneDecision(step, "legacy", uids, rewards, result, batch))
     kept = batch.select_idxs(result.selection.kept.to(torch.int64))
     batch.batch, batch.non_tensor_batch = kept.batch, kept.non_tensor_batch
     dp_size = trainer._get_dp_size(trainer.actor_rollout_wg, "actor")

@@ -1,17 +1,19 @@
 """Who watches veRL's GPU path: the pruning seam's decision and the features' records, handed to
-whatever diagnostics subscribed (none unless asked for: ``diagnostics/__init__.py``). The hub is
-the host-neutral ``integrations/observers.py``; what is veRL's is the decision and its records.
+whatever diagnostics subscribed (none unless asked for: ``diagnostics/__init__.py``). ``HUB`` is
+veRL's own ``Observers`` (``integrations/observers.py``, host-neutral; OpenRLHF's is another
+object, so a process loading both keeps them apart); what is veRL's is the decision and its
+records.
 
 The GPU path never imports a diagnostic. It decides (``hook.py``, through the core), hands the
 decision to its own observers (metrics, the ``cppo`` estimator's statistics, selective
-rollout's history, early stopping's learner) and then to the ones subscribed here:
+rollout's history, early stopping's learner) and then to the ones subscribed to ``HUB``:
 
-- ``on_prune(fn)``: ``fn(decision)`` once per step with the seam's ``PruneDecision``, before the
+- ``HUB.on_prune(fn)``: ``fn(decision)`` once per step with the seam's ``PruneDecision``, before the
   pruned rows are dropped (a V1 observer may still read them from TransferQueue; a legacy
   observer may add a column to the batch, as the audit's row ids do). It must not change
   which rows are kept.
-- ``on_record(fn)``: ``fn(kind, role=..., **fields)`` for every named record a feature emits
-  (``selective``, ``early_stop``, ``early_stop_boundary``); ``recording()`` says whether anyone
+- ``HUB.on_record(fn)``: ``fn(kind, role=..., **fields)`` for every named record a feature emits
+  (``selective``, ``early_stop``, ``early_stop_boundary``); ``HUB.recording()`` says whether anyone
   listens, so a feature skips the work of building a record nobody reads.
 
 The audit (``diagnostics/audit.py``) subscribes to both in audit mode (``CPPO_VERL_AUDIT``).
@@ -26,8 +28,7 @@ import torch
 
 from ..observers import Observers
 
-__all__ = ["PruneDecision", "on_prune", "on_record", "prune_decided", "record", "recording", "remove",
-           "subscribed"]
+__all__ = ["HUB", "PruneDecision"]
 
 
 @dataclass(frozen=True)
@@ -59,11 +60,5 @@ class PruneDecision:
     equal_groups: list[str] = field(default_factory=list)
 
 
-_HUB: Observers[PruneDecision] = Observers()  # veRL's own subscribers (integrations/observers.py)
-on_prune = _HUB.on_prune
-on_record = _HUB.on_record
-remove = _HUB.remove
-subscribed = _HUB.subscribed
-prune_decided = _HUB.prune_decided
-recording = _HUB.recording
-record = _HUB.record
+# veRL's own subscribers (integrations/observers.py); the other host's hub is another object
+HUB: Observers[PruneDecision] = Observers()

@@ -183,7 +183,7 @@ class VerlSelective(SelectiveRun):
             "selective/groups_unrecorded": float(unrecorded),
             "selective/groups_unknown": float(len(order) - len(known)),
         })
-        if observers.recording():
+        if observers.HUB.recording():
             self._audit(step)
         self.generated = {}  # the step is filed: a second call in the same step (none in the sync loop) starts empty
         return out
@@ -200,11 +200,11 @@ class VerlSelective(SelectiveRun):
 
         ids, zv, easy = self.last_filed
         filed = torch.where(easy, EASY, torch.where(zv, HARD, INFORMATIVE)).tolist()
-        observers.record("selective", step=step, drawn=cat("prompt_ids"), skipped=cat("skip"),
-                     forced=[v for fb in rounds for v in fb.forced_mask.tolist()],
-                     skip_prob=cat("skip_prob"), streak=cat("streak"), last_outcome=cat("last_outcome"),
-                     rates={"p_easy": self.rates.p_easy, "p_hard": self.rates.p_hard}, seed=self.cfg.seed,
-                     recorded=ids.tolist(), outcomes=filed, adapts=self.adapt)
+        observers.HUB.record("selective", step=step, drawn=cat("prompt_ids"), skipped=cat("skip"),
+                         forced=[v for fb in rounds for v in fb.forced_mask.tolist()],
+                         skip_prob=cat("skip_prob"), streak=cat("streak"), last_outcome=cat("last_outcome"),
+                         rates={"p_easy": self.rates.p_easy, "p_hard": self.rates.p_hard}, seed=self.cfg.seed,
+                         recorded=ids.tolist(), outcomes=filed, adapts=self.adapt)
 
     # ------------------------------------------------------------------ persistence
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -202,17 +202,9 @@ def fresh(orl):
 
 
 @pytest.fixture
-def audit_on(monkeypatch):
-    """Audit mode in this process, as the worker setup hook installs it under
-    ``CPPO_OPENRLHF_AUDIT``: the variable set to the directory given and the audit subscribed to
-    the GPU path's observers (unsubscribed after the test). Returns ``on(directory)``."""
+def host_audit():
+    """This host's observers and audit, for ``audit_on`` (tests/integrations/conftest.py)."""
     from cppo_megatron.integrations.openrlhf import observers
     from cppo_megatron.integrations.openrlhf.diagnostics import audit
 
-    def on(directory) -> None:
-        monkeypatch.setenv(audit.ENV, str(directory))
-        audit.observe()
-
-    yield on
-    observers.remove(audit.prune_record)
-    observers.remove(audit.record)
+    return observers, audit

@@ -47,7 +47,7 @@ print(json.dumps({
                          for fns in importhook._AFTER.values() for fn in fns}),
     "diagnostics": sorted(m.rsplit(".", 1)[1] for m in sys.modules
                           if m.startswith("cppo_megatron.integrations.openrlhf.diagnostics.")),
-    "observers": observers.subscribed(),
+    "observers": observers.HUB.subscribed(),
 }))
 """
 # what a CPPO run installs in every process: OpenRLHF's experience maker and samples generator on import
@@ -110,11 +110,11 @@ def _prune(make_args, make_maker, make_rollout, train_batch: int = 1):
 
 def test_the_seam_hands_its_decision_to_each_subscriber_once(make_args, make_maker, make_rollout):
     seen: list[observers.PruneDecision] = []
-    observers.on_prune(seen.append)
+    observers.HUB.on_prune(seen.append)
     try:
         samples, survivors, kept = _prune(make_args, make_maker, make_rollout)
     finally:
-        observers.remove(seen.append)
+        observers.HUB.remove(seen.append)
     (d,) = seen
     assert d.step == 0 and d.samples is not None and len(d.samples) == len(samples) == 16
     assert torch.equal(d.rewards, REWARDS) and torch.equal(d.group_ids, GROUP_IDS)

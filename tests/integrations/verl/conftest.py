@@ -73,17 +73,10 @@ def shm_registry(tmp_path_factory):
 
 
 @pytest.fixture
-def audit_on(plugin, monkeypatch):
-    """Audit mode in this process, as ``load()`` installs it under ``CPPO_VERL_AUDIT``: the variable
-    set to the directory given and the audit subscribed to the GPU path's observers (unsubscribed
-    after the test). Returns ``on(directory)``."""
+def host_audit(plugin):
+    """This host's observers and audit, for ``audit_on`` (tests/integrations/conftest.py), after
+    ``load()`` as in a veRL process."""
     from cppo_megatron.integrations.verl import observers
     from cppo_megatron.integrations.verl.diagnostics import audit
 
-    def on(directory) -> None:
-        monkeypatch.setenv(audit.ENV, str(directory))
-        audit.observe()
-
-    yield on
-    observers.remove(audit.prune_record)
-    observers.remove(audit.record)
+    return observers, audit

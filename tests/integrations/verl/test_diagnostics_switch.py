@@ -24,7 +24,7 @@ print(json.dumps({
                          for fns in importhook._AFTER.values() for fn in fns}),
     "diagnostics": sorted(m.rsplit(".", 1)[1] for m in sys.modules
                           if m.startswith("cppo_megatron.integrations.verl.diagnostics.")),
-    "observers": observers.subscribed(),
+    "observers": observers.HUB.subscribed(),
     "keytrace_on_omegaconf": wrap.is_wrapped(DictConfig.__dict__["__getattr__"],
                                              "cppo_megatron.integrations.verl.diagnostics.keytrace"),
 }))
@@ -95,26 +95,26 @@ def test_observers_hand_on_in_order_and_refuse_what_is_not_callable():
     def sink(kind, role="trainer", **fields):
         seen.append((kind, role, fields))
 
-    assert not observers.recording()
-    observers.record("selective", step=1)  # nobody listens: nothing happens
-    observers.on_prune(first)
-    observers.on_prune(second)
-    observers.on_prune(first)  # idempotent
-    observers.on_record(sink)
-    observers.on_record(sink)  # idempotent
+    assert not observers.HUB.recording()
+    observers.HUB.record("selective", step=1)  # nobody listens: nothing happens
+    observers.HUB.on_prune(first)
+    observers.HUB.on_prune(second)
+    observers.HUB.on_prune(first)  # idempotent
+    observers.HUB.on_record(sink)
+    observers.HUB.on_record(sink)  # idempotent
     try:
         here = f"{__name__}.test_observers_hand_on_in_order_and_refuse_what_is_not_callable.<locals>"
-        assert observers.subscribed() == {"prune": [f"{here}.first", f"{here}.second"], "record": [f"{here}.sink"]}
-        assert observers.recording()
-        observers.prune_decided("decision")  # type: ignore[arg-type]
-        observers.record("early_stop", role="agent_loop", step=2)
+        assert observers.HUB.subscribed() == {"prune": [f"{here}.first", f"{here}.second"], "record": [f"{here}.sink"]}
+        assert observers.HUB.recording()
+        observers.HUB.prune_decided("decision")  # type: ignore[arg-type]
+        observers.HUB.record("early_stop", role="agent_loop", step=2)
         assert seen == [("first", "decision"), ("second", "decision"), ("early_stop", "agent_loop", {"step": 2})]
         with pytest.raises(TypeError, match="observers.on_prune: 3 is not callable"):
-            observers.on_prune(3)  # type: ignore[arg-type]
+            observers.HUB.on_prune(3)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="observers.on_record: None is not callable"):
-            observers.on_record(None)  # type: ignore[arg-type]
+            observers.HUB.on_record(None)  # type: ignore[arg-type]
     finally:
         for fn in (first, second, sink):
-            observers.remove(fn)
-    observers.remove(sink)  # not subscribed: nothing
-    assert observers.subscribed() == {"prune": [], "record": []} and not observers.recording()
+            observers.HUB.remove(fn)
+    observers.HUB.remove(sink)  # not subscribed: nothing
+    assert observers.HUB.subscribed() == {"prune": [], "record": []} and not observers.HUB.recording()

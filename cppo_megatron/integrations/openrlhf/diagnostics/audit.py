@@ -88,7 +88,7 @@ def _fingerprint(model) -> float:
 
 # ------------------------------------------------------------------------------ trainer side (the seam)
 def prune_record(d: observers.PruneDecision) -> None:
-    """The ``prune`` record of one step (an observer of the seam's decision, ``observers.on_prune``).
+    """The ``prune`` record of one step (an observer of the seam's decision, ``observers.HUB.on_prune``).
     Each sample gets its row id (its index in the rollout) in ``info["cppo_row"]``, which the
     survivors carry on to the actors' ``train`` records. With DAPO's filter, ``account`` is the
     step's ``filtering.StepAccount`` record and ``ledgers`` the serials of the ``filter`` records
@@ -241,8 +241,8 @@ def _patch_strategy(module) -> None:
 def observe() -> None:
     """Subscribe the audit to the GPU path's observers: the seam's decision and the features'
     named records (idempotent)."""
-    observers.on_prune(prune_record)
-    observers.on_record(record)
+    observers.HUB.on_prune(prune_record)
+    observers.HUB.on_record(record)
 
 
 def install() -> bool:

@@ -288,7 +288,7 @@ def _record_placement(module) -> None:
 
 
 def prune_record(d: observers.PruneDecision) -> None:
-    """The ``prune`` record of one step (an observer of the seam's decision, ``observers.on_prune``).
+    """The ``prune`` record of one step (an observer of the seam's decision, ``observers.HUB.on_prune``).
     Legacy loop: each row's index at the seam goes on the batch (``cppo_row``), the row identity
     the later passes' records name."""
     kept = d.result.selection.kept.tolist()
@@ -321,8 +321,8 @@ def _filter_record(metric: str | None, keys: list[str], partition_id: str, equal
 def observe() -> None:
     """Subscribe the audit to the GPU path's observers: the seam's decision and the features'
     named records (idempotent)."""
-    observers.on_prune(prune_record)
-    observers.on_record(record)
+    observers.HUB.on_prune(prune_record)
+    observers.HUB.on_record(record)
 
 
 def install() -> bool:
