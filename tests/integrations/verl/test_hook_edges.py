@@ -163,3 +163,26 @@ def test_uninstall_takes_the_hook_off_both_loops_and_install_puts_it_back(plugin
     finally:
         hook.install()
     assert hook.is_installed("verl.trainer.ppo.ray_trainer") and hook.is_installed("verl.trainer.ppo.v1.trainer_base")
+
+
+def test_uninstall_in_a_process_that_never_imported_the_legacy_loop_unhooks_the_rest(plugin, monkeypatch):
+    """A Ray worker that imported only the V1 trainer: ``uninstall`` takes the hook off V1, skips the
+    legacy module it never imported and drops the pending import hook, so a later import stays unhooked."""
+    import sys
+
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    from cppo_megatron.integrations import importhook, wrap
+
+    legacy = "verl.trainer.ppo.ray_trainer"
+    try:
+        with monkeypatch.context() as mp:
+            mp.delitem(sys.modules, legacy)
+            hook.uninstall()
+            assert importhook.pending(hook._patch_module) == []
+            assert not hook.is_installed("verl.trainer.ppo.v1.trainer_base")
+        # the module it never saw (here: put back afterwards) was left as it was
+        assert wrap.is_wrapped(RayPPOTrainer.__dict__["_balance_batch"], hook.WRAP_TAG)
+    finally:
+        hook.install()
+    assert hook.is_installed(legacy) and hook.is_installed("verl.trainer.ppo.v1.trainer_base")
