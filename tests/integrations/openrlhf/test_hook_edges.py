@@ -148,5 +148,6 @@ def test_uninstall_in_a_process_that_never_imported_the_samples_generator(orl, m
         assert importhook.pending(filtering.install_generator) == [filtering.GENERATOR_MODULE]
         hook.uninstall(orl.Maker)
         assert importhook.pending(filtering.install_generator) == [] and not hook.is_installed(orl.Maker)
+        assert filtering.GENERATOR_MODULE not in sys.modules  # not imported to be unhooked
     assert not any(wrap.is_wrapped(generator.__dict__[name], filtering.WRAP_TAG)
                    for name in ("_process_response_into_experience", "_generate_vllm"))
