@@ -213,9 +213,19 @@ def test_a_step_reads_the_run_settings_kept_from_the_first_step_not_the_config(t
     assert runconfig.settings_of(trainer).cfg.rate == 0.75
 
 
-def test_v1_with_rebalance_off_dispatches_verls_own_order(tq, plugin, config):
+@pytest.fixture
+def train_tq(tq):
+    """``tq``, its train partition emptied after the test whether it passed or not (no rows left to the next)."""
+    yield tq
+    left = list(tq.kv_list("train").get("train", {}))
+    if left:
+        tq.kv_clear(keys=left, partition_id="train")
+
+
+def test_v1_with_rebalance_off_dispatches_verls_own_order(train_tq, plugin, config):
     """``cppo.rebalance=false``: the core's order is computed and reported but never used, even where it
     balances better; the workers get veRL's split (its imbalance, not the better of the two)."""
+    tq = train_tq
     from omegaconf import open_dict
 
     with open_dict(config):
@@ -230,14 +240,14 @@ def test_v1_with_rebalance_off_dispatches_verls_own_order(tq, plugin, config):
     w = 24576 * w + w * w
     final = float(w.view(DP, -1).sum(1).max()) / (float(w.sum()) / DP)
     assert final == pytest.approx(metrics["cppo/balance_imbalance_verl"], rel=1e-12)
-    tq.kv_clear(keys=list(tq.kv_list("train")["train"]), partition_id="train")
 
 
-def test_v1_early_stopping_never_reads_a_stopped_reward_and_clears_the_stopped_rows(tq, plugin, config):
+def test_v1_early_stopping_never_reads_a_stopped_reward_and_clears_the_stopped_rows(train_tq, plugin, config):
     """``cppo.early_stop``: each row's ``extra_fields["cppo_early_stop"]`` (as the agent loop leaves it)
     says which rows were stopped; their rewards (planted 99) enter no statistic, they are never kept,
     they leave TransferQueue with the pruned rows, ``signal/*`` is over the finished rows only, and the
     step's ``early_stop/*`` accounting adds up."""
+    tq = train_tq
     from omegaconf import OmegaConf
 
     from cppo_megatron.core.early_stop import early_stop_prune, imputed_moments
@@ -283,4 +293,3 @@ def test_v1_early_stopping_never_reads_a_stopped_reward_and_clears_the_stopped_r
     assert metrics["early_stop/kept"] == len(kept) and metrics["early_stop/pruned_after"] == B * G - 7 - len(kept)
     assert metrics["early_stop/tokens_stopped"] == int(lengths[stopped].sum())
     assert metrics["early_stop/reward_mean_estimate"] < 1.0  # the 99s never entered it
-    tq.kv_clear(keys=list(tq.kv_list("train")["train"]), partition_id="train")
