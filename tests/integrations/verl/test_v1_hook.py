@@ -272,7 +272,8 @@ def test_v1_early_stopping_never_reads_a_stopped_reward_and_clears_the_stopped_r
     lengths = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["response_mask"])["response_mask"]
     lengths = torch.tensor([int(x.sum()) for x in lengths.unbind()])
     metrics: dict = {}
-    out = bare_v1_trainer(config)._balance_batch(meta, metrics=metrics)
+    trainer = bare_v1_trainer(config)
+    out = trainer._balance_batch(meta, metrics=metrics)
 
     # the decision: the core's, with q = 0.2's imputed moments for the stopped rows (an unfitted predictor's means)
     from cppo_megatron.core.early_stop import PrefixPredictor
@@ -293,3 +294,16 @@ def test_v1_early_stopping_never_reads_a_stopped_reward_and_clears_the_stopped_r
     assert metrics["early_stop/kept"] == len(kept) and metrics["early_stop/pruned_after"] == B * G - 7 - len(kept)
     assert metrics["early_stop/tokens_stopped"] == int(lengths[stopped].sum())
     assert metrics["early_stop/reward_mean_estimate"] < 1.0  # the 99s never entered it
+    # veRL's advantage step then gives each survivor the advantage against its full group's statistics,
+    # the stopped rows in them by their imputed moments (the cppo estimator reads what the seam recorded)
+    from verl.utils import tensordict_utils as tu
+
+    data = tq.kv_batch_get(keys=out.keys, partition_id="train", select_fields=["row_id", "response_mask"])
+    pad = torch.tensor([t.get("is_padding", False) for t in out.tags])
+    lp = {name: jagged([torch.full((int(m.numel()),), -1.0) for m in data["response_mask"].unbind()])
+          for name in ("old_log_probs", "ref_log_prob")}
+    tq.kv_batch_put(keys=out.keys, partition_id="train", fields=tu.get_tensordict(lp))
+    trainer._compute_advantage(out, metrics)
+    adv = tq.kv_batch_get(keys=out.keys, partition_id="train", select_fields=["advantages"])["advantages"]
+    got = torch.stack([a[0] for a, p in zip(adv.unbind(), pad, strict=True) if not p])
+    torch.testing.assert_close(got, want.advantages[data["row_id"][~pad]].to(got.dtype), atol=1e-5, rtol=1e-5)
