@@ -124,9 +124,8 @@ class GroupCoordinator:
         t, waiting = self.pending, dict(self.waiting)
         self.pending, self.waiting = None, {}
         stop = await self._decide(t)
-        for m, fut in waiting.items():
-            if not fut.done():
-                fut.set_result(bool(stop[m]))
+        for m, fut in waiting.items():  # pending: set only here and in _release_all, each after taking it out
+            fut.set_result(bool(stop[m]))
 
     async def _decide(self, t: int) -> torch.Tensor:
         if self.predictor is None:
@@ -156,8 +155,7 @@ class GroupCoordinator:
     def _release_all(self, value: bool) -> None:
         waiting, self.waiting, self.pending = self.waiting, {}, None
         for fut in waiting.values():
-            if not fut.done():
-                fut.set_result(value)
+            fut.set_result(value)
 
     def info(self, member: int) -> dict:
         """What the trainer's seam needs of a member (JSON-able)."""

@@ -46,3 +46,28 @@ def test_job_id_is_rays_once_ray_is_initialised(monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "get_runtime_context", lambda: type("Ctx", (), {"get_job_id": lambda self: "02000000"})())
     assert watchdog.Watchdog(5.0, poll_s=0.01, exit_fn=pytest.fail)._job_id() == "02000000"
+
+
+def test_watched_with_the_watchdog_off_starts_none_and_still_names_the_dead_worker(monkeypatch, capsys):
+    """``CPPO_DEAD_WORKER_GRACE_S=off``: ``watched`` yields None, starts no thread (nothing to stop on the
+    way out), and a host error a dead worker explains still gets its one line."""
+    import threading
+
+    from ray.core.generated import common_pb2
+    from ray.exceptions import ActorDiedError
+
+    monkeypatch.setenv(watchdog.ENV_GRACE, "off")
+    before = {t.name for t in threading.enumerate()}
+    ctx = common_pb2.ActorDiedErrorContext(
+        reason=common_pb2.ActorDiedErrorContext.WORKER_DIED, pid=31, name="aWorkerDict_0:2", class_name="WorkerDict",
+        node_ip_address="192.0.2.9", actor_id=bytes(16), error_message="The actor is dead because it was killed.")
+    with pytest.raises(ActorDiedError), watchdog.watched("OpenRLHF", lambda: "Rerun to resume.") as dog:
+        assert dog is None and "cppo-dead-worker-watchdog" not in {t.name for t in threading.enumerate()} - before
+        raise ActorDiedError(cause=ctx)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"{watchdog.PREFIX} OpenRLHF stopped because Ray actor 'aWorkerDict_0:2' (WorkerDict), "
+                          "pid 31")
+    assert err.endswith(". Rerun to resume.") and err.count("\n") == 0
+    with watchdog.watched("veRL", lambda: "hint") as dog:
+        assert dog is None
+    assert capsys.readouterr().err == ""

@@ -13,7 +13,7 @@ import torch
 from cppo_megatron import CPPOConfig
 from cppo_megatron.integrations.openrlhf import hook
 
-from .test_hook import GROUPS
+from .test_hook import GROUPS, REWARDS
 
 pytestmark = pytest.mark.openrlhf
 
@@ -98,3 +98,56 @@ def test_the_config_from_the_environment(monkeypatch, orl):
         hook.config_from_env()
     monkeypatch.setenv(hook.ENV_CONFIG, json.dumps({"pruning_rate": 0.25}))
     assert hook.config_from_env() == CPPOConfig(pruning_rate=0.25)
+
+
+def test_experiences_without_an_info_reward_get_their_rewards_back_and_no_info_reward(
+        orl, make_args, make_maker, make_rollout, fresh):
+    """OpenRLHF fills ``info["reward"]`` only when a reward came with the sample or from its reward model,
+    and guards it itself (``length_penalty.py``); the advantage step with the recorded statistics does too:
+    without one, the experience's rewards are restored (penalised), its advantages are those of the run
+    with one, and no ``info["reward"]`` appears."""
+    from .test_hook import _run
+
+    groups = [g for g in GROUPS if len(g[1]) == 8]
+    args = make_args("--rollout.n_samples_per_prompt", "8", "--reward.overlong_buffer_len", "4",
+                     "--rollout.max_new_tokens", "14")
+    cfg = CPPOConfig(pruning_rate=0.5, eps=1e-9)
+    samples = make_rollout(groups)
+    bare = fresh(samples)
+    for s in bare:
+        del s.info["reward"]
+    _, with_info = _run(orl, make_maker, args, fresh(samples), cfg)
+    _, without = _run(orl, make_maker, args, bare, cfg)
+    assert all("reward" not in e.info for e in without) and all("reward" in e.info for e in with_info)
+
+    def rows(exps):
+        return {int(u): (e.advantages[i], float(e.rewards[i]))
+                for e in exps for i, u in enumerate(e.info["uid"].tolist())}
+
+    a, b = rows(with_info), rows(without)
+    assert sorted(a) == sorted(b) and len(a) == 4 * len(groups)
+    penalised = [u for u in a if abs(a[u][1] - float(REWARDS[u])) > 1e-6]
+    assert penalised  # the overlong penalty changed some rewards: the restored ones are the penalised ones
+    for uid in a:
+        torch.testing.assert_close(b[uid][0], a[uid][0])
+        assert b[uid][1] == pytest.approx(a[uid][1])
+
+
+def test_uninstall_in_a_process_that_never_imported_the_samples_generator(orl, monkeypatch):
+    """A Ray worker that never imports OpenRLHF's samples generator: install leaves DAPO's filter
+    waiting on its import, uninstall drops the wait and touches no generator class."""
+    import sys
+
+    from cppo_megatron.integrations import importhook, wrap
+    from cppo_megatron.integrations.openrlhf import filtering
+
+    generator = orl.SamplesGenerator
+    with monkeypatch.context() as mp:
+        mp.delitem(sys.modules, filtering.GENERATOR_MODULE)
+        hook.install(CPPOConfig(pruning_rate=0.5), orl.Maker)
+        assert importhook.pending(filtering.install_generator) == [filtering.GENERATOR_MODULE]
+        hook.uninstall(orl.Maker)
+        assert importhook.pending(filtering.install_generator) == [] and not hook.is_installed(orl.Maker)
+        assert filtering.GENERATOR_MODULE not in sys.modules  # not imported to be unhooked
+    assert not any(wrap.is_wrapped(generator.__dict__[name], filtering.WRAP_TAG)
+                   for name in ("_process_response_into_experience", "_generate_vllm"))

@@ -83,8 +83,9 @@ def data_file(tmp_path):
 
 @pytest.fixture
 def run_fit(orl, make_args, make_maker, data_file, tmp_path, monkeypatch, audit_on):
-    """``run_fit(name, cfg, *flags, seed=0)``: OpenRLHF's ``PPOTrainer.fit`` over the data set with
-    the hook (and selective rollout) installed; returns the audit records of the run and the trainer."""
+    """``run_fit(name, cfg, *flags, seed=0, audited=True)``: OpenRLHF's ``PPOTrainer.fit`` over the data set
+    with the hook (and selective rollout) installed; returns the audit records of the run (none when
+    ``audited`` is False: no observer listens) and the trainer."""
     import openrlhf.trainer.ppo_trainer as pt
     import openrlhf.trainer.ppo_utils.samples_generator as sg
     from openrlhf.utils.deepspeed import DeepspeedStrategy
@@ -94,14 +95,15 @@ def run_fit(orl, make_args, make_maker, data_file, tmp_path, monkeypatch, audit_
     monkeypatch.setattr(pt, "ray", types.SimpleNamespace(get=lambda refs: refs))
     installed = []
 
-    def run(name, cfg, *flags, seed=0, ckpt=None):
+    def run(name, cfg, *flags, seed=0, ckpt=None, audited=True):
         args = make_args("--data.prompt_dataset", str(data_file), "--data.input_key", "question",
                          "--data.label_key", "answer", "--rollout.n_samples_per_prompt", str(G),
                          "--rollout.batch_size", str(BATCH), "--train.num_episodes", "3",
                          "--ckpt.path", str(ckpt or tmp_path / f"{name}_ckpt"), "--ckpt.save_steps", "1", *flags)
         args.eval.steps = float("inf")  # as PPOTrainer.__init__ does for -1
         audit_dir = tmp_path / f"{name}_audit"
-        audit_on(audit_dir)
+        if audited:
+            audit_on(audit_dir)
         hook.install(cfg)
         installed.append(True)
         strategy = types.SimpleNamespace(
@@ -259,6 +261,24 @@ def test_the_rates_and_metrics_reach_openrlhfs_logs(run_fit):
     for exps in steps:
         for e in exps:
             assert selective.INDEX_ATTR not in e.__dict__ and selective.DRAW_ATTR not in e.__dict__
+
+
+def test_without_the_audit_the_loop_skips_and_logs_the_same(run_fit, tmp_path):
+    """No observer listening (the audit off, as in a user's run): no record is built, and the draws,
+    skips and ``selective/*`` metrics on the survivors are those the audited run pins."""
+    from cppo_megatron.integrations.openrlhf import observers
+
+    out = run_fit("quiet", CFG, audited=False)
+    assert not observers.recording() and out["audit"] == [] and not (tmp_path / "quiet_audit").exists()
+    steps = [kw["experience"] for kw in out["group"].appended]
+    assert len(steps) == 7
+    # (drawn, skipped) of each step: PINNED's counts, read from the metrics the actor ranks receive
+    assert [(_info(e, "selective/prompts_drawn"), _info(e, "selective/prompts_skipped")) for e in steps] == [
+        (len(d), len(s)) for d, s in PINNED]
+    rates = [(round(_info(e, "selective/p_easy"), 6), round(_info(e, "selective/p_hard"), 6)) for e in steps]
+    assert rates == [(0.2, 0.8)] * 3 + [(0.21, 0.81), (0.2, 0.8), (0.21, 0.79), (0.22, 0.78)]
+    last = torch.load(out["group"].ckpt / "global_step7" / "client_states.pt", weights_only=False)
+    assert last["total_consumed_prompts"] == 24  # the skipped prompts counted as consumed, as with the audit
 
 
 def test_two_runs_decide_alike(run_fit):

@@ -163,3 +163,29 @@ def test_uninstall_takes_the_hook_off_both_loops_and_install_puts_it_back(plugin
     finally:
         hook.install()
     assert hook.is_installed("verl.trainer.ppo.ray_trainer") and hook.is_installed("verl.trainer.ppo.v1.trainer_base")
+
+
+def test_uninstall_in_a_process_that_never_imported_the_v1_trainer_unhooks_the_rest(plugin, monkeypatch):
+    """A Ray worker that imported only the legacy loop: ``uninstall`` skips the V1 module it never
+    imported (without importing it), still takes the hook off the legacy loop after it, and drops the
+    pending import hook, so a later import stays unhooked."""
+    import sys
+
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    from cppo_megatron.integrations import importhook, wrap
+
+    v1, legacy = "verl.trainer.ppo.v1.trainer_base", "verl.trainer.ppo.ray_trainer"
+    assert list(hook.HOOK_TARGETS) == [v1, legacy]  # the one skipped comes first
+    try:
+        with monkeypatch.context() as mp:
+            mp.delitem(sys.modules, v1)
+            hook.uninstall()
+            assert v1 not in sys.modules  # not imported to be unhooked
+            assert importhook.pending(hook._patch_module) == []
+            assert not hook.is_installed(legacy)
+        # the module it never saw (here: put back afterwards) was left as it was
+        assert wrap.is_wrapped(PPOTrainer.__dict__["_balance_batch"], hook.WRAP_TAG)
+    finally:
+        hook.install()
+    assert hook.is_installed(legacy) and hook.is_installed(v1)

@@ -70,3 +70,24 @@ def test_a_mapping_where_verl_has_a_value_is_named(base_config):
 def test_the_preflight_has_no_model_to_read_without_a_path():
     assert preflight.model_config(OmegaConf.create({"actor_rollout_ref": {"model": {"path": ""}}})) == (
         None, "no actor_rollout_ref.model.path")
+
+
+def test_a_mapping_where_verl_has_null_is_accepted_and_not_checked_below(base_config):
+    """veRL leaves ``actor.optim.override_optimizer_config`` null for a mapping of the user's own: a recipe's
+    mapping there passes, keys and all (veRL has no schema under it to check them against); a typo beside
+    it is still named."""
+    assert base_config.actor_rollout_ref.actor.optim.override_optimizer_config is None
+    overlay = OmegaConf.create({"actor_rollout_ref": {"actor": {"optim": {
+        "override_optimizer_config": {"betas": [0.9, 0.95], "anything": {"nested": 1}}, "lrr": 1e-6}}}})
+    assert runconfig.overlay_mismatches(overlay, base_config) == [
+        "actor_rollout_ref.actor.optim.lrr: not a key of veRL's config"]
+
+
+def test_allocation_refuses_a_keep_that_does_not_divide_the_completions(config):
+    with open_dict(config):
+        config.cppo.pruning_rate = 0.625  # keep 3 of G = 8: 4 prompts x 8 = 32 completions, 32 / 3 prompts
+    with pytest.raises(ValueError, match=r"^allocation: data.train_batch_size=4 x rollout.n=8 / keep=3 is not an "
+                                         r"integer number of prompts; pick a pruning rate with G\(1-P\) dividing "
+                                         r"G\*b$"):
+        runconfig.apply_allocation(config)
+    assert config.data.train_batch_size == 4  # refused before anything changed

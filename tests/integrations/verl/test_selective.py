@@ -482,3 +482,24 @@ def test_a_step_with_no_draw_through_the_hook_files_what_reaches_the_seam_and_le
     assert state.step == 2 and m["selective/groups_unknown"] == 1.0 and m["selective/groups_recorded"] == 0.0
     with pytest.raises(ValueError, match="1 response lengths for 2 rows at the CPPO seam"):
         state.record(2, ["u1", "u1"], torch.tensor([1.0, 1.0]), torch.tensor([3]))
+
+
+def test_after_a_resume_without_selective_state_a_repeated_index_is_not_refused(config, tq, tmp_path):
+    """Resumed from a checkpoint without the selective state, where the dataloader's pass stands is not
+    known: a repeated index is generated again instead of refused as a duplicate (the fresh run refuses
+    the same data: test_indices_that_are_not_unique_are_refused_naming_the_fix)."""
+    selective_on(config, tmp_path)
+    trainer = Trainer(config, tq, ORDER)
+    run(trainer, tq, [1])
+    trainer._save_checkpoint()
+    (tmp_path / "ckpt" / "global_step_1" / selective.STATE_FILE).unlink()
+    repeated = ORDER[:16] + [ORDER[16]] * (ROWS - 16)  # where the resumed loader goes on: one index, 24 times
+    resumed = Trainer(config, tq, repeated)
+    with pytest.warns(UserWarning, match="has no selective-rollout state"):
+        resumed._load_checkpoint()
+    state = selective.state_of(resumed)
+    assert state.epoch_seen is None
+    steps = run(resumed, tq, [2])
+    assert steps[2]["generated"] == [ORDER[16]] * 16  # no history: nothing skipped, every repeat generated
+    assert state.epoch_seen is None and state.drawn_this_step == [ORDER[16]] * 16
+    assert steps[2]["metrics"]["selective/prompts_drawn"] == 16

@@ -89,3 +89,25 @@ def test_uninstall_takes_the_seams_off_and_install_puts_them_back(plugin):
     finally:
         selective.install()
     assert all(wrap.is_wrapped(PPOTrainer.__dict__[name], selective.WRAP_TAG) for name in selective.SEAMS)
+
+
+def test_uninstall_before_verls_trainer_is_imported_drops_the_pending_seams(plugin, monkeypatch):
+    """``uninstall`` in a process that has not imported veRL's V1 trainer: the seams wait on its import
+    (``after_import``); uninstall drops that wait and touches no class."""
+    import sys
+
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    from cppo_megatron.integrations import importhook, wrap
+
+    try:
+        with monkeypatch.context() as mp:
+            mp.delitem(sys.modules, selective.TARGET[0])
+            selective.install()
+            assert importhook.pending(selective._patch) == [selective.TARGET[0]]
+            selective.uninstall()
+            assert importhook.pending(selective._patch) == [] and selective.TARGET[0] not in sys.modules
+        assert all(wrap.is_wrapped(PPOTrainer.__dict__[name], selective.WRAP_TAG) for name in selective.SEAMS)
+    finally:
+        selective.install()
+    assert importhook.pending(selective._patch) == [selective.TARGET[0]]

@@ -211,3 +211,99 @@ def test_a_step_reads_the_run_settings_kept_from_the_first_step_not_the_config(t
     assert calls == {"cppo_config_from": 1, "is_cppo": 1}
     assert kept == [8.0, 8.0]  # both steps pruned as the run started: keep 2 of G=8 for B=4 prompts
     assert runconfig.settings_of(trainer).cfg.rate == 0.75
+
+
+@pytest.fixture
+def train_tq(tq):
+    """``tq``, its train partition emptied after the test whether it passed or not (no rows left to the next)."""
+    yield tq
+    left = list(tq.kv_list("train").get("train", {}))
+    if left:
+        tq.kv_clear(keys=left, partition_id="train")
+
+
+def test_v1_with_rebalance_off_dispatches_verls_own_order(train_tq, plugin, config):
+    """``cppo.rebalance=false``: the core's order is computed and reported but never used, even where it
+    balances better; the workers get veRL's split (its imbalance, not the better of the two)."""
+    tq = train_tq
+    from omegaconf import open_dict
+
+    with open_dict(config):
+        config.cppo.rebalance = False
+    rewards = rewards_table(seed=3, prompts=B, group=G)
+    meta, keys = put_rollout(tq, rewards, seed=3)
+    metrics: dict = {}
+    out = bare_v1_trainer(config)._balance_batch(meta, metrics=metrics)
+    assert metrics["cppo/balance_imbalance_core"] < metrics["cppo/balance_imbalance_verl"]  # the core would help
+    assert metrics["cppo/balance_used_core"] == 0.0
+    w = torch.tensor([t["seq_len"] for t in out.tags], dtype=torch.float64)
+    w = 24576 * w + w * w
+    final = float(w.view(DP, -1).sum(1).max()) / (float(w.sum()) / DP)
+    assert final == pytest.approx(metrics["cppo/balance_imbalance_verl"], rel=1e-12)
+
+
+def test_v1_early_stopping_never_reads_a_stopped_reward_and_clears_the_stopped_rows(train_tq, plugin, config):
+    """``cppo.early_stop``: each row's ``extra_fields["cppo_early_stop"]`` (as the agent loop leaves it)
+    says which rows were stopped; their rewards (planted 99) enter no statistic, they are never kept,
+    they leave TransferQueue with the pruned rows, ``signal/*`` is over the finished rows only, and the
+    step's ``early_stop/*`` accounting adds up."""
+    tq = train_tq
+    from omegaconf import OmegaConf
+
+    from cppo_megatron.core.early_stop import early_stop_prune, imputed_moments
+    from cppo_megatron.core.signal import signal_metrics
+    from cppo_megatron.integrations.verl import runconfig
+
+    OmegaConf.update(config, "cppo.early_stop.enabled", True, force_add=True)
+    cfg = runconfig.cppo_config_from(config)
+    rewards = rewards_table(seed=4, prompts=B, group=G).reshape(-1)
+    stopped = torch.zeros(B * G, dtype=torch.bool)
+    stopped[[1, 2, 9, 17, 18, 19, 30]] = True
+    rewards[stopped] = 99.0
+    q = [0.2 if s else None for s in stopped.tolist()]  # a stopped row's last score; the others never scored
+    infos = [{"stopped": bool(s), "stopped_at": 4 if s else -1, "q": qq, "explore": False, "shadow": False,
+              "records": [[4, [0.0] * 10, qq]] if s else [], "ready": True, "version": 2, "degraded": False}
+             for s, qq in zip(stopped.tolist(), q, strict=True)]
+    meta, keys = put_rollout(tq, rewards.reshape(B, G), seed=4)
+    from verl.utils import tensordict_utils as tu
+
+    extra = np.array([{"cppo_early_stop": info, "global_steps": STEP} for info in infos], dtype=object)
+    tq.kv_batch_put(keys=keys, partition_id="train", fields=tu.get_tensordict({"extra_fields": extra}))
+    lengths = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["response_mask"])["response_mask"]
+    lengths = torch.tensor([int(x.sum()) for x in lengths.unbind()])
+    metrics: dict = {}
+    trainer = bare_v1_trainer(config)
+    out = trainer._balance_batch(meta, metrics=metrics)
+
+    # the decision: the core's, with q = 0.2's imputed moments for the stopped rows (an unfitted predictor's means)
+    from cppo_megatron.core.early_stop import PrefixPredictor
+
+    mu, sq = imputed_moments(torch.tensor([0.2 if s else 0.5 for s in stopped.tolist()], dtype=torch.float64),
+                             PrefixPredictor().class_means)
+    want = early_stop_prune(rewards, stopped, torch.arange(B * G) // G, cfg, expected=mu, expected_sq=sq, step=STEP)
+    kept = {keys[i] for i in want.selection.kept.tolist()}
+    real = {k for k, t in zip(out.keys, out.tags, strict=True) if not t.get("is_padding", False)}
+    assert real == kept and not kept & {keys[i] for i in stopped.nonzero().squeeze(1).tolist()}
+    stored = set(tq.kv_list("train")["train"])
+    assert stored == set(out.keys)  # stopped and pruned rows cleared alike
+    assert metrics["cppo/rows_cleared"] == B * G - len(kept)
+    fin = (~stopped).nonzero().squeeze(1)
+    assert {k: v for k, v in metrics.items() if k.startswith("signal/")} == signal_metrics(
+        rewards[fin], (torch.arange(B * G) // G)[fin], lengths=lengths[fin])
+    assert metrics["early_stop/started"] == B * G and metrics["early_stop/stopped"] == 7
+    assert metrics["early_stop/kept"] == len(kept) and metrics["early_stop/pruned_after"] == B * G - 7 - len(kept)
+    assert metrics["early_stop/tokens_stopped"] == int(lengths[stopped].sum())
+    assert metrics["early_stop/reward_mean_estimate"] < 1.0  # the 99s never entered it
+    # veRL's advantage step then gives each survivor the advantage against its full group's statistics,
+    # the stopped rows in them by their imputed moments (the cppo estimator reads what the seam recorded)
+    from verl.utils import tensordict_utils as tu
+
+    data = tq.kv_batch_get(keys=out.keys, partition_id="train", select_fields=["row_id", "response_mask"])
+    pad = torch.tensor([t.get("is_padding", False) for t in out.tags])
+    lp = {name: jagged([torch.full((int(m.numel()),), -1.0) for m in data["response_mask"].unbind()])
+          for name in ("old_log_probs", "ref_log_prob")}
+    tq.kv_batch_put(keys=out.keys, partition_id="train", fields=tu.get_tensordict(lp))
+    trainer._compute_advantage(out, metrics)
+    adv = tq.kv_batch_get(keys=out.keys, partition_id="train", select_fields=["advantages"])["advantages"]
+    got = torch.stack([a[0] for a, p in zip(adv.unbind(), pad, strict=True) if not p])
+    torch.testing.assert_close(got, want.advantages[data["row_id"][~pad]].to(got.dtype), atol=1e-5, rtol=1e-5)
