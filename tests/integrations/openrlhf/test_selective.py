@@ -269,7 +269,7 @@ def test_without_the_audit_the_loop_skips_and_logs_the_same(run_fit, tmp_path):
     from cppo_megatron.integrations.openrlhf import observers
 
     out = run_fit("quiet", CFG, audited=False)
-    assert not observers.recording() and out["audit"] == [] and not (tmp_path / "quiet_audit").exists()
+    assert not observers.HUB.recording() and out["audit"] == [] and not (tmp_path / "quiet_audit").exists()
     steps = [kw["experience"] for kw in out["group"].appended]
     assert len(steps) == 7
     # (drawn, skipped) of each step: PINNED's counts, read from the metrics the actor ranks receive
