@@ -315,13 +315,15 @@ class StopHistory:
 
     def refit(self, predictor: PrefixPredictor, min_examples: int) -> bool:
         """Fit ``predictor`` on every example here when both outcomes have at least
-        ``min_examples`` completions; True when it is ready to decide."""
+        ``min_examples`` completions and some of them reached a boundary; True when it is ready to
+        decide. (Completions that all end before the first boundary count, but give no features.)"""
         n0, n1 = self.completions()
-        if min(n0, n1) < min_examples:
+        scored = [s for s in self.steps if s["x"].numel()]
+        if min(n0, n1) < min_examples or not scored:
             return False
-        x = torch.cat([s["x"] for s in self.steps if s["x"].numel()])
-        y = torch.cat([s["y"] for s in self.steps if s["x"].numel()])
-        r = torch.cat([s["r"] for s in self.steps if s["x"].numel()])
+        x = torch.cat([s["x"] for s in scored])
+        y = torch.cat([s["y"] for s in scored])
+        r = torch.cat([s["r"] for s in scored])
         predictor.fit(x, y, r)
         return True
 

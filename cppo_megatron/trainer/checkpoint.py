@@ -85,10 +85,10 @@ def filesystem_peers(out_dir: Path, rank: int = 0, *, gather: Callable[[object],
     barrier()
     seen = sorted(int(p.name[len("rank"):]) for p in probe.glob("rank*"))
     barrier()
+    if rank not in seen:  # first: a rank that sees no file at all has no min(seen) to compare with
+        raise RuntimeError(f"checkpoint probe: rank {rank} cannot see its own file under {probe}")
     if rank == min(seen):
         shutil.rmtree(probe, ignore_errors=True)
-    if rank not in seen:
-        raise RuntimeError(f"checkpoint probe: rank {rank} cannot see its own file under {probe}")
     return seen
 
 

@@ -469,13 +469,12 @@ class Trainer:
     # ------------------------------------------------------------------ eval, sync, checkpoints
     def _sync_engine(self) -> None:
         """Policy weights to the rollout engine(s) (a no-op for the HF engine of ``backend:
-        hf``, which shares them; a collective under ``backend: megatron``)."""
-        if self.policy is None:
-            self.rollout.sync(self.model.state_dict())
-        elif self.distributed:  # full HF tensors only where an engine takes them
-            self.rollout.sync(self.policy.export_weights(self.rollout.weight_ranks))
+        hf``, which shares them; a collective under ``backend: megatron``). Both callers (``prepare``,
+        after it built the policy, and the step) run with the policy built."""
+        if self.distributed:  # full HF tensors only where an engine takes them
+            self.rollout.sync(self.backend.export_weights(self.rollout.weight_ranks))
         else:
-            self.rollout.sync(self.policy.export_weights())
+            self.rollout.sync(self.backend.export_weights())
 
     def _evaluate(self, n: int) -> dict:
         engine = self.rollout.eval_engine
@@ -545,7 +544,7 @@ class Trainer:
         if self.early_stop is not None:
             if EARLY_STOP_STATE_KEY in state:
                 self.early_stop.load_state_dict(state[EARLY_STOP_STATE_KEY])
-            elif self.is_main:
+            else:  # backend=hf only (the recipe refuses early stopping on megatron): this is the main rank
                 log(f"--resume: checkpoint {path.name} has no early-stopping state (written without "
                     "cppo.early_stop): the predictor starts untrained and stops nothing until it has "
                     f"{self.r.cppo.early_stop.min_examples} finished completions of each outcome")

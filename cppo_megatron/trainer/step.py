@@ -89,13 +89,8 @@ class RolloutBatch:
     sampler_logprobs: list | None
     rounds: int
     seconds: float
-    stopped: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
-    absent: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
-
-    def __post_init__(self) -> None:
-        for name in ("stopped", "absent"):
-            if getattr(self, name).numel() == 0 and self.num_rows:
-                object.__setattr__(self, name, torch.zeros(self.num_rows, dtype=torch.bool))
+    stopped: torch.Tensor
+    absent: torch.Tensor
 
     @property
     def finished(self) -> torch.Tensor:

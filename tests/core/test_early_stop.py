@@ -377,6 +377,17 @@ def test_history_keeps_its_steps_in_order_and_refits_only_when_ready():
     assert clone.keep_steps == 2 and clone.completions() == (3, 3)
 
 
+def test_a_history_whose_completions_all_ended_before_a_boundary_fits_nothing():
+    """Enough finished completions of each outcome, none of them long enough to reach the first boundary
+    (no feature row): the predictor stays unfitted and not ready, where a fit on no rows used to raise."""
+    from cppo_megatron.core.early_stop import StopHistory
+
+    h = StopHistory(keep_steps=2)
+    h.add(1, torch.zeros(0, 0), torch.zeros(0), torch.zeros(0), (4, 4))
+    p = PrefixPredictor()
+    assert h.completions() == (4, 4) and not h.refit(p, min_examples=2) and not p.fitted
+
+
 def test_the_learner_state_round_trips_and_names_a_missing_key():
     from cppo_megatron.core.early_stop import RUN_TOTALS, StopHistory, learner_state, restore_learner_state
 

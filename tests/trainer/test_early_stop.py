@@ -249,3 +249,32 @@ def test_resume_from_a_checkpoint_without_early_stopping_state_says_so(tmp_path,
     resumed, _ = _trainer(tmp_path, planted=False, resume=True)
     assert not resumed.early_stop.ready and resumed.early_stop.history.steps == []
     assert "no early-stopping state" in capsys.readouterr().err
+
+
+def test_a_step_that_ends_before_its_first_boundary_measures_no_score_and_counts_its_outcomes(tmp_path,
+                                                                                                monkeypatch):
+    """Every completion ended before the first boundary (the monitor was never called): no score to
+    measure (``predictor_auc`` NaN, no other quality metric), the 8 finished rows join the history as
+    4 failures and 4 successes without features, so nothing is refitted (not ready; fitting on no rows
+    used to raise); without an audit path no audit line is written anywhere."""
+    from types import SimpleNamespace
+
+    from cppo_megatron.config import CPPOConfig
+    from cppo_megatron.trainer.early_stop import EarlyStopping
+
+    monkeypatch.chdir(tmp_path)
+    es = EarlyStopping(CPPOConfig(pruning_rate=0.5, early_stop={"enabled": True, "min_examples": 2}), group_size=4,
+                       max_new_tokens=8)
+    es.predictor, es.ready = Planted(), True  # ready from earlier steps
+    es.begin_step(3)
+    es.monitor(0, 2)  # 8 rows, no boundary reached
+    batch = SimpleNamespace(num_rows=8, rewards=torch.tensor([1.0, 0, 1, 0, 0, 0, 1, 1]),
+                            stopped=torch.zeros(8, dtype=torch.bool), completion_lengths=torch.tensor([1, 2, 1, 1, 2, 1, 1, 1]),
+                            group_ids=torch.arange(8) // 4, prompt_ids=torch.tensor([5, 9]))
+    m = es.end_step(batch, torch.tensor([0, 1, 6, 7]))
+    assert torch.isnan(torch.tensor(m["early_stop/predictor_auc"]))
+    assert not [k for k in m if k.startswith(("early_stop/predictor_first_", "early_stop/predictor_all_"))]
+    assert (m["early_stop/started"], m["early_stop/stopped"], m["early_stop/kept"]) == (8.0, 0.0, 4.0)
+    assert es.history.completions() == (4, 4) and [s["step"] for s in es.history.steps] == [3]
+    assert es.history.steps[0]["x"].shape[0] == 0 and not es.ready
+    assert list(tmp_path.iterdir()) == []

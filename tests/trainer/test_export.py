@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -102,3 +103,71 @@ def test_export_run_takes_a_checkpoint_directory(tmp_path):
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(res.out_dir)
     ours = t.model.state_dict()["model.embed_tokens.weight"]
     assert torch.equal(hf_model.state_dict()["model.embed_tokens.weight"][: ours.shape[0]], ours)
+
+
+def test_every_byte_has_its_own_byte_level_symbol():
+    """The mapping export's tokenizer is built with: the 256 bytes onto tokenizers' 256 byte-level
+    symbols, one each, printable ASCII as itself ("\\n" is Ċ, " " is Ġ, as GPT-2's table has them)."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    from cppo_megatron.trainer.export import _byte_level_char
+
+    symbols = [_byte_level_char(chr(b)) for b in range(256)]
+    assert sorted(symbols) == sorted(ByteLevel.alphabet()) and len(set(symbols)) == 256
+    assert (symbols[ord("\n")], symbols[ord(" ")], symbols[ord("7")]) == ("Ċ", "Ġ", "7")
+
+
+def test_export_needs_the_trainers_character_tokenizer(trained, tmp_path):
+    from cppo_megatron.trainer.export import export_hf
+
+    model, _ = trained
+    with pytest.raises(TypeError, match="^export: expected the trainer's CharTokenizer, got SimpleNamespace$"):
+        export_hf(model, SimpleNamespace(vocab_size=19), tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def _tiny_model(alphabet, *overrides):
+    from cppo_megatron.trainer.config import load_recipe
+    from cppo_megatron.trainer.models import build_model
+
+    r = load_recipe(ROOT / "recipes" / "tiny_cpu.yaml", ["model.hidden_size=16", "model.num_layers=1",
+                                                          "model.num_heads=2", "model.num_kv_heads=2",
+                                                          "model.intermediate_size=32", *overrides])
+    return build_model(r.model, alphabet, seed=3)
+
+
+def test_a_byte_level_model_exports_with_no_added_token(tmp_path):
+    """A byte CharTokenizer (alphabet None) already has "\\n" and " ": nothing is added or resized."""
+    from cppo_megatron.trainer.export import export_hf
+
+    model, tok = _tiny_model(None)
+    res = export_hf(model, tok, tmp_path)
+    assert res.added_tokens == () and res.vocab_size == tok.vocab_size == 259
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert hf_tok.encode("a b\n", add_special_tokens=False) == tok.encode("a b\n")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert hf_model.get_input_embeddings().weight.shape[0] == 259
+    assert torch.equal(hf_model.get_input_embeddings().weight, model.get_input_embeddings().weight)
+
+
+def test_an_untied_output_head_gets_the_pad_rows_too(tmp_path):
+    """With ``model.tie_embeddings=false`` the head has rows of its own: the added tokens' logits start
+    as pad's (its output row copied), as their embeddings copy pad's input row."""
+    from cppo_megatron.tasks import build_task
+    from cppo_megatron.trainer.config import load_recipe
+    from cppo_megatron.trainer.export import export_hf
+
+    alphabet = build_task(load_recipe(ROOT / "recipes" / "tiny_cpu.yaml").task).alphabet
+    model, tok = _tiny_model(alphabet, "model.tie_embeddings=false")
+    with torch.no_grad():
+        model.get_output_embeddings().weight[tok.pad_id] = 0.25
+        model.get_input_embeddings().weight[tok.pad_id] = -0.5
+    res = export_hf(model, tok, tmp_path)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    head, emb = hf_model.get_output_embeddings().weight, hf_model.get_input_embeddings().weight
+    n = len(res.added_tokens)
+    assert n == 2 and head.data_ptr() != emb.data_ptr()
+    assert torch.equal(head[tok.vocab_size:], torch.full((n, head.shape[1]), 0.25))
+    assert torch.equal(emb[tok.vocab_size:], torch.full((n, emb.shape[1]), -0.5))
+    assert torch.equal(head[: tok.vocab_size], model.get_output_embeddings().weight)
+    assert model.get_output_embeddings().weight.shape[0] == tok.vocab_size  # the caller's model is not resized

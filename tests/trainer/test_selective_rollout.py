@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -234,28 +235,51 @@ def test_an_abandoned_step_puts_the_recorded_history_back(tmp_path):
     assert t.sampler.total_drawn == now["totals"]["prompts_drawn"]
 
 
+def _two_ranks(rank, world, root):
+    """One gloo rank of a 2-rank megatron job (dp 2): a 3-step selective run, then a run whose rank 1
+    reports a history digest of its own."""
+    from megatron.core import parallel_state as ps
+
+    def recipe(out, *extra):
+        return _recipe(out, "backend=megatron", "megatron.tp=1", "megatron.pp=1", *extra)
+
+    t = Trainer(recipe(root / "agree", "train.steps=3", "log.progress=true"))  # rank 0: the bar with its imbalance
+    t.run()
+    t.close()
+    ps.destroy_model_parallel()
+    t = Trainer(recipe(root / "differ", "train.steps=2"))
+    digest = t.selective.fingerprint()
+    if rank == 1:  # what a rank-dependent draw or reward would give: a history of its own
+        t.selective.fingerprint = lambda: "rank 1's own"
+    try:
+        t.run()
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    finally:
+        t.close()
+        ps.destroy_model_parallel()
+    return digest, t.step, error
+
+
 def test_two_ranks_decide_alike(tmp_path):
-    """backend megatron on 2 gloo processes (dp 2): each step the trainer compares the ranks'
-    history digests and stops on a difference (a rank-dependent reward stops it at step 1:
-    checked by hand when this was written); here the run completes and skips prompts."""
-    import os
-    import subprocess
-    import sys
+    """backend megatron on 2 gloo processes (dp 2, forked by run_local so the measurement follows them):
+    each step the trainer compares the ranks' history digests; the run completes and skips prompts. A
+    rank whose digest differs stops both ranks inside step 1, with the digests by rank."""
+    pytest.importorskip("megatron.core")
+    from cppo_megatron.distributed import run_local
 
-    from tests.recipes import REPO, recipe_path
-
-    out = tmp_path / "mp"
-    env = {k: v for k, v in os.environ.items() if k != "CPPO_MEGATRON_FAULT"}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "cppo_megatron.cli", "train", recipe_path("tiny_cpu"), *MICRO, *SELECTIVE,
-           "train.steps=3", "backend=megatron", "megatron.tp=1", "megatron.pp=1", "--nproc", "2", f"out_dir={out}"]
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    steps = _steps(out)
+    (digest0, step0, err0), (digest1, step1, err1) = run_local(_two_ranks, 2, tmp_path, timeout=300)
+    steps = _steps(tmp_path / "agree")
     assert [s["step"] for s in steps] == [1, 2, 3]
     for s in steps:
         assert s["selective/prompts_drawn"] == s["selective/prompts_generated"] + s["selective/prompts_skipped"]
     assert sum(s["selective/prompts_skipped"] for s in steps) > 0
+    assert digest0 == digest1 and (step0, step1) == (0, 0)  # alike at the start; stopped inside step 1
+    assert err0 == err1 and re.fullmatch(r"step 1: the selective-rollout history differs between ranks \(digests by "
+                                         r"rank: \['[0-9a-f]{16}', \"rank 1's own\"\]\); the ranks drew or recorded "
+                                         r"different prompts", err0), err0
+    assert _steps(tmp_path / "differ") == []
 
 
 def test_a_round_that_runs_out_of_candidates_is_counted_and_warned_once():

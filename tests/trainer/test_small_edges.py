@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import signal
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -214,3 +215,81 @@ def test_the_backends_refuse_what_their_callers_must_not_pass():
     with pytest.raises(ValueError, match=r"^MegatronBackend.update needs the old-policy log-probs "
                                          r"\(needs_old_logprobs is True\)$"):
         MegatronBackend.update(SimpleNamespace(), SimpleNamespace(), None, None, step=1)
+
+
+def test_the_hf_update_refuses_inputs_its_loss_cannot_use():
+    """``HFPolicy.update``'s checks, each before any weight moves, by message."""
+    from cppo_megatron.trainer.policy import HFPolicy
+
+    batch = KeptBatch([[3, 4], [3, 4], [5]], [[6], [7, 8], [9]])
+    adv, lp = torch.zeros(3), torch.zeros(3, 2)
+
+    def update(mu, beta, advantages, old, ref):
+        return HFPolicy.update(SimpleNamespace(cfg=SimpleNamespace(mu=mu, beta=beta)), batch, [[0, 1, 2]],
+                               advantages, old, ref, norm_constant=1.0)
+
+    with pytest.raises(ValueError, match="^mu > 1 needs the old-policy log-probs$"):
+        update(2, 0.0, adv, None, None)
+    with pytest.raises(ValueError, match="^beta > 0 needs the reference log-probs$"):
+        update(2, 0.04, adv, lp, None)
+    with pytest.raises(ValueError, match=r"^advantages must be \[N\] = \[3\], got shape \(3, 1\)$"):
+        update(1, 0.04, adv.unsqueeze(1), None, lp)
+
+
+def test_a_phase_timer_without_a_callback_times_only_its_phase():
+    from cppo_megatron.trainer.metrics import PHASES
+    from cppo_megatron.trainer.step import PhaseTimer
+
+    timer = PhaseTimer(torch.device("cpu"))
+    with timer.phase("reward"):
+        torch.ones(1000).sum()
+    assert timer.seconds["reward"] > 0 and all(timer.seconds[p] == 0.0 for p in PHASES if p != "reward")
+
+
+def test_a_phase_timer_on_cuda_waits_for_the_device_before_reading_the_clock(monkeypatch):
+    """On a GPU a phase ends when its queued kernels have run: one ``torch.cuda.synchronize`` per phase
+    (stood in for here: this machine has no GPU), none on the CPU."""
+    from cppo_megatron.trainer.step import PhaseTimer
+
+    synced: list[float] = []  # the phase's seconds when the timer synchronized
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: synced.append(timer.seconds["update"]))
+    timer = PhaseTimer(torch.device("cuda"))
+    with timer.phase("update"):
+        pass
+    first = timer.seconds["update"]
+    with timer.phase("update"):
+        pass
+    assert synced == [0.0, first] and timer.seconds["update"] > first  # each time before the clock was read
+    cpu = PhaseTimer(torch.device("cpu"))
+    with cpu.phase("update"):
+        pass
+    assert len(synced) == 2
+
+
+def test_without_matplotlib_the_report_has_no_plot(tmp_path, monkeypatch):
+    from cppo_megatron.trainer.report import write_report
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what a missing package raises: ImportError
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "step", "step": 1, "wall": 2.0, "time/step": 2.0}\n')
+    write_report(tmp_path, "t", plots=True)
+    assert not (tmp_path / "report.png").exists()
+    assert "![report](report.png)" not in (tmp_path / "report.md").read_text()
+
+
+def test_a_rank_that_cannot_see_its_own_probe_file_says_so(tmp_path):
+    """A filesystem that does not show a rank its own write (``filesystem_peers``): named, with the probe's
+    path; alone (no other rank's file seen either) and beside a rank whose file it does see."""
+    from cppo_megatron.trainer.checkpoint import filesystem_peers
+
+    def lose_own(rank, others):
+        def barrier():
+            for probe in (tmp_path / "checkpoints").glob(".fs-probe-*"):
+                (probe / f"rank{rank:05d}").unlink(missing_ok=True)
+                for other in others:
+                    (probe / f"rank{other:05d}").touch()
+        return barrier
+
+    for rank, others in ((0, ()), (1, (0,))):
+        with pytest.raises(RuntimeError, match=rf"^checkpoint probe: rank {rank} cannot see its own file under "
+                                               rf"{tmp_path}/checkpoints/\.fs-probe-tok$"):
+            filesystem_peers(tmp_path, rank, gather=lambda obj: ["tok"], barrier=lose_own(rank, others))
