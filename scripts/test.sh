@@ -58,11 +58,13 @@ fi
 export PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # a pytest that started Ray or ZeroMQ in its own process leaves with its status once its summary is
 # out, skipping the interpreter's finalization, where such teardown once crashed a passed run
-# (tests/conftest.py); pytest-cov has saved and combined its data by then. Only the two modules in
-# INPROC start them, and they run in a pytest of their own: every other pytest finalizes, and a crash
-# at its exit fails CI (docs/testing.md, "Two CI failures, looked for")
+# (tests/conftest.py); pytest-cov has saved and combined its data by then; such a pytest names the test
+# after which each runtime was first live. In the main environment only the modules in INPROC start
+# them, and they run in a pytest of their own, so the foreground pytest finalizes and a crash at its
+# exit fails CI; the .venv-verl-vllm seams pytest starts ZeroMQ too (docs/testing.md, "Two CI failures")
 export CPPO_PYTEST_HARD_EXIT=1
-INPROC=(tests/integrations/verl/test_v1_hook.py tests/integrations/verl/test_cpu_checkpoint_engine.py)
+INPROC=(tests/integrations/verl/test_v1_hook.py tests/integrations/verl/test_cpu_checkpoint_engine.py
+        tests/integrations/test_watchdog_start.py)
 # a crash in native code (a pytest, or a process it starts) prints every thread's Python stack
 # (docs/testing.md, "Two CI failures, looked for")
 export PYTHONFAULTHANDLER=1
