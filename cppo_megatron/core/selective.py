@@ -837,8 +837,8 @@ class FilledBatch:
         elif self.forced.dtype != torch.bool or self.forced.shape != self.decision.skip.shape:
             raise ValueError(f"FilledBatch.forced must be a [d] = [{self.decision.num_candidates}] bool mask aligned "
                              f"with decision, got {self.forced.dtype} of shape {tuple(self.forced.shape)}")
-        elif bool((self.forced & ~self.decision.skip).any()):
-            i = int((self.forced & ~self.decision.skip).nonzero()[0, 0])
+        elif (forced_kept := (self.forced & ~self.decision.skip).nonzero()).numel():
+            i = int(forced_kept[0, 0])
             raise ValueError(f"FilledBatch.forced[{i}] is True but the rule kept candidate {i} (prompt id "
                              f"{int(self.decision.prompt_ids[i])}): only skipped candidates can be forced")
 
